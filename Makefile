@@ -1,0 +1,45 @@
+# Wraps CMake: `make` builds everything, `make test` runs every test (release build, then
+# AddressSanitizer+UBSan build, then ThreadSanitizer on the transport), `make run` the main job.
+BUILD ?= build
+JOBS ?= $(shell nproc)
+CMAKE_FLAGS ?=
+
+.PHONY: all deps build test test-release test-asan test-tsan run bench clean format
+
+all: build
+
+deps:
+	@bash scripts/deps.sh
+
+build: deps
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS) >/dev/null
+	cmake --build $(BUILD) -j $(JOBS)
+
+test: test-release test-asan test-tsan
+
+test-release: build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+test-asan: deps
+	cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=Debug -DRTP_SANITIZE='address;undefined' \
+	  -DRTP_BUILD_BENCH=OFF $(CMAKE_FLAGS) >/dev/null
+	cmake --build $(BUILD)-asan -j $(JOBS)
+	cd $(BUILD)-asan && ctest --output-on-failure -j $(JOBS) -LE slow
+
+test-tsan: deps
+	cmake -S . -B $(BUILD)-tsan -DCMAKE_BUILD_TYPE=Debug -DRTP_SANITIZE=thread \
+	  -DRTP_BUILD_BENCH=OFF -DRTP_BUILD_EXAMPLES=ON $(CMAKE_FLAGS) >/dev/null
+	cmake --build $(BUILD)-tsan -j $(JOBS)
+	cd $(BUILD)-tsan && ctest --output-on-failure -j $(JOBS) -L tsan
+
+run: build
+	./$(BUILD)/examples/train-gpt --steps 200
+
+bench: build
+	./$(BUILD)/bench/bench-core
+
+format:
+	clang-format -i $$(git ls-files '*.c' '*.h' '*.cpp' '*.hpp' '*.cu')
+
+clean:
+	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-tsan

@@ -1,0 +1,189 @@
+/* gpt.c - the reference GPT-2-style model built from rtp ops. */
+#include "gpt.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdarg.h>
+#include <string.h>
+
+/* The model reports through the library's channel, so callers read rtp_last_error(). */
+static int rtp__gpt_error(const char *fmt, ...) {
+  char msg[256];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof(msg), fmt, ap);
+  va_end(ap);
+  fprintf(stderr, "%s\n", msg);
+  return RTP_EINVAL;
+}
+
+struct gpt_config gpt_config_small(void) {
+  return (struct gpt_config){256, 128, 384, 6, 6};
+}
+
+struct gpt_config gpt_config_medium(void) {
+  return (struct gpt_config){256, 256, 768, 12, 12};
+}
+
+int gpt_config_check(struct gpt_config c) {
+  if (c.vocab <= 0 || c.seq_len <= 0 || c.d_model <= 0 || c.n_layer <= 0 || c.n_head <= 0)
+    return RTP_EINVAL;
+  if (c.d_model % c.n_head) return RTP_EINVAL;
+  if (c.n_layer > 64) return RTP_EINVAL;
+  return RTP_OK;
+}
+
+int64_t gpt_n_params(struct gpt_config c) {
+  int64_t d = c.d_model, V = c.vocab, T = c.seq_len;
+  int64_t block = 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * d + (4 * d * d + 4 * d) +
+                  (4 * d * d + d);
+  return V * d + T * d + c.n_layer * block + 2 * d + V * d;
+}
+
+size_t gpt_arena_size(struct gpt_config c, int batch) {
+  size_t tokens = (size_t)c.seq_len * (size_t)batch;
+  size_t per_layer = tokens * (40 * (size_t)c.d_model + 6 * (size_t)c.n_head * c.seq_len);
+  size_t logits = tokens * (size_t)c.vocab * 4;
+  return 4 * 4 * (size_t)gpt_n_params(c) * 5 / 4 + 4 * per_layer * (size_t)c.n_layer + 4 * logits +
+         (64u << 20);
+}
+
+double gpt_step_flops(struct gpt_config c, int batch) {
+  double tokens = (double)c.seq_len * batch;
+  /* Attention scores and their use: 2 GEMMs of T x T x d per layer, x3 for backward. */
+  double attn = 6.0 * 2.0 * c.n_layer * (double)c.seq_len * c.d_model * tokens;
+  return 6.0 * (double)gpt_n_params(c) * tokens + attn;
+}
+
+static struct rtp_tensor *param(struct rtp_context *ctx, struct gpt *m, int64_t ne0, int64_t ne1,
+                                const char *fmt, int layer) {
+  struct rtp_tensor *t = ne1 > 0 ? rtp_new_tensor_2d(ctx, RTP_TYPE_F32, ne0, ne1)
+                                 : rtp_new_tensor_1d(ctx, RTP_TYPE_F32, ne0);
+  if (!t) return NULL;
+  rtp_set_param(t);
+  rtp_set_name(t, fmt, layer);
+  m->params[m->n_params++] = t;
+  return t;
+}
+
+static struct rtp_tensor *linear(struct rtp_context *ctx, struct rtp_tensor *x,
+                                 struct rtp_tensor *w, struct rtp_tensor *b) {
+  struct rtp_tensor *y = rtp_mul_mat(ctx, w, x);
+  return b ? rtp_add(ctx, y, b) : y;
+}
+
+/* Causal self-attention of x {d, T*B}: heads are views of the fused q, k, v projection. */
+static struct rtp_tensor *attention(struct rtp_context *ctx, const struct gpt *m,
+                                   const struct gpt_block *blk, struct rtp_tensor *x) {
+  int64_t d = m->cfg.d_model, H = m->cfg.n_head, hd = d / H, T = m->cfg.seq_len, B = m->batch;
+  struct rtp_tensor *qkv = linear(ctx, x, blk->c_attn_w, blk->c_attn_b); /* {3d, T*B} */
+  size_t f = sizeof(float), nb[4] = {f, hd * f, 3 * d * f, 3 * d * T * f};
+  int64_t ne[4] = {hd, H, T, B};
+  struct rtp_tensor *heads[3];
+  for (int i = 0; i < 3; i++) /* {hd, H, T, B} -> {hd, T, H, B} */
+    heads[i] = rtp_permute(ctx, rtp_view(ctx, qkv, 4, ne, nb, (size_t)i * d * f), 0, 2, 1, 3);
+  struct rtp_tensor *scores = rtp_mul_mat(ctx, heads[1], heads[0]); /* {T, T, H, B} */
+  struct rtp_tensor *att = rtp_soft_max(ctx, scores, 1.0f / sqrtf((float)hd), true);
+  struct rtp_tensor *out = rtp_mul_mat(ctx, rtp_transpose(ctx, heads[2]), att); /* {hd,T,H,B} */
+  out = rtp_cont(ctx, rtp_permute(ctx, out, 0, 2, 1, 3));                  /* {hd,H,T,B} */
+  return linear(ctx, rtp_reshape_2d(ctx, out, d, T * B), blk->attn_proj_w, blk->attn_proj_b);
+}
+
+static struct rtp_tensor *mlp(struct rtp_context *ctx, const struct gpt_block *blk,
+                              struct rtp_tensor *x) {
+  struct rtp_tensor *h = rtp_gelu(ctx, linear(ctx, x, blk->c_fc_w, blk->c_fc_b));
+  return linear(ctx, h, blk->mlp_proj_w, blk->mlp_proj_b);
+}
+
+static void make_params(struct rtp_context *ctx, struct gpt *m) {
+  int64_t d = m->cfg.d_model;
+  m->wte = param(ctx, m, d, m->cfg.vocab, "transformer.wte.weight", 0);
+  m->wpe = param(ctx, m, d, m->cfg.seq_len, "transformer.wpe.weight", 0);
+  for (int l = 0; l < m->cfg.n_layer; l++) {
+    struct gpt_block *b = &m->blocks[l];
+    b->ln_1_w = param(ctx, m, d, 0, "transformer.h.%d.ln_1.weight", l);
+    b->ln_1_b = param(ctx, m, d, 0, "transformer.h.%d.ln_1.bias", l);
+    b->c_attn_w = param(ctx, m, d, 3 * d, "transformer.h.%d.attn.c_attn.weight", l);
+    b->c_attn_b = param(ctx, m, 3 * d, 0, "transformer.h.%d.attn.c_attn.bias", l);
+    b->attn_proj_w = param(ctx, m, d, d, "transformer.h.%d.attn.c_proj.weight", l);
+    b->attn_proj_b = param(ctx, m, d, 0, "transformer.h.%d.attn.c_proj.bias", l);
+    b->ln_2_w = param(ctx, m, d, 0, "transformer.h.%d.ln_2.weight", l);
+    b->ln_2_b = param(ctx, m, d, 0, "transformer.h.%d.ln_2.bias", l);
+    b->c_fc_w = param(ctx, m, d, 4 * d, "transformer.h.%d.mlp.c_fc.weight", l);
+    b->c_fc_b = param(ctx, m, 4 * d, 0, "transformer.h.%d.mlp.c_fc.bias", l);
+    b->mlp_proj_w = param(ctx, m, 4 * d, d, "transformer.h.%d.mlp.c_proj.weight", l);
+    b->mlp_proj_b = param(ctx, m, d, 0, "transformer.h.%d.mlp.c_proj.bias", l);
+  }
+  m->ln_f_w = param(ctx, m, d, 0, "transformer.ln_f.weight", 0);
+  m->ln_f_b = param(ctx, m, d, 0, "transformer.ln_f.bias", 0);
+  m->lm_head = param(ctx, m, d, m->cfg.vocab, "lm_head.weight", 0);
+}
+
+int gpt_build(struct rtp_context *ctx, struct gpt *m, struct gpt_config cfg, int batch) {
+  if (gpt_config_check(cfg) || batch <= 0)
+    return rtp__gpt_error("gpt_build: bad config (sizes must be positive, n_head must divide "
+                          "d_model, at most %d layers, batch > 0)", GPT_MAX_LAYERS);
+  memset(m, 0, sizeof(*m));
+  m->cfg = cfg;
+  m->batch = batch;
+  int64_t d = cfg.d_model, T = cfg.seq_len;
+  make_params(ctx, m);
+  m->idx = rtp_set_name(rtp_new_tensor_2d(ctx, RTP_TYPE_I32, T, batch), "input.idx");
+  m->targets = rtp_set_name(rtp_new_tensor_2d(ctx, RTP_TYPE_I32, T, batch), "input.targets");
+  rtp_set_input(m->idx);
+  rtp_set_input(m->targets);
+
+  struct rtp_tensor *x = rtp_get_rows(ctx, m->wte, m->idx); /* {d, T, B} */
+  x = rtp_add(ctx, x, m->wpe);
+  for (int l = 0; l < cfg.n_layer; l++) {
+    const struct gpt_block *blk = &m->blocks[l];
+    struct rtp_tensor *h = rtp_layer_norm(ctx, x, blk->ln_1_w, blk->ln_1_b, 1e-5f);
+    h = attention(ctx, m, blk, rtp_reshape_2d(ctx, h, d, T * batch));
+    x = rtp_add(ctx, x, rtp_reshape_3d(ctx, h, d, T, batch));
+    h = rtp_layer_norm(ctx, x, blk->ln_2_w, blk->ln_2_b, 1e-5f);
+    h = mlp(ctx, blk, rtp_reshape_2d(ctx, h, d, T * batch));
+    x = rtp_add(ctx, x, rtp_reshape_3d(ctx, h, d, T, batch));
+  }
+  x = rtp_layer_norm(ctx, x, m->ln_f_w, m->ln_f_b, 1e-5f);
+  m->logits = linear(ctx, rtp_reshape_2d(ctx, x, d, T * batch), m->lm_head, NULL);
+  rtp_set_output(rtp_set_name(m->logits, "logits"));
+  m->loss = rtp_set_name(rtp_cross_entropy(ctx, m->logits, m->targets), "loss");
+  return rtp_context_error(ctx, NULL);
+}
+
+/* splitmix64 and Box-Muller: the same weights on every platform for a seed. */
+static uint64_t next_u64(uint64_t *s) {
+  uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+static float normal(uint64_t *s) {
+  double u1 = ((double)(next_u64(s) >> 11) + 0.5) / 9007199254740992.0;
+  double u2 = (double)(next_u64(s) >> 11) / 9007199254740992.0;
+  return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
+}
+
+static void fill(struct rtp_tensor *t, uint64_t *s, float std, float constant) {
+  float *p = t->data;
+  for (int64_t i = 0; i < rtp_nelements(t); i++) p[i] = std > 0 ? std * normal(s) : constant;
+}
+
+void gpt_init_weights(struct gpt *m, uint64_t seed) {
+  uint64_t s = seed;
+  float resid = 0.02f / sqrtf(2.0f * (float)m->cfg.n_layer);
+  for (int i = 0; i < m->n_params; i++) {
+    struct rtp_tensor *t = m->params[i];
+    const char *n = t->name;
+    size_t len = strlen(n);
+    bool bias = len > 5 && strcmp(n + len - 5, ".bias") == 0;
+    bool ln = strstr(n, "ln_") != NULL;
+    if (bias)
+      fill(t, &s, 0, 0.0f);
+    else if (ln)
+      fill(t, &s, 0, 1.0f);
+    else
+      fill(t, &s, strstr(n, "c_proj") ? resid : 0.02f, 0.0f);
+  }
+}

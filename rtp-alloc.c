@@ -1,0 +1,177 @@
+/* rtp-alloc.c - the memory planner: places a graph's intermediate tensors in one buffer
+ * by liveness, so a step reuses the memory of tensors no longer needed and computing
+ * the graph never allocates. */
+#include "rtp-impl.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+struct block {
+  size_t offs, size;
+};
+
+/* Free ranges of the buffer being planned, sorted by offset and merged on free. */
+struct free_list {
+  struct block *b;
+  int n, cap;
+  size_t end; /* the buffer's size so far: the planned peak */
+};
+
+static int fl_insert(struct free_list *fl, int at, struct block blk) {
+  if (fl->n == fl->cap) {
+    int cap = fl->cap ? 2 * fl->cap : 64;
+    struct block *b = realloc(fl->b, (size_t)cap * sizeof(*b));
+    if (!b) return rtp__error(RTP_ENOMEM, "planner: out of memory");
+    fl->b = b;
+    fl->cap = cap;
+  }
+  memmove(fl->b + at + 1, fl->b + at, (size_t)(fl->n - at) * sizeof(*fl->b));
+  fl->b[at] = blk;
+  fl->n++;
+  return RTP_OK;
+}
+
+static void fl_remove(struct free_list *fl, int at) {
+  memmove(fl->b + at, fl->b + at + 1, (size_t)(fl->n - at - 1) * sizeof(*fl->b));
+  fl->n--;
+}
+
+/* Best fit among free ranges; otherwise grow the buffer, reusing a free tail. */
+static size_t fl_alloc(struct free_list *fl, size_t size) {
+  int best = -1;
+  for (int i = 0; i < fl->n; i++)
+    if (fl->b[i].size >= size && (best < 0 || fl->b[i].size < fl->b[best].size)) best = i;
+  if (best >= 0) {
+    size_t offs = fl->b[best].offs;
+    fl->b[best].offs += size;
+    fl->b[best].size -= size;
+    if (fl->b[best].size == 0) fl_remove(fl, best);
+    return offs;
+  }
+  if (fl->n > 0 && fl->b[fl->n - 1].offs + fl->b[fl->n - 1].size == fl->end) {
+    size_t offs = fl->b[fl->n - 1].offs;
+    fl_remove(fl, fl->n - 1);
+    fl->end = offs + size;
+    return offs;
+  }
+  size_t offs = fl->end;
+  fl->end += size;
+  return offs;
+}
+
+static int fl_free(struct free_list *fl, struct block blk) {
+  int i = 0;
+  while (i < fl->n && fl->b[i].offs < blk.offs) i++;
+  bool merge_prev = i > 0 && fl->b[i - 1].offs + fl->b[i - 1].size == blk.offs;
+  bool merge_next = i < fl->n && blk.offs + blk.size == fl->b[i].offs;
+  if (merge_prev && merge_next) {
+    fl->b[i - 1].size += blk.size + fl->b[i].size;
+    fl_remove(fl, i);
+  } else if (merge_prev) {
+    fl->b[i - 1].size += blk.size;
+  } else if (merge_next) {
+    fl->b[i].offs = blk.offs;
+    fl->b[i].size += blk.size;
+  } else {
+    return fl_insert(fl, i, blk);
+  }
+  return RTP_OK;
+}
+
+static bool is_planned(const struct rtp_tensor *t) {
+  return t->op != RTP_OP_NONE && !rtp__is_view_op(t->op) && !t->data;
+}
+
+static const struct rtp_tensor *base_of(const struct rtp_tensor *t) {
+  return t->view_src ? t->view_src : t;
+}
+
+static int node_index(const struct rtp_tensor *t) {
+  return (int)(intptr_t)t->extra - 1; /* -1 for leafs */
+}
+
+/* The index of the last node that reads each node, through any chain of views (a view's
+ * data is its base's); outputs, and the bases of output views, live to the end. */
+static void compute_last_use(const struct rtp_graph *g, int *last) {
+  for (int i = 0; i < g->n_nodes; i++) last[i] = i;
+  for (int i = 0; i < g->n_nodes; i++) {
+    const struct rtp_tensor *t = g->nodes[i];
+    for (int s = 0; s < RTP_MAX_SRC; s++) {
+      int j = t->src[s] ? node_index(base_of(t->src[s])) : -1;
+      if (j >= 0 && last[j] < i) last[j] = i;
+    }
+    if (t->flags & (RTP_FLAG_OUTPUT | RTP_FLAG_LOSS)) {
+      int j = node_index(base_of(t));
+      if (j >= 0) last[j] = g->n_nodes;
+    }
+  }
+}
+
+int rtp_graph_plan(struct rtp_context *ctx, struct rtp_graph *g) {
+  if (!ctx || !g) return rtp__error(RTP_EINVAL, "rtp_graph_plan: NULL argument");
+  if (g->plan) return rtp__error(RTP_ESTATE, "rtp_graph_plan: the graph is already planned");
+  int n = g->n_nodes;
+  int *last = malloc((size_t)(n ? n : 1) * sizeof(int));
+  size_t *offs = malloc((size_t)(n ? n : 1) * sizeof(size_t));
+  struct free_list fl = {0};
+  int rc = RTP_OK;
+  if (!last || !offs) {
+    rc = rtp__error(RTP_ENOMEM, "rtp_graph_plan: out of memory");
+    goto done;
+  }
+  /* extra holds index + 1 of each node during planning, so sources find their node. */
+  for (int i = 0; i < n; i++) g->nodes[i]->extra = (void *)(intptr_t)(i + 1);
+  compute_last_use(g, last);
+
+  size_t sum = 0;
+  for (int i = 0; i < n && rc == RTP_OK; i++) {
+    struct rtp_tensor *t = g->nodes[i];
+    if (is_planned(t)) {
+      size_t size = RTP_PAD(rtp_nbytes(t) ? rtp_nbytes(t) : 1, RTP_ALIGN);
+      offs[i] = fl_alloc(&fl, size);
+      sum += size;
+    }
+    /* Tensors whose last reader is node i are dead once it has run. Node i's own output
+     * was placed first, so it never shares memory with its inputs. */
+    for (int j = 0; j <= i && rc == RTP_OK; j++)
+      if (last[j] == i && is_planned(g->nodes[j]))
+        rc = fl_free(&fl, (struct block){offs[j], RTP_PAD(rtp_nbytes(g->nodes[j]) ?
+                                                                rtp_nbytes(g->nodes[j]) : 1,
+                                                            RTP_ALIGN)});
+  }
+  if (rc) goto done;
+
+  size_t work = 0;
+  for (int i = 0; i < n; i++) {
+    size_t w = rtp__op_work_size(g->nodes[i]);
+    if (w > work) work = w;
+  }
+  uint8_t *buf = fl.end ? rtp__ctx_alloc(ctx, fl.end, "the planned activations") : NULL;
+  void *work_buf = work ? rtp__ctx_alloc(ctx, work, "kernel scratch") : NULL;
+  size_t *plan = rtp__ctx_alloc(ctx, sizeof(size_t) * 2, "a plan");
+  if ((fl.end && !buf) || (work && !work_buf) || !plan) {
+    rc = rtp_context_error(ctx, NULL);
+    goto done;
+  }
+  for (int i = 0; i < n; i++)
+    if (is_planned(g->nodes[i])) g->nodes[i]->data = buf + offs[i];
+  for (int i = 0; i < n; i++) {
+    struct rtp_tensor *t = g->nodes[i];
+    if (t->view_src) t->data = t->view_src->data ? (char *)t->view_src->data + t->view_offs : NULL;
+  }
+  plan[0] = (size_t)(uintptr_t)work_buf;
+  plan[1] = work;
+  g->plan = plan;
+  rtp__ctx_note_plan(ctx, fl.end, sum, work);
+
+done:
+  for (int i = 0; i < n; i++) g->nodes[i]->extra = NULL;
+  free(fl.b);
+  free(offs);
+  free(last);
+  return rc;
+}
+
+void *rtp__graph_work(const struct rtp_graph *g) {
+  return g->plan ? (void *)(uintptr_t)((const size_t *)g->plan)[0] : NULL;
+}

@@ -1,0 +1,452 @@
+/* rtp-cpu.c - the CPU backend: one kernel per op. Every kernel is called by all threads
+ * of the pool with its thread index and splits the work itself, so results do not
+ * depend on scheduling: sums always run in the same order for a given thread count. */
+#include "rtp-impl.h"
+
+#include <math.h>
+#include <string.h>
+
+#define DATA(t) ((char *)(t)->data)
+
+/* [r0, r1): this thread's share of n items. */
+static void split(int64_t n, const struct rtp_compute_params *p, int64_t *r0, int64_t *r1) {
+  *r0 = n * p->ith / p->nth;
+  *r1 = n * (p->ith + 1) / p->nth;
+}
+
+/* Row r of t (rows are indexed over dims 1..3). */
+static char *row_ptr(const struct rtp_tensor *t, int64_t r) {
+  int64_t i1 = r % t->ne[1], i2 = r / t->ne[1] % t->ne[2], i3 = r / t->ne[1] / t->ne[2];
+  return DATA(t) + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3];
+}
+
+/* Row of b that broadcasts to row r of a shape ne. */
+static char *bcast_row_ptr(const struct rtp_tensor *b, const int64_t *ne, int64_t r) {
+  int64_t i1 = r % ne[1], i2 = r / ne[1] % ne[2], i3 = r / ne[1] / ne[2];
+  return DATA(b) + (i1 % b->ne[1]) * b->nb[1] + (i2 % b->ne[2]) * b->nb[2] +
+         (i3 % b->ne[3]) * b->nb[3];
+}
+
+static void report(const struct rtp_compute_params *p, int status) {
+  __atomic_store_n(p->status, status, __ATOMIC_RELAXED);
+}
+
+/* ---- copies and elementwise ----------------------------------------------------- */
+
+static void k_dup(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  const struct rtp_tensor *a = t->src[0];
+  int64_t r0, r1;
+  split(rtp_nrows(t), p, &r0, &r1);
+  for (int64_t r = r0; r < r1; r++) {
+    uint32_t *dst = (uint32_t *)row_ptr(t, r);
+    const char *src = row_ptr(a, r);
+    if (a->nb[0] == 4)
+      memcpy(dst, src, (size_t)t->ne[0] * 4);
+    else
+      for (int64_t i = 0; i < t->ne[0]; i++) dst[i] = *(const uint32_t *)(src + i * a->nb[0]);
+  }
+}
+
+static void k_binary(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  const struct rtp_tensor *a = t->src[0], *b = t->src[1];
+  int64_t n = t->ne[0], r0, r1;
+  bool full = b->ne[0] == n;
+  split(rtp_nrows(t), p, &r0, &r1);
+  for (int64_t r = r0; r < r1; r++) {
+    float *y = (float *)row_ptr(t, r);
+    const float *x = (const float *)row_ptr(a, r);
+    const float *z = (const float *)bcast_row_ptr(b, t->ne, r);
+    switch (t->op) {
+      case RTP_OP_ADD:
+        if (full)
+          for (int64_t i = 0; i < n; i++) y[i] = x[i] + z[i];
+        else
+          for (int64_t i = 0; i < n; i++) y[i] = x[i] + z[0];
+        break;
+      case RTP_OP_SUB:
+        if (full)
+          for (int64_t i = 0; i < n; i++) y[i] = x[i] - z[i];
+        else
+          for (int64_t i = 0; i < n; i++) y[i] = x[i] - z[0];
+        break;
+      default: /* MUL */
+        if (full)
+          for (int64_t i = 0; i < n; i++) y[i] = x[i] * z[i];
+        else
+          for (int64_t i = 0; i < n; i++) y[i] = x[i] * z[0];
+    }
+  }
+}
+
+static void k_scale(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  float s = rtp__get_param_f32(t, 0);
+  int64_t r0, r1;
+  split(rtp_nrows(t), p, &r0, &r1);
+  for (int64_t r = r0; r < r1; r++) {
+    float *y = (float *)row_ptr(t, r);
+    const float *x = (const float *)row_ptr(t->src[0], r);
+    for (int64_t i = 0; i < t->ne[0]; i++) y[i] = x[i] * s;
+  }
+}
+
+/* Each thread sums its rows in double; thread 0 adds the partial sums in order. */
+static void k_sum(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  const struct rtp_tensor *a = t->src[0];
+  double *part = p->work;
+  int64_t r0, r1;
+  split(rtp_nrows(a), p, &r0, &r1);
+  double s = 0;
+  for (int64_t r = r0; r < r1; r++) {
+    const float *x = (const float *)row_ptr(a, r);
+    for (int64_t i = 0; i < a->ne[0]; i++) s += x[i];
+  }
+  part[p->ith] = s;
+  rtp__barrier(p);
+  if (p->ith == 0) {
+    double total = 0;
+    for (int i = 0; i < p->nth; i++) total += part[i];
+    *(float *)t->data = (float)total;
+  }
+}
+
+static void k_repeat(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  const struct rtp_tensor *a = t->src[0];
+  int64_t r0, r1;
+  split(rtp_nrows(t), p, &r0, &r1);
+  for (int64_t r = r0; r < r1; r++) {
+    float *y = (float *)row_ptr(t, r);
+    const float *x = (const float *)bcast_row_ptr(a, t->ne, r);
+    if (a->ne[0] == t->ne[0])
+      memcpy(y, x, (size_t)t->ne[0] * sizeof(float));
+    else
+      for (int64_t i = 0; i < t->ne[0]; i++) y[i] = x[0];
+  }
+}
+
+/* t (b's shape) = a summed over the dims where t has 1. Threads own columns of t when it
+ * has more than one, so no two threads write the same element. */
+static void k_repeat_back(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  const struct rtp_tensor *a = t->src[0];
+  int64_t n_out = rtp_nrows(t), n_in = rtp_nrows(a);
+  if (t->ne[0] == a->ne[0] && t->ne[0] > 1) {
+    int64_t c0, c1;
+    split(t->ne[0], p, &c0, &c1);
+    for (int64_t r = 0; r < n_out; r++) memset((float *)row_ptr(t, r) + c0, 0, (size_t)(c1 - c0) * 4);
+    for (int64_t r = 0; r < n_in; r++) {
+      float *y = (float *)bcast_row_ptr(t, a->ne, r);
+      const float *x = (const float *)row_ptr(a, r);
+      for (int64_t i = c0; i < c1; i++) y[i] += x[i];
+    }
+    return;
+  }
+  if (p->ith != 0) return; /* summing along rows: rare and small */
+  for (int64_t r = 0; r < n_out; r++) memset(row_ptr(t, r), 0, (size_t)t->ne[0] * 4);
+  for (int64_t r = 0; r < n_in; r++) {
+    float *y = (float *)bcast_row_ptr(t, a->ne, r);
+    const float *x = (const float *)row_ptr(a, r);
+    for (int64_t i = 0; i < a->ne[0]; i++) y[t->ne[0] == 1 ? 0 : i] += x[i];
+  }
+}
+
+/* ---- matrix product ------------------------------------------------------------- */
+
+/* t{M,N,B2,B3}[n][m] = sum_k a[m][k] * b[n][k]: C = B . A^T per batch. Threads take whole
+ * batches when there are enough of them, else rows of each product. */
+static void k_mul_mat(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  const struct rtp_tensor *a = t->src[0], *b = t->src[1];
+  int64_t M = a->ne[1], N = b->ne[1], K = a->ne[0];
+  int64_t nbatch = b->ne[2] * b->ne[3];
+  bool a_2d = a->ne[2] == 1 && a->ne[3] == 1;
+  int64_t ar = a->nb[1] / 4, ak = a->nb[0] / 4, br = b->nb[1] / 4, bk = b->nb[0] / 4;
+  if (a_2d && nbatch > 1 && b->nb[2] == b->nb[1] * (size_t)N &&
+      b->nb[3] == b->nb[2] * (size_t)b->ne[2]) {
+    N *= nbatch; /* the batches of b are just more rows */
+    nbatch = 1;
+  }
+  bool by_batch = nbatch >= p->nth;
+  int64_t b0 = 0, b1 = nbatch, n0 = 0, n1 = N;
+  if (by_batch)
+    split(nbatch, p, &b0, &b1);
+  else
+    split(N, p, &n0, &n1);
+  for (int64_t bi = b0; bi < b1; bi++) {
+    int64_t i2 = bi % b->ne[2], i3 = bi / b->ne[2];
+    const float *ap = (const float *)(DATA(a) + (a_2d ? 0 : i2 * a->nb[2] + i3 * a->nb[3]));
+    const float *bp = (const float *)(DATA(b) + i2 * b->nb[2] + i3 * b->nb[3]);
+    float *cp = (float *)(DATA(t) + i2 * t->nb[2] + i3 * t->nb[3]);
+    rtp__gemm(n1 - n0, M, K, bp + n0 * br, br, bk, ap, ar, ak, cp + n0 * M, M);
+  }
+}
+
+/* ---- normalisation and activations ---------------------------------------------- */
+
+static void row_stats(const float *x, int64_t n, float eps, float *mean, float *rstd) {
+  double s = 0, v = 0;
+  for (int64_t i = 0; i < n; i++) s += x[i];
+  double m = s / (double)n;
+  for (int64_t i = 0; i < n; i++) v += (x[i] - m) * (x[i] - m);
+  *mean = (float)m;
+  *rstd = (float)(1.0 / sqrt(v / (double)n + eps));
+}
+
+static void k_norm(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  float eps = rtp__get_param_f32(t, 0);
+  int64_t n = t->ne[0], r0, r1;
+  split(rtp_nrows(t), p, &r0, &r1);
+  for (int64_t r = r0; r < r1; r++) {
+    const float *x = (const float *)row_ptr(t->src[0], r);
+    float *y = (float *)row_ptr(t, r), mean, rstd;
+    row_stats(x, n, eps, &mean, &rstd);
+    for (int64_t i = 0; i < n; i++) y[i] = (x[i] - mean) * rstd;
+  }
+}
+
+/* dx = rstd * (dy - mean(dy) - xhat * mean(dy * xhat)) */
+static void k_norm_back(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  float eps = rtp__get_param_f32(t, 0);
+  int64_t n = t->ne[0], r0, r1;
+  split(rtp_nrows(t), p, &r0, &r1);
+  for (int64_t r = r0; r < r1; r++) {
+    const float *dy = (const float *)row_ptr(t->src[0], r);
+    const float *x = (const float *)row_ptr(t->src[1], r);
+    float *dx = (float *)row_ptr(t, r), mean, rstd;
+    row_stats(x, n, eps, &mean, &rstd);
+    double s_dy = 0, s_dyx = 0;
+    for (int64_t i = 0; i < n; i++) {
+      s_dy += dy[i];
+      s_dyx += dy[i] * (x[i] - mean) * rstd;
+    }
+    float m_dy = (float)(s_dy / (double)n), m_dyx = (float)(s_dyx / (double)n);
+    for (int64_t i = 0; i < n; i++) dx[i] = rstd * (dy[i] - m_dy - (x[i] - mean) * rstd * m_dyx);
+  }
+}
+
+#define GELU_C 0.7978845608028654f /* sqrt(2 / pi) */
+
+static void k_gelu(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  int64_t r0, r1;
+  split(rtp_nrows(t), p, &r0, &r1);
+  for (int64_t r = r0; r < r1; r++) {
+    const float *x = (const float *)row_ptr(t->src[0], r);
+    float *y = (float *)row_ptr(t, r);
+    for (int64_t i = 0; i < t->ne[0]; i++) {
+      float v = x[i];
+      y[i] = 0.5f * v * (1.0f + tanhf(GELU_C * (v + 0.044715f * v * v * v)));
+    }
+  }
+}
+
+static void k_gelu_back(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  int64_t r0, r1;
+  split(rtp_nrows(t), p, &r0, &r1);
+  for (int64_t r = r0; r < r1; r++) {
+    const float *dy = (const float *)row_ptr(t->src[0], r);
+    const float *x = (const float *)row_ptr(t->src[1], r);
+    float *dx = (float *)row_ptr(t, r);
+    for (int64_t i = 0; i < t->ne[0]; i++) {
+      float v = x[i], u = GELU_C * (v + 0.044715f * v * v * v);
+      float th = tanhf(u), du = GELU_C * (1.0f + 3.0f * 0.044715f * v * v);
+      dx[i] = dy[i] * (0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * du);
+    }
+  }
+}
+
+static void k_soft_max(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  float scale = rtp__get_param_f32(t, 0);
+  bool causal = t->op_params[1];
+  int64_t n = t->ne[0], r0, r1;
+  split(rtp_nrows(t), p, &r0, &r1);
+  for (int64_t r = r0; r < r1; r++) {
+    const float *x = (const float *)row_ptr(t->src[0], r);
+    float *y = (float *)row_ptr(t, r);
+    int64_t len = causal ? r % t->ne[1] + (n - t->ne[1]) + 1 : n;
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < len; i++) mx = fmaxf(mx, x[i] * scale);
+    double s = 0;
+    for (int64_t i = 0; i < len; i++) {
+      y[i] = expf(x[i] * scale - mx);
+      s += y[i];
+    }
+    float inv = (float)(1.0 / s);
+    for (int64_t i = 0; i < len; i++) y[i] *= inv;
+    for (int64_t i = len; i < n; i++) y[i] = 0.0f;
+  }
+}
+
+/* dx = scale * y * (dy - sum(dy * y)) */
+static void k_soft_max_back(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  float scale = rtp__get_param_f32(t, 0);
+  int64_t r0, r1;
+  split(rtp_nrows(t), p, &r0, &r1);
+  for (int64_t r = r0; r < r1; r++) {
+    const float *dy = (const float *)row_ptr(t->src[0], r);
+    const float *y = (const float *)row_ptr(t->src[1], r);
+    float *dx = (float *)row_ptr(t, r);
+    double dot = 0;
+    for (int64_t i = 0; i < t->ne[0]; i++) dot += dy[i] * y[i];
+    for (int64_t i = 0; i < t->ne[0]; i++) dx[i] = scale * y[i] * (dy[i] - (float)dot);
+  }
+}
+
+/* ---- embeddings and loss -------------------------------------------------------- */
+
+static bool index_ok(const struct rtp_compute_params *p, int32_t idx, int64_t n) {
+  if (idx >= 0 && idx < n) return true;
+  report(p, RTP_EINVAL);
+  return false;
+}
+
+static void k_get_rows(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  const struct rtp_tensor *a = t->src[0];
+  const int32_t *idx = t->src[1]->data;
+  int64_t r0, r1;
+  split(rtp_nrows(t), p, &r0, &r1);
+  for (int64_t r = r0; r < r1; r++) {
+    float *y = (float *)row_ptr(t, r);
+    if (index_ok(p, idx[r], a->ne[1]))
+      memcpy(y, DATA(a) + idx[r] * a->nb[1], (size_t)t->ne[0] * 4);
+    else
+      memset(y, 0, (size_t)t->ne[0] * 4);
+  }
+}
+
+/* Scatter-add; each thread owns a band of columns, so rows may repeat freely. */
+static void k_get_rows_back(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  const struct rtp_tensor *dy = t->src[0];
+  const int32_t *idx = t->src[1]->data;
+  int64_t c0, c1;
+  split(t->ne[0], p, &c0, &c1);
+  for (int64_t v = 0; v < t->ne[1]; v++) memset((float *)row_ptr(t, v) + c0, 0, (size_t)(c1 - c0) * 4);
+  for (int64_t r = 0; r < rtp_nrows(dy); r++) {
+    if (!index_ok(p, idx[r], t->ne[1])) continue;
+    float *y = (float *)row_ptr(t, idx[r]);
+    const float *x = (const float *)row_ptr(dy, r);
+    for (int64_t i = c0; i < c1; i++) y[i] += x[i];
+  }
+}
+
+static double row_logsumexp(const float *x, int64_t n) {
+  float mx = -INFINITY;
+  for (int64_t i = 0; i < n; i++) mx = fmaxf(mx, x[i]);
+  double s = 0;
+  for (int64_t i = 0; i < n; i++) s += exp((double)(x[i] - mx));
+  return mx + log(s);
+}
+
+static void k_cross_entropy(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  const struct rtp_tensor *logits = t->src[0];
+  const int32_t *tgt = t->src[1]->data;
+  double *part = p->work;
+  int64_t r0, r1, n = rtp_nrows(logits);
+  split(n, p, &r0, &r1);
+  double s = 0;
+  for (int64_t r = r0; r < r1; r++) {
+    const float *x = (const float *)row_ptr(logits, r);
+    if (index_ok(p, tgt[r], logits->ne[0])) s += row_logsumexp(x, logits->ne[0]) - x[tgt[r]];
+  }
+  part[p->ith] = s;
+  rtp__barrier(p);
+  if (p->ith == 0) {
+    double total = 0;
+    for (int i = 0; i < p->nth; i++) total += part[i];
+    *(float *)t->data = (float)(total / (double)(n ? n : 1));
+  }
+}
+
+/* d logits = (softmax - onehot) * dloss / rows */
+static void k_cross_entropy_back(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  const struct rtp_tensor *logits = t->src[1];
+  const int32_t *tgt = t->src[2]->data;
+  int64_t n = rtp_nrows(logits), V = logits->ne[0], r0, r1;
+  float g = *(const float *)t->src[0]->data / (float)(n ? n : 1);
+  split(n, p, &r0, &r1);
+  for (int64_t r = r0; r < r1; r++) {
+    const float *x = (const float *)row_ptr(logits, r);
+    float *dx = (float *)row_ptr(t, r);
+    float lse = (float)row_logsumexp(x, V);
+    for (int64_t i = 0; i < V; i++) dx[i] = expf(x[i] - lse) * g;
+    if (index_ok(p, tgt[r], V)) dx[tgt[r]] -= g;
+  }
+}
+
+/* ---- blocks of tensors ---------------------------------------------------------- */
+
+/* t = base (or zeros), then src[0] added into the view (nb, offset) of t. */
+static void k_acc(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  const struct rtp_tensor *b = t->src[0], *base = t->src[1];
+  size_t bytes = rtp_nbytes(t), c0 = bytes * p->ith / p->nth / 4 * 4;
+  size_t c1 = p->ith == p->nth - 1 ? bytes : bytes * (p->ith + 1) / p->nth / 4 * 4;
+  if (base)
+    memcpy(DATA(t) + c0, DATA(base) + c0, c1 - c0);
+  else
+    memset(DATA(t) + c0, 0, c1 - c0);
+  rtp__barrier(p);
+  size_t nb1 = rtp__get_param_u64(t, 0), nb2 = rtp__get_param_u64(t, 2);
+  size_t nb3 = rtp__get_param_u64(t, 4), offs = rtp__get_param_u64(t, 6);
+  int64_t r0, r1;
+  split(rtp_nrows(b), p, &r0, &r1);
+  for (int64_t r = r0; r < r1; r++) {
+    int64_t i1 = r % b->ne[1], i2 = r / b->ne[1] % b->ne[2], i3 = r / b->ne[1] / b->ne[2];
+    float *y = (float *)(DATA(t) + offs + i1 * nb1 + i2 * nb2 + i3 * nb3);
+    const float *x = (const float *)row_ptr(b, r);
+    for (int64_t i = 0; i < b->ne[0]; i++) y[i] += x[i];
+  }
+}
+
+static void k_concat(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  const struct rtp_tensor *a = t->src[0], *b = t->src[1];
+  int dim = t->op_params[0];
+  int64_t r0, r1;
+  split(rtp_nrows(t), p, &r0, &r1);
+  for (int64_t r = r0; r < r1; r++) {
+    int64_t idx[4] = {0, r % t->ne[1], r / t->ne[1] % t->ne[2], r / t->ne[1] / t->ne[2]};
+    uint32_t *y = (uint32_t *)row_ptr(t, r);
+    for (int64_t i = 0; i < t->ne[0]; i++) {
+      idx[0] = i;
+      const struct rtp_tensor *s = idx[dim] < a->ne[dim] ? a : b;
+      int64_t j[4] = {idx[0], idx[1], idx[2], idx[3]};
+      if (s == b) j[dim] -= a->ne[dim];
+      y[i] = *(const uint32_t *)(DATA(s) + j[0] * s->nb[0] + j[1] * s->nb[1] + j[2] * s->nb[2] +
+                                 j[3] * s->nb[3]);
+    }
+  }
+}
+
+/* ---- dispatch ------------------------------------------------------------------- */
+
+size_t rtp__op_work_size(const struct rtp_tensor *t) {
+  switch (t->op) {
+    case RTP_OP_SUM:
+    case RTP_OP_CROSS_ENTROPY:
+      return RTP_MAX_THREADS * sizeof(double);
+    default:
+      return 0;
+  }
+}
+
+void rtp__compute_forward(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  switch (t->op) {
+    case RTP_OP_DUP: k_dup(p, t); break;
+    case RTP_OP_ADD:
+    case RTP_OP_SUB:
+    case RTP_OP_MUL: k_binary(p, t); break;
+    case RTP_OP_SCALE: k_scale(p, t); break;
+    case RTP_OP_SUM: k_sum(p, t); break;
+    case RTP_OP_REPEAT: k_repeat(p, t); break;
+    case RTP_OP_REPEAT_BACK: k_repeat_back(p, t); break;
+    case RTP_OP_MUL_MAT: k_mul_mat(p, t); break;
+    case RTP_OP_NORM: k_norm(p, t); break;
+    case RTP_OP_NORM_BACK: k_norm_back(p, t); break;
+    case RTP_OP_GELU: k_gelu(p, t); break;
+    case RTP_OP_GELU_BACK: k_gelu_back(p, t); break;
+    case RTP_OP_SOFT_MAX: k_soft_max(p, t); break;
+    case RTP_OP_SOFT_MAX_BACK: k_soft_max_back(p, t); break;
+    case RTP_OP_GET_ROWS: k_get_rows(p, t); break;
+    case RTP_OP_GET_ROWS_BACK: k_get_rows_back(p, t); break;
+    case RTP_OP_CROSS_ENTROPY: k_cross_entropy(p, t); break;
+    case RTP_OP_CROSS_ENTROPY_BACK: k_cross_entropy_back(p, t); break;
+    case RTP_OP_ACC: k_acc(p, t); break;
+    case RTP_OP_CONCAT: k_concat(p, t); break;
+    default: break; /* views and leafs compute nothing */
+  }
+}

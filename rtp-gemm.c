@@ -1,0 +1,113 @@
+/* rtp-gemm.c - single-threaded f32 GEMM: CBLAS when the build found it, else a blocked
+ * kernel that compilers vectorise. Callers split the rows between threads. */
+#include "rtp-impl.h"
+
+#include <string.h>
+
+#ifdef RTP_USE_CBLAS
+#include <cblas.h>
+#endif
+
+/* The portable kernel works on panels: NC columns of Y (transposed and packed) by KC
+ * steps of k, then rows of X four at a time against 16 packed columns, an inner loop
+ * of independent multiply-adds that vectorises without reassociating sums. */
+enum { MR = 4, NR = 16, KC = 256, NC = 128 };
+
+static void micro_kernel(int64_t mr, int64_t kc, const float *x, int64_t x_row, int64_t x_k,
+                         const float *yp, float *c, int64_t ldc, int64_t nr, bool first) {
+  float acc[MR][NR];
+  for (int r = 0; r < MR; r++)
+    for (int j = 0; j < NR; j++) acc[r][j] = (!first && r < mr && j < nr) ? c[r * ldc + j] : 0;
+  for (int64_t k = 0; k < kc; k++) {
+    const float *yk = yp + k * NR;
+    for (int r = 0; r < MR; r++) {
+      float xv = r < mr ? x[r * x_row + k * x_k] : 0.0f;
+      for (int j = 0; j < NR; j++) acc[r][j] += xv * yk[j];
+    }
+  }
+  for (int64_t r = 0; r < mr; r++)
+    for (int64_t j = 0; j < nr; j++) c[r * ldc + j] = acc[r][j];
+}
+
+void rtp__gemm_fallback(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_row,
+                        int64_t x_k, const float *y, int64_t y_row, int64_t y_k, float *c,
+                        int64_t ldc) {
+  float yp[KC * NC] __attribute__((aligned(64)));
+  if (k == 0) {
+    for (int64_t i = 0; i < m; i++) memset(c + i * ldc, 0, (size_t)n * sizeof(float));
+    return;
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += NC) {
+    int64_t nc = n - j0 < NC ? n - j0 : NC;
+    for (int64_t k0 = 0; k0 < k; k0 += KC) {
+      int64_t kc = k - k0 < KC ? k - k0 : KC;
+      /* yp holds NC/NR slabs of [kc][NR]: column j of the panel, step k. */
+      for (int64_t js = 0; js < nc; js += NR)
+        for (int64_t kk = 0; kk < kc; kk++)
+          for (int64_t j = 0; j < NR; j++)
+            yp[js * kc + kk * NR + j] =
+                js + j < nc ? y[(j0 + js + j) * y_row + (k0 + kk) * y_k] : 0.0f;
+      for (int64_t i0 = 0; i0 < m; i0 += MR) {
+        int64_t mr = m - i0 < MR ? m - i0 : MR;
+        for (int64_t js = 0; js < nc; js += NR)
+          micro_kernel(mr, kc, x + i0 * x_row + k0 * x_k, x_row, x_k, yp + js * kc,
+                       c + i0 * ldc + j0 + js, ldc, nc - js < NR ? nc - js : NR, k0 == 0);
+      }
+    }
+  }
+}
+
+bool rtp__gemm_has_cblas(void) {
+#ifdef RTP_USE_CBLAS
+  return true;
+#else
+  return false;
+#endif
+}
+
+#ifdef RTP_USE_CBLAS
+/* How CBLAS can read a matrix with `rows` rows of `k` elements stored at strides
+ * (row, kst): packed rows is NoTrans, packed columns is Trans. false if neither. */
+static bool cblas_layout(int64_t rows, int64_t k, int64_t row, int64_t kst, bool *trans,
+                         int64_t *ld) {
+  if ((kst == 1 || k == 1) && (rows == 1 || row >= k)) {
+    *trans = false;
+    *ld = rows == 1 ? (k > 1 ? k : 1) : row;
+    return true;
+  }
+  if ((row == 1 || rows == 1) && (k == 1 || kst >= rows)) {
+    *trans = true;
+    *ld = k == 1 ? (rows > 1 ? rows : 1) : kst;
+    return true;
+  }
+  return false;
+}
+#endif
+
+/* C (m x n, row-major) = X . Y^T with X(i,k) = x[i*x_row + k*x_k], Y(j,k) = y[j*y_row + k*y_k]. */
+void rtp__gemm(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_row, int64_t x_k,
+               const float *y, int64_t y_row, int64_t y_k, float *c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+#ifdef RTP_USE_CBLAS
+  bool tx, ty;
+  int64_t ldx, ldy;
+  bool fits = m < INT32_MAX && n < INT32_MAX && k < INT32_MAX && ldc < INT32_MAX;
+  if (fits && k > 0 && cblas_layout(m, k, x_row, x_k, &tx, &ldx) &&
+      cblas_layout(n, k, y_row, y_k, &ty, &ldy)) {
+    /* op(B) must be Y^T (k x n): Y with packed rows is read transposed. */
+    if (ldx >= INT32_MAX || ldy >= INT32_MAX) goto fallback;
+    cblas_sgemm(CblasRowMajor, tx ? CblasTrans : CblasNoTrans, ty ? CblasNoTrans : CblasTrans,
+                (int)m, (int)n, (int)k, 1.0f, x, (int)ldx, y, (int)ldy, 0.0f, c, (int)ldc);
+    return;
+  }
+fallback:
+#endif
+  rtp__gemm_fallback(m, n, k, x, x_row, x_k, y, y_row, y_k, c, ldc);
+}
+
+void rtp__gemm_init(void) {
+#if defined(RTP_USE_CBLAS) && defined(OPENBLAS_VERSION)
+  /* rtp's threads split the work; OpenBLAS threads inside them would oversubscribe. */
+  openblas_set_num_threads(1);
+#endif
+}

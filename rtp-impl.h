@@ -1,0 +1,86 @@
+/* rtp-impl.h - what the library's .c files share and users never see. */
+#ifndef RTP_IMPL_H
+#define RTP_IMPL_H
+
+#include "rtp.h"
+
+#include <stdarg.h>
+
+#define RTP_ALIGN 64
+#define RTP_PAD(x, n) (((x) + (n) - 1) / (n) * (n))
+
+/* Records msg as the calling thread's last error and returns status. */
+int rtp__error(int status, const char *fmt, ...) RTP_PRINTF(2, 3);
+int rtp__verror(int status, const char *fmt, va_list ap);
+void rtp__log(int level, const char *fmt, ...) RTP_PRINTF(2, 3);
+#define RTP_LOG_ERROR(...) rtp__log(0, __VA_ARGS__)
+#define RTP_LOG_WARN(...) rtp__log(1, __VA_ARGS__)
+#define RTP_LOG_INFO(...) rtp__log(2, __VA_ARGS__)
+
+/* Invariants of the library itself (never of user input): abort with file and line. */
+#define RTP_ASSERT(x)                                                        \
+  do {                                                                       \
+    if (!(x)) rtp__abort(__FILE__, __LINE__, #x);                            \
+  } while (0)
+_Noreturn void rtp__abort(const char *file, int line, const char *what);
+
+/* ---- rtp.c: context, tensors, builders ---- */
+int rtp__ctx_error(struct rtp_context *ctx, int status, const char *fmt, ...) RTP_PRINTF(3, 4);
+void *rtp__ctx_alloc(struct rtp_context *ctx, size_t size, const char *what);
+void rtp__ctx_note_plan(struct rtp_context *ctx, size_t peak, size_t sum, size_t work);
+void *rtp__tensor_alloc(struct rtp_context *ctx, struct rtp_tensor *t, enum rtp_role role);
+struct rtp_tensor *rtp__new_node(struct rtp_context *ctx, enum rtp_op op, enum rtp_type type,
+                                 const int64_t ne[RTP_MAX_DIMS], struct rtp_tensor *a,
+                                 struct rtp_tensor *b);
+struct rtp_tensor *rtp__op3(struct rtp_context *ctx, enum rtp_op op, const int64_t ne[4],
+                            struct rtp_tensor *a, struct rtp_tensor *b, struct rtp_tensor *c);
+struct rtp_tensor *rtp__acc_impl(struct rtp_context *ctx, struct rtp_tensor *a,
+                                 const struct rtp_tensor *like, struct rtp_tensor *b,
+                                 const size_t nb[3], size_t offset);
+bool rtp__rows_contiguous(const struct rtp_tensor *t);
+void rtp__shape_str(const struct rtp_tensor *t, char *buf, size_t n);
+void rtp__set_param_f32(struct rtp_tensor *t, int i, float v);
+float rtp__get_param_f32(const struct rtp_tensor *t, int i);
+void rtp__set_param_u64(struct rtp_tensor *t, int i, uint64_t v);
+uint64_t rtp__get_param_u64(const struct rtp_tensor *t, int i);
+
+/* View ops compute nothing: their data is their source's. */
+static inline bool rtp__is_view_op(enum rtp_op op) {
+  return op == RTP_OP_RESHAPE || op == RTP_OP_VIEW || op == RTP_OP_PERMUTE ||
+         op == RTP_OP_TRANSPOSE;
+}
+
+/* ---- rtp-gemm.c ---- */
+/* C[m][n] = sum_k A(m,k) * B(n,k) (+ C if accumulate), all f32, where A(m,k) is at
+ * a[m*lda_m + k*lda_k] and B(n,k) at b[n*ldb_n + k*ldb_k]; one of each pair of strides is 1.
+ * C is row-major with leading dimension ldc. Single-threaded: callers split the work. */
+void rtp__gemm(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda_m, int64_t lda_k,
+               const float *b, int64_t ldb_n, int64_t ldb_k, float *c, int64_t ldc);
+/* The portable blocked kernel, exposed so tests can compare it with CBLAS. */
+void rtp__gemm_fallback(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda_m,
+                        int64_t lda_k, const float *b, int64_t ldb_n, int64_t ldb_k, float *c,
+                        int64_t ldc);
+bool rtp__gemm_has_cblas(void);
+
+/* ---- rtp-cpu.c: kernels ---- */
+struct rtp_compute_params {
+  int ith, nth;  /* this thread's index and the number of threads */
+  void *work;    /* scratch of rtp__op_work_size bytes, shared by the threads */
+  int *status;   /* kernels report bad data (an index out of range) here */
+  struct rtp_threadpool *tp;
+};
+/* Waits until every thread of the node has called it: for kernels with two phases.
+ * All threads must call it the same number of times. */
+void rtp__barrier(const struct rtp_compute_params *p);
+/* Runs fn(ith, nth, arg) on every thread of tp (or once on the caller if tp is NULL). */
+typedef void (*rtp__job_fn)(const struct rtp_compute_params *p, void *arg);
+void rtp__threadpool_run(struct rtp_threadpool *tp, rtp__job_fn fn, void *arg);
+void rtp__gemm_init(void);
+void rtp__compute_forward(const struct rtp_compute_params *p, struct rtp_tensor *t);
+size_t rtp__op_work_size(const struct rtp_tensor *t);
+#define RTP_MAX_THREADS 256
+
+/* ---- rtp-alloc.c ---- */
+void *rtp__graph_work(const struct rtp_graph *g);
+
+#endif /* RTP_IMPL_H */

@@ -1,0 +1,100 @@
+/* rtp-opt.c - Adam and AdamW over the parameters of a graph. Each rank updates only the
+ * parameters it holds, so the optimizer needs no communication. */
+#include "rtp-impl.h"
+
+#include <math.h>
+
+struct rtp_optimizer {
+  struct rtp_adamw_params hp;
+  int64_t t; /* steps taken */
+  int n;
+  struct rtp_tensor **params, **m, **v;
+  float lr_t, bc1, bc2; /* this step's factors, set before the threads run */
+};
+
+struct rtp_adamw_params rtp_adamw_default(void) {
+  return (struct rtp_adamw_params){3e-4f, 0.9f, 0.95f, 1e-8f, 0.0f};
+}
+
+struct rtp_optimizer *rtp_optimizer_new(struct rtp_context *ctx, struct rtp_graph *g,
+                                        struct rtp_adamw_params hp) {
+  if (!ctx || !g) {
+    rtp__error(RTP_EINVAL, "rtp_optimizer_new: NULL argument");
+    return NULL;
+  }
+  if (!(hp.lr >= 0) || !(hp.beta1 >= 0 && hp.beta1 < 1) || !(hp.beta2 >= 0 && hp.beta2 < 1) ||
+      !(hp.eps > 0) || !(hp.weight_decay >= 0)) {
+    rtp__ctx_error(ctx, RTP_EINVAL,
+                   "rtp_optimizer_new: need lr >= 0, 0 <= betas < 1, eps > 0, weight_decay >= 0");
+    return NULL;
+  }
+  int n = 0;
+  for (int i = 0; i < g->n_leafs; i++)
+    if ((g->leafs[i]->flags & RTP_FLAG_PARAM) && g->leafs[i]->grad) n++;
+  struct rtp_optimizer *opt = rtp__ctx_alloc(ctx, sizeof(*opt) + 3 * (size_t)n * sizeof(void *),
+                                             "the optimizer");
+  if (!opt) return NULL;
+  *opt = (struct rtp_optimizer){.hp = hp, .n = n};
+  opt->params = (struct rtp_tensor **)(opt + 1);
+  opt->m = opt->params + n;
+  opt->v = opt->m + n;
+  for (int i = 0, k = 0; i < g->n_leafs; i++) {
+    struct rtp_tensor *p = g->leafs[i];
+    if (!(p->flags & RTP_FLAG_PARAM) || !p->grad) continue;
+    if (!rtp_is_contiguous(p) || !p->data || p->type != RTP_TYPE_F32) {
+      rtp__ctx_error(ctx, RTP_EINVAL, "rtp_optimizer_new: parameter '%s' must be contiguous f32 "
+                     "with data", p->name);
+      return NULL;
+    }
+    opt->params[k] = p;
+    opt->m[k] = rtp_new_tensor(ctx, RTP_TYPE_F32, RTP_MAX_DIMS, p->ne);
+    opt->v[k] = rtp_new_tensor(ctx, RTP_TYPE_F32, RTP_MAX_DIMS, p->ne);
+    if (!opt->m[k] || !opt->v[k]) return NULL;
+    for (int j = 0; j < 2; j++) {
+      struct rtp_tensor *s = j ? opt->v[k] : opt->m[k];
+      if (!s->data && !rtp__tensor_alloc(ctx, s, RTP_ROLE_OPTIM)) return NULL;
+      s->role = RTP_ROLE_OPTIM;
+      rtp_set_name(s, "adam.%c.%.56s", j ? 'v' : 'm', p->name);
+    }
+    k++;
+  }
+  return opt;
+}
+
+/* Each thread takes the same share of every parameter, so the split stays balanced. */
+static void adam_job(const struct rtp_compute_params *p, void *arg) {
+  const struct rtp_optimizer *opt = arg;
+  float b1 = opt->hp.beta1, b2 = opt->hp.beta2, eps = opt->hp.eps;
+  float decay = 1.0f - opt->hp.lr * opt->hp.weight_decay;
+  for (int k = 0; k < opt->n; k++) {
+    int64_t n = rtp_nelements(opt->params[k]);
+    int64_t i0 = n * p->ith / p->nth, i1 = n * (p->ith + 1) / p->nth;
+    float *w = opt->params[k]->data, *m = opt->m[k]->data, *v = opt->v[k]->data;
+    const float *g = opt->params[k]->grad->data;
+    for (int64_t i = i0; i < i1; i++) {
+      m[i] = b1 * m[i] + (1.0f - b1) * g[i];
+      v[i] = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
+      float denom = sqrtf(v[i]) / opt->bc2 + eps;
+      w[i] = w[i] * decay - opt->lr_t * m[i] / denom;
+    }
+  }
+}
+
+int rtp_optimizer_step(struct rtp_optimizer *opt, struct rtp_threadpool *tp) {
+  if (!opt) return rtp__error(RTP_EINVAL, "rtp_optimizer_step: NULL optimizer");
+  opt->t++;
+  /* PyTorch's form: step = lr / (1 - b1^t), denom = sqrt(v) / sqrt(1 - b2^t) + eps. */
+  opt->bc1 = 1.0f - (float)pow(opt->hp.beta1, (double)opt->t);
+  opt->bc2 = (float)sqrt(1.0 - pow(opt->hp.beta2, (double)opt->t));
+  opt->lr_t = opt->hp.lr / opt->bc1;
+  rtp__threadpool_run(tp, adam_job, opt);
+  return RTP_OK;
+}
+
+void rtp_optimizer_set_lr(struct rtp_optimizer *opt, float lr) {
+  if (opt && lr >= 0) opt->hp.lr = lr;
+}
+
+int64_t rtp_optimizer_steps(const struct rtp_optimizer *opt) {
+  return opt ? opt->t : 0;
+}

@@ -1,0 +1,538 @@
+/*
+ * rtp.h - the public API of rtp, a small library for training transformers on a
+ * few machines joined by ordinary Ethernet with Rotated Tensor Parallelism.
+ *
+ * How it works, in one example. Computing f(x) = a*x^2 + b and its gradient:
+ *
+ *     struct rtp_init_params ip = {.mem_size = 16 << 20};
+ *     struct rtp_context *ctx = rtp_init(ip);
+ *
+ *     struct rtp_tensor *x = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 1);
+ *     struct rtp_tensor *a = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 1);
+ *     struct rtp_tensor *b = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 1);
+ *     rtp_set_param(x);
+ *     struct rtp_tensor *f = rtp_add(ctx, rtp_mul(ctx, a, rtp_mul(ctx, x, x)), b);
+ *
+ *     struct rtp_graph *g = rtp_graph_new(ctx, 64);
+ *     rtp_graph_build(g, f);               // records the forward nodes
+ *     rtp_build_backward(ctx, g, f);       // appends the gradient nodes
+ *     rtp_graph_plan(ctx, g);              // places every intermediate in one arena
+ *
+ *     rtp_set_f32(x, 2.0f); rtp_set_f32(a, 3.0f); rtp_set_f32(b, 4.0f);
+ *     rtp_graph_compute(g, NULL);          // f = 16, x->grad = 12
+ *
+ * The context owns one fixed arena given at init: tensor headers, graphs, parameters,
+ * gradients, optimizer states and the planned activation buffer all come from it, so a
+ * training loop never allocates. Op builders (rtp_add, rtp_mul_mat, ...) only record
+ * nodes; nothing is computed until a graph runs. A builder that is given bad input
+ * returns NULL and records the first error in the context (rtp_context_error); builders
+ * given NULL return NULL, so a whole model can be built and checked once at the end.
+ *
+ * Shapes follow ggml: ne[0] is the innermost (contiguous) dimension. A row-major matrix
+ * with R rows and C columns has ne = {C, R}; PyTorch's nn.Linear weight [out, in] has
+ * ne = {in, out}. A safetensors shape [d0, d1, ..., dk] is ne = {dk, ..., d1, d0}.
+ *
+ * Functions that can fail return 0 or a negative RTP_E* status; rtp_strerror names it
+ * and rtp_last_error gives the message of the last failure on the calling thread.
+ */
+#ifndef RTP_H
+#define RTP_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define RTP_API __attribute__((visibility("default")))
+#define RTP_PRINTF(f, a) __attribute__((format(printf, f, a)))
+#else
+#define RTP_API
+#define RTP_PRINTF(f, a)
+#endif
+
+#define RTP_MAX_DIMS 4
+#define RTP_MAX_SRC 4
+#define RTP_MAX_OP_PARAMS 16 /* int32 words */
+#define RTP_MAX_NAME 64
+
+/* ---- status ------------------------------------------------------------------ */
+
+#define RTP_STATUS_MAP(XX)                                                   \
+  XX(OK, 0, "success")                                                       \
+  XX(ENOMEM, -1, "out of memory (arena or system)")                          \
+  XX(EINVAL, -2, "invalid argument")                                         \
+  XX(ESHAPE, -3, "shape or type mismatch")                                   \
+  XX(EIO, -4, "input/output error")                                          \
+  XX(EFORMAT, -5, "malformed file or frame")                                 \
+  XX(ECOMM, -6, "communication failure")                                     \
+  XX(ETIMEDOUT, -7, "timed out")                                             \
+  XX(EPEER, -8, "peer failed or disagreed")                                  \
+  XX(EAUTH, -9, "authentication failed")                                     \
+  XX(ENOSYS, -10, "not supported by this build")                             \
+  XX(ESTATE, -11, "operation not valid in this state")
+
+enum rtp_status {
+#define RTP_XX(name, code, text) RTP_##name = code,
+  RTP_STATUS_MAP(RTP_XX)
+#undef RTP_XX
+};
+
+RTP_API const char *rtp_strerror(int status);
+/* The message of the most recent failure on the calling thread ("" if none). */
+RTP_API const char *rtp_last_error(void);
+
+/* Log lines go to stderr unless a callback is set. level: 0 error, 1 warn, 2 info. */
+typedef void (*rtp_log_cb)(int level, const char *msg, void *user);
+RTP_API void rtp_log_set(rtp_log_cb cb, void *user);
+
+/* ---- types, ops, roles ---------------------------------------------------------- */
+
+/* Always add types at the end: the values are stored in files and sent on the wire. */
+enum rtp_type {
+  RTP_TYPE_F32 = 0,
+  RTP_TYPE_I32 = 1,
+  RTP_TYPE_COUNT,
+};
+
+#define RTP_OP_MAP(XX)                                                       \
+  XX(NONE, "none")                                                           \
+  XX(DUP, "dup")                     /* contiguous copy of any view */       \
+  XX(ADD, "add")                     /* a + b, b broadcast */                \
+  XX(SUB, "sub")                     /* a - b, b broadcast */                \
+  XX(MUL, "mul")                     /* a * b, b broadcast */                \
+  XX(SCALE, "scale")                 /* a * s */                             \
+  XX(SUM, "sum")                     /* sum of all elements */               \
+  XX(REPEAT, "repeat")               /* broadcast a to b's shape */          \
+  XX(REPEAT_BACK, "repeat_back")     /* sum a down to b's shape */           \
+  XX(MUL_MAT, "mul_mat")             /* b . a^T per batch */                 \
+  XX(NORM, "norm")                   /* (x - mean) / std over ne[0] */       \
+  XX(NORM_BACK, "norm_back")                                                 \
+  XX(GELU, "gelu")                   /* tanh approximation */                \
+  XX(GELU_BACK, "gelu_back")                                                 \
+  XX(SOFT_MAX, "soft_max")           /* scaled, optionally causal */         \
+  XX(SOFT_MAX_BACK, "soft_max_back")                                         \
+  XX(GET_ROWS, "get_rows")           /* embedding lookup */                  \
+  XX(GET_ROWS_BACK, "get_rows_back") /* scatter-add of rows */               \
+  XX(CROSS_ENTROPY, "cross_entropy") /* mean loss from logits */             \
+  XX(CROSS_ENTROPY_BACK, "cross_entropy_back")                               \
+  XX(ACC, "acc")                     /* a with b added into a view */        \
+  XX(CONCAT, "concat")                                                       \
+  XX(RESHAPE, "reshape")                                                     \
+  XX(VIEW, "view")                                                           \
+  XX(PERMUTE, "permute")                                                     \
+  XX(TRANSPOSE, "transpose")
+
+enum rtp_op {
+#define RTP_XX(name, text) RTP_OP_##name,
+  RTP_OP_MAP(RTP_XX)
+#undef RTP_XX
+  RTP_OP_COUNT,
+};
+
+/* What a tensor's memory is for; the memory report counts bytes by role. */
+enum rtp_role {
+  RTP_ROLE_ACTIVATION = 0, /* planned by liveness, reused within a step */
+  RTP_ROLE_PARAM,          /* trainable values (this rank's share) */
+  RTP_ROLE_GRAD,           /* gradients of parameters */
+  RTP_ROLE_OPTIM,          /* optimizer states */
+  RTP_ROLE_INPUT,          /* data the caller fills: tokens, targets, constants */
+  RTP_ROLE_COMM,           /* buffers that travel between ranks */
+  RTP_ROLE_COUNT,
+};
+
+enum rtp_flag {
+  RTP_FLAG_PARAM = 1 << 0,  /* trainable: gets a persistent gradient */
+  RTP_FLAG_INPUT = 1 << 1,  /* filled by the caller before each compute */
+  RTP_FLAG_OUTPUT = 1 << 2, /* read after compute: the planner never reuses it */
+  RTP_FLAG_LOSS = 1 << 3,   /* the scalar that backward differentiates */
+};
+
+RTP_API const char *rtp_op_name(enum rtp_op op);
+RTP_API const char *rtp_type_name(enum rtp_type type);
+RTP_API const char *rtp_role_name(enum rtp_role role);
+RTP_API size_t rtp_type_size(enum rtp_type type);
+
+/* ---- tensors -------------------------------------------------------------------- */
+
+struct rtp_tensor {
+  enum rtp_type type;
+  enum rtp_role role;
+  int32_t flags; /* enum rtp_flag bits */
+  int64_t ne[RTP_MAX_DIMS]; /* elements per dimension; unused ones are 1 */
+  size_t nb[RTP_MAX_DIMS];  /* byte strides: nb[0] = type size for a contiguous
+                               tensor, nb[i] = nb[i-1] * ne[i-1] */
+  enum rtp_op op;
+  int32_t op_params[RTP_MAX_OP_PARAMS];
+  struct rtp_tensor *src[RTP_MAX_SRC];
+  struct rtp_tensor *view_src; /* a view shares the memory of view_src ... */
+  size_t view_offs;            /* ... starting this many bytes in */
+  struct rtp_tensor *grad;     /* set by rtp_build_backward */
+  void *data;                  /* NULL until allocated or planned */
+  char name[RTP_MAX_NAME];
+  void *extra; /* backend-private */
+};
+
+RTP_API int64_t rtp_nelements(const struct rtp_tensor *t);
+RTP_API int64_t rtp_nrows(const struct rtp_tensor *t);
+RTP_API size_t rtp_nbytes(const struct rtp_tensor *t);
+RTP_API int rtp_n_dims(const struct rtp_tensor *t);
+RTP_API bool rtp_is_contiguous(const struct rtp_tensor *t);
+RTP_API bool rtp_are_same_shape(const struct rtp_tensor *a, const struct rtp_tensor *b);
+
+/* ---- context -------------------------------------------------------------------- */
+
+struct rtp_init_params {
+  size_t mem_size;  /* bytes of the arena */
+  void *mem_buffer; /* caller's memory, or NULL for the library to allocate it */
+  bool no_alloc;    /* leaves get no data: the caller points t->data itself */
+};
+
+struct rtp_context;
+
+/* NULL (with rtp_last_error) when the arena cannot be had. */
+RTP_API struct rtp_context *rtp_init(struct rtp_init_params params);
+RTP_API void rtp_free(struct rtp_context *ctx);
+/* The first error recorded while building (RTP_OK if none) and its message. */
+RTP_API int rtp_context_error(const struct rtp_context *ctx, const char **msg);
+RTP_API size_t rtp_used_mem(const struct rtp_context *ctx);
+
+/* New leaf tensors; their data comes from the arena unless no_alloc. */
+RTP_API struct rtp_tensor *rtp_new_tensor(struct rtp_context *ctx, enum rtp_type type,
+                                          int n_dims, const int64_t *ne);
+RTP_API struct rtp_tensor *rtp_new_tensor_1d(struct rtp_context *ctx, enum rtp_type type,
+                                             int64_t ne0);
+RTP_API struct rtp_tensor *rtp_new_tensor_2d(struct rtp_context *ctx, enum rtp_type type,
+                                             int64_t ne0, int64_t ne1);
+RTP_API struct rtp_tensor *rtp_new_tensor_3d(struct rtp_context *ctx, enum rtp_type type,
+                                             int64_t ne0, int64_t ne1, int64_t ne2);
+RTP_API struct rtp_tensor *rtp_new_tensor_4d(struct rtp_context *ctx, enum rtp_type type,
+                                             int64_t ne0, int64_t ne1, int64_t ne2,
+                                             int64_t ne3);
+
+RTP_API void rtp_set_param(struct rtp_tensor *t);
+RTP_API void rtp_set_input(struct rtp_tensor *t);
+RTP_API void rtp_set_output(struct rtp_tensor *t);
+RTP_API struct rtp_tensor *rtp_set_name(struct rtp_tensor *t, const char *fmt, ...)
+    RTP_PRINTF(2, 3);
+RTP_API struct rtp_tensor *rtp_get_tensor(struct rtp_context *ctx, const char *name);
+/* The n-th tensor created in ctx (0-based), or NULL past the end: for iterating. */
+RTP_API struct rtp_tensor *rtp_tensor_at(struct rtp_context *ctx, int n);
+
+RTP_API void rtp_set_f32(struct rtp_tensor *t, float v); /* every element */
+RTP_API void rtp_set_zero(struct rtp_tensor *t);
+RTP_API float rtp_get_f32_1d(const struct rtp_tensor *t, int64_t i);
+
+/* ---- op builders: record a node, compute nothing -------------------------------- */
+
+RTP_API struct rtp_tensor *rtp_dup(struct rtp_context *ctx, struct rtp_tensor *a);
+/* a itself if already contiguous, else a contiguous copy. */
+RTP_API struct rtp_tensor *rtp_cont(struct rtp_context *ctx, struct rtp_tensor *a);
+/* Elementwise; b is broadcast along each dimension where its ne is 1. */
+RTP_API struct rtp_tensor *rtp_add(struct rtp_context *ctx, struct rtp_tensor *a,
+                                   struct rtp_tensor *b);
+RTP_API struct rtp_tensor *rtp_sub(struct rtp_context *ctx, struct rtp_tensor *a,
+                                   struct rtp_tensor *b);
+RTP_API struct rtp_tensor *rtp_mul(struct rtp_context *ctx, struct rtp_tensor *a,
+                                   struct rtp_tensor *b);
+RTP_API struct rtp_tensor *rtp_scale(struct rtp_context *ctx, struct rtp_tensor *a, float s);
+RTP_API struct rtp_tensor *rtp_sum(struct rtp_context *ctx, struct rtp_tensor *a);
+RTP_API struct rtp_tensor *rtp_mean(struct rtp_context *ctx, struct rtp_tensor *a);
+/* a broadcast to b's shape (each ne of a is 1 or b's). */
+RTP_API struct rtp_tensor *rtp_repeat(struct rtp_context *ctx, struct rtp_tensor *a,
+                                      struct rtp_tensor *b);
+/* a summed down to b's shape: the adjoint of rtp_repeat. */
+RTP_API struct rtp_tensor *rtp_repeat_back(struct rtp_context *ctx, struct rtp_tensor *a,
+                                           struct rtp_tensor *b);
+/*
+ * Matrix product per batch: with a = {K, M, ...} and b = {K, N, ...}, the result is
+ * {M, N, ...} with r[n][m] = sum_k a[m][k] * b[n][k], i.e. b . a^T: exactly
+ * nn.Linear's x @ W^T when a is the weight. a may be 2-D (shared by every batch of b)
+ * or have b's batch dims. Either operand may be a transposed view (rtp_transpose).
+ */
+RTP_API struct rtp_tensor *rtp_mul_mat(struct rtp_context *ctx, struct rtp_tensor *a,
+                                       struct rtp_tensor *b);
+/* Normalise each row (ne[0]) to zero mean and unit variance. */
+RTP_API struct rtp_tensor *rtp_norm(struct rtp_context *ctx, struct rtp_tensor *a,
+                                    float eps);
+/* norm(a) * w + b with w, b of shape {ne[0]} (either may be NULL). */
+RTP_API struct rtp_tensor *rtp_layer_norm(struct rtp_context *ctx, struct rtp_tensor *a,
+                                          struct rtp_tensor *w, struct rtp_tensor *b,
+                                          float eps);
+RTP_API struct rtp_tensor *rtp_gelu(struct rtp_context *ctx, struct rtp_tensor *a);
+/* softmax(a * scale) over ne[0]; causal masks column j > i + (ne[0] - ne[1]) of row i. */
+RTP_API struct rtp_tensor *rtp_soft_max(struct rtp_context *ctx, struct rtp_tensor *a,
+                                        float scale, bool causal);
+/* Rows of a ({D, V}) picked by the I32 indices in idx ({n}, any shape): {D, n...}. */
+RTP_API struct rtp_tensor *rtp_get_rows(struct rtp_context *ctx, struct rtp_tensor *a,
+                                        struct rtp_tensor *idx);
+/* Mean over rows of -log softmax(logits)[target]; logits {V, n...}, targets I32 {n...}. */
+RTP_API struct rtp_tensor *rtp_cross_entropy(struct rtp_context *ctx,
+                                             struct rtp_tensor *logits,
+                                             struct rtp_tensor *targets);
+/* a, with b added into the view of a given by strides nb1..nb3 and byte offset. */
+RTP_API struct rtp_tensor *rtp_acc(struct rtp_context *ctx, struct rtp_tensor *a,
+                                   struct rtp_tensor *b, size_t nb1, size_t nb2, size_t nb3,
+                                   size_t offset);
+RTP_API struct rtp_tensor *rtp_concat(struct rtp_context *ctx, struct rtp_tensor *a,
+                                      struct rtp_tensor *b, int dim);
+
+/* Views share the memory of their source. */
+RTP_API struct rtp_tensor *rtp_reshape(struct rtp_context *ctx, struct rtp_tensor *a,
+                                       int n_dims, const int64_t *ne);
+RTP_API struct rtp_tensor *rtp_reshape_2d(struct rtp_context *ctx, struct rtp_tensor *a,
+                                          int64_t ne0, int64_t ne1);
+RTP_API struct rtp_tensor *rtp_reshape_3d(struct rtp_context *ctx, struct rtp_tensor *a,
+                                          int64_t ne0, int64_t ne1, int64_t ne2);
+RTP_API struct rtp_tensor *rtp_reshape_4d(struct rtp_context *ctx, struct rtp_tensor *a,
+                                          int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3);
+/* A view with its own shape and strides, offset bytes into a. */
+RTP_API struct rtp_tensor *rtp_view(struct rtp_context *ctx, struct rtp_tensor *a,
+                                    int n_dims, const int64_t *ne, const size_t *nb,
+                                    size_t offset);
+/* Rows [first, first + n) along the outermost used dimension: a block of a tensor. */
+RTP_API struct rtp_tensor *rtp_view_rows(struct rtp_context *ctx, struct rtp_tensor *a,
+                                         int64_t first, int64_t n);
+/* Dimension i of a becomes dimension axes[i] of the result. */
+RTP_API struct rtp_tensor *rtp_permute(struct rtp_context *ctx, struct rtp_tensor *a,
+                                       int ax0, int ax1, int ax2, int ax3);
+RTP_API struct rtp_tensor *rtp_transpose(struct rtp_context *ctx, struct rtp_tensor *a);
+
+/* ---- graphs --------------------------------------------------------------------- */
+
+struct rtp_graph {
+  int size; /* capacity */
+  int n_nodes;
+  int n_leafs;
+  struct rtp_tensor **nodes; /* ops in execution order */
+  struct rtp_tensor **leafs; /* parameters, inputs, constants */
+  void *plan;                /* set by rtp_graph_plan */
+};
+
+RTP_API struct rtp_graph *rtp_graph_new(struct rtp_context *ctx, int size);
+/* Appends t and everything it depends on that is not yet in g. */
+RTP_API int rtp_graph_build(struct rtp_graph *g, struct rtp_tensor *t);
+/*
+ * Appends to g the nodes that compute d loss / d p for every parameter p that loss
+ * depends on, into p->grad (persistent, role GRAD). Intermediate gradients are
+ * activations like any other. loss must be a scalar already in g.
+ */
+RTP_API int rtp_build_backward(struct rtp_context *ctx, struct rtp_graph *g,
+                               struct rtp_tensor *loss);
+/*
+ * Places every node of g in one activation buffer taken from the arena once, reusing
+ * memory of tensors that are no longer needed. Call once after building; computing
+ * the graph any number of times afterwards allocates nothing.
+ */
+RTP_API int rtp_graph_plan(struct rtp_context *ctx, struct rtp_graph *g);
+
+/* ---- memory report -------------------------------------------------------------- */
+
+struct rtp_mem_report {
+  size_t bytes[RTP_ROLE_COUNT]; /* by role; ACTIVATION is the planned peak */
+  size_t activation_sum;        /* all activations if none were reused */
+  size_t work;                  /* scratch for kernels */
+  size_t metadata;              /* tensor headers, graphs, plans */
+  size_t total;                 /* everything taken from the arena */
+};
+RTP_API void rtp_mem_report_get(const struct rtp_context *ctx, struct rtp_mem_report *r);
+
+/* ---- execution ------------------------------------------------------------------ */
+
+struct rtp_threadpool;
+/* n_threads <= 0 picks the number of cores. */
+RTP_API struct rtp_threadpool *rtp_threadpool_new(int n_threads);
+RTP_API void rtp_threadpool_free(struct rtp_threadpool *tp);
+RTP_API int rtp_threadpool_size(const struct rtp_threadpool *tp);
+/* Runs a planned graph; tp NULL runs on the calling thread alone. */
+RTP_API int rtp_graph_compute(struct rtp_graph *g, struct rtp_threadpool *tp);
+
+/* ---- optimizer ------------------------------------------------------------------ */
+
+struct rtp_adamw_params {
+  float lr;
+  float beta1;
+  float beta2;
+  float eps;
+  float weight_decay; /* decoupled (AdamW); 0 is Adam */
+};
+RTP_API struct rtp_adamw_params rtp_adamw_default(void); /* 3e-4, 0.9, 0.95, 1e-8, 0 */
+
+struct rtp_optimizer;
+/* Adam states (role OPTIM) for every parameter of g, zeroed, from the arena. */
+RTP_API struct rtp_optimizer *rtp_optimizer_new(struct rtp_context *ctx, struct rtp_graph *g,
+                                                struct rtp_adamw_params params);
+/* One update of every parameter from its gradient. */
+RTP_API int rtp_optimizer_step(struct rtp_optimizer *opt, struct rtp_threadpool *tp);
+RTP_API void rtp_optimizer_set_lr(struct rtp_optimizer *opt, float lr);
+RTP_API int64_t rtp_optimizer_steps(const struct rtp_optimizer *opt);
+
+/* ---- files: safetensors (rtp-io.c) ---------------------------------------------- */
+/* RTP-IO-BEGIN */
+/*
+ * safetensors: 8-byte little-endian header length N, N bytes of JSON header, then the
+ * raw little-endian data. Types F32 and I32 only. A file shape [d0, ..., dk] is
+ * ne = {dk, ..., d0}, padded with 1 (a 0-d tensor is ne = {1, 1, 1, 1}); shapes are
+ * compared on the padded ne, so [1, 5] and [5] are the same shape.
+ *
+ * Opening checks the whole header (strict JSON, known types, at most RTP_MAX_DIMS dims,
+ * shape size == byte length, offsets that tile the data section without overlap or hole,
+ * unique names) and reads no data; any malformed file gives RTP_EFORMAT (RTP_EIO if it
+ * cannot be read) with a message naming the file and the fault. An opened file may be
+ * read from several threads at once.
+ */
+struct rtp_safetensors;
+
+RTP_API int rtp_safetensors_open(const char *path, struct rtp_safetensors **out);
+RTP_API void rtp_safetensors_close(struct rtp_safetensors *st); /* NULL is fine */
+RTP_API int rtp_safetensors_count(const struct rtp_safetensors *st);
+/* Name, type, number of dims in the file (0..4) and padded ne of the i-th tensor (in
+ * file order); any output may be NULL. RTP_EINVAL if i is out of range. */
+RTP_API int rtp_safetensors_info(const struct rtp_safetensors *st, int i, const char **name,
+                                 enum rtp_type *type, int *n_dims, int64_t ne[RTP_MAX_DIMS]);
+RTP_API int rtp_safetensors_find(const struct rtp_safetensors *st,
+                                 const char *name); /* index or -1 */
+/* The value of a __metadata__ key, or NULL; and all pairs, by index. */
+RTP_API const char *rtp_safetensors_meta(const struct rtp_safetensors *st, const char *key);
+RTP_API int rtp_safetensors_meta_count(const struct rtp_safetensors *st);
+RTP_API int rtp_safetensors_meta_at(const struct rtp_safetensors *st, int i, const char **key,
+                                    const char **value);
+/*
+ * Reads the named tensor into t, which must have data and the same type and (padded)
+ * ne, else RTP_ESHAPE naming both shapes; RTP_EINVAL if there is no such tensor. t may
+ * be a strided view.
+ */
+RTP_API int rtp_safetensors_read(struct rtp_safetensors *st, const char *name,
+                                 struct rtp_tensor *t);
+/*
+ * Reads rows [first, first + n) of the named tensor's outermost file dimension into t,
+ * where t has the file's shape except n along that dimension: a block of a sharded
+ * tensor. rtp_safetensors_read is the case first = 0, n = all.
+ */
+RTP_API int rtp_safetensors_read_rows(struct rtp_safetensors *st, const char *name,
+                                      int64_t first, struct rtp_tensor *t);
+/* A new tensor in ctx with the named tensor's type, shape and name, read from the file;
+ * NULL (with rtp_last_error) if it is missing, ctx is full or has no_alloc. */
+RTP_API struct rtp_tensor *rtp_safetensors_load(struct rtp_context *ctx,
+                                                struct rtp_safetensors *st, const char *name);
+/*
+ * Writes n tensors, each named by its t->name (non-empty, unique, not "__metadata__"),
+ * in the given order, with the optional __metadata__ string pairs meta_kv = {k0, v0,
+ * k1, v1, ..., NULL} (meta_kv may be NULL). A tensor is stored with ne's dims up to the
+ * last one that is not 1 (at least one); views of any strides are copied row by row.
+ * Atomic: writes a temporary file next to path, fsyncs it, renames it over path and
+ * fsyncs the directory; on any failure (RTP_EIO for a full disk, RTP_EINVAL for bad
+ * tensors) path is untouched and no temporary file is left.
+ */
+RTP_API int rtp_safetensors_save(const char *path, struct rtp_tensor *const *tensors, int n,
+                                 const char *const *meta_kv);
+/* RTP-IO-END */
+
+/* ---- communication (rtp-ring.c) ------------------------------------------------- */
+/* RTP-COMM-BEGIN */
+/*
+ * A communicator (struct rtp_comm) joins world_size ranks. Backends: "local" (world
+ * size 1, no sockets) and "tcp" (libuv on a comm thread; rendezvous through rank 0,
+ * one authenticated connection to every other rank). Every operation is asynchronous:
+ * it is posted from any thread without blocking on the network and gives a request
+ * that rtp_comm_wait / rtp_comm_test completes (and gives back to the comm's fixed pool:
+ * a request may be waited on only once, by one thread). Passing req = NULL makes the
+ * call wait itself. Buffers must stay valid and untouched until the request completes.
+ *
+ * Collectives must be posted in the same order with the same sizes on every rank; a
+ * disagreement is detected and fails every rank with RTP_EPEER. When a rank dies or
+ * goes silent longer than timeout_ms, or an operation makes no progress for that long,
+ * the communicator fails: pending and later operations return RTP_EPEER, RTP_ECOMM or
+ * RTP_ETIMEDOUT and rtp_last_error() names the rank. A failure is final (fail-stop).
+ * Wire format, algorithms and costs: docs/transport.md.
+ */
+#define RTP_COMM_MAX_ADDR 256
+#define RTP_COMM_MAX_TOKEN 256
+
+struct rtp_comm_params {
+  char backend[16];                    /* "tcp", "local", or "" (local iff world_size 1) */
+  int rank;                            /* 0 .. world_size-1 */
+  int world_size;                      /* >= 1 */
+  char master_addr[RTP_COMM_MAX_ADDR]; /* host name or address where rank 0 listens */
+  int master_port;                     /* rank 0 listens there (0: any, for world size 1) */
+  char token[RTP_COMM_MAX_TOKEN];      /* the job's shared secret (required by tcp) */
+  char bind[RTP_COMM_MAX_ADDR];        /* local address or interface name; "": the one
+                                          that routes to rank 0 */
+  int timeout_ms;                      /* rendezvous, silence and no-progress limit */
+  int max_requests;                    /* requests in flight at once (the pool) */
+};
+
+/* rank 0 of 1, backend "", master 127.0.0.1:29500, timeout 60000, 128 requests. */
+RTP_API struct rtp_comm_params rtp_comm_params_default(void);
+/*
+ * The defaults overridden by RTP_RANK, RTP_WORLD_SIZE (else SLURM_PROCID/SLURM_NTASKS,
+ * else OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE), RTP_MASTER_ADDR, RTP_MASTER_PORT,
+ * RTP_TOKEN, RTP_IFNAME or RTP_BIND_ADDR, RTP_TIMEOUT_MS, RTP_BACKEND. RTP_EINVAL on a
+ * malformed value.
+ */
+RTP_API int rtp_comm_params_from_env(struct rtp_comm_params *p);
+
+struct rtp_comm;
+struct rtp_comm_req;
+
+/* Joins the job (blocks until every rank is connected or timeout_ms passes). */
+RTP_API int rtp_comm_init(const struct rtp_comm_params *p, struct rtp_comm **out);
+/* Says goodbye to every peer and frees everything; pending requests fail. */
+RTP_API void rtp_comm_free(struct rtp_comm *c);
+RTP_API int rtp_comm_rank(const struct rtp_comm *c);
+RTP_API int rtp_comm_size(const struct rtp_comm *c);
+/* RTP_OK, or the status that failed the communicator (message in *msg if msg). */
+RTP_API int rtp_comm_status(struct rtp_comm *c, const char **msg);
+
+/*
+ * Block i of n of count elements: the first count % n blocks have one element more.
+ * This is the partition every collective below uses for uneven counts.
+ */
+RTP_API void rtp_comm_block(size_t count, int n, int i, size_t *first, size_t *len);
+
+/* Point-to-point: the k-th send from a to b matches the k-th recv at b from a, and
+ * the byte counts must be equal. */
+RTP_API int rtp_comm_send(struct rtp_comm *c, const void *buf, size_t nbytes, int dst,
+                          struct rtp_comm_req **req);
+RTP_API int rtp_comm_recv(struct rtp_comm *c, void *buf, size_t nbytes, int src,
+                          struct rtp_comm_req **req);
+/*
+ * Ring rotation: sends sendbuf to dst while receiving recvbuf from src, as one
+ * request (a send and a recv that match the other ranks' sends and recvs). With
+ * dst == src == this rank it copies.
+ */
+RTP_API int rtp_comm_sendrecv(struct rtp_comm *c, const void *sendbuf, size_t sendbytes,
+                              int dst, void *recvbuf, size_t recvbytes, int src,
+                              struct rtp_comm_req **req);
+/* In place, f32 sum over ranks (ring reduce-scatter then all-gather, pipelined). */
+RTP_API int rtp_comm_allreduce(struct rtp_comm *c, float *buf, size_t count,
+                               struct rtp_comm_req **req);
+/* In place: afterwards block rank (rtp_comm_block) of buf holds the sum over ranks of
+ * that block; the rest of buf is scratch. */
+RTP_API int rtp_comm_reduce_scatter(struct rtp_comm *c, float *buf, size_t count,
+                                    struct rtp_comm_req **req);
+/* In place: buf has count elements of elem_size bytes; each rank fills its block
+ * (rtp_comm_block) and afterwards every rank has every block. */
+RTP_API int rtp_comm_allgather(struct rtp_comm *c, void *buf, size_t count, size_t elem_size,
+                               struct rtp_comm_req **req);
+/* root's nbytes of buf to every rank (pipelined along the ring). */
+RTP_API int rtp_comm_broadcast(struct rtp_comm *c, void *buf, size_t nbytes, int root,
+                               struct rtp_comm_req **req);
+RTP_API int rtp_comm_barrier(struct rtp_comm *c, struct rtp_comm_req **req);
+
+/* Waits for req, gives it back to the pool, returns its status. */
+RTP_API int rtp_comm_wait(struct rtp_comm_req *req);
+/* As rtp_comm_wait, but RTP_ETIMEDOUT after timeout_ms with req still pending. */
+RTP_API int rtp_comm_wait_for(struct rtp_comm_req *req, int timeout_ms);
+/* *done = whether req completed; if so it is given back and its status returned. */
+RTP_API int rtp_comm_test(struct rtp_comm_req *req, bool *done);
+/* RTP-COMM-END */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* RTP_H */
