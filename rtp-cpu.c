@@ -1,6 +1,9 @@
 /* rtp-cpu.c - the CPU backend: one kernel per op. Every kernel is called by all threads
  * of the pool with its thread index and splits the work itself, so results do not
- * depend on scheduling: sums always run in the same order for a given thread count. */
+ * depend on scheduling: sums always run in the same order for a given thread count.
+ * Loop bounds are read into locals first: the build allows any pointer to alias (for
+ * type punning), so a bound read through the tensor header inside a loop that stores
+ * floats would be reloaded every iteration and the loop would not vectorise. */
 #include "rtp-impl.h"
 
 #include <math.h>
@@ -27,6 +30,35 @@ static char *bcast_row_ptr(const struct rtp_tensor *b, const int64_t *ne, int64_
          (i3 % b->ne[3]) * b->nb[3];
 }
 
+/* exp(x) for float, branch-free so loops over it vectorise (libm's expf does not):
+ * x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 polynomial, 2^n by exponent bits.
+ * Relative error below 2e-7 over the clamped range. */
+static inline float fast_expf(float x) {
+  x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+  /* Adding 1.5 * 2^23 rounds to an integer in plain float arithmetic. */
+  float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float r = x - n * 0.693145751953125f;
+  r = r - n * 1.428606765330187e-06f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+/* tanh through exp; |u| is clamped where tanh is 1 to float precision. */
+static inline float fast_tanhf(float u) {
+  u = u < -9.0f ? -9.0f : u > 9.0f ? 9.0f : u;
+  float e = fast_expf(2.0f * u);
+  return (e - 1.0f) / (e + 1.0f);
+}
+
 static void report(const struct rtp_compute_params *p, int status) {
   __atomic_store_n(p->status, status, __ATOMIC_RELAXED);
 }
@@ -34,6 +66,7 @@ static void report(const struct rtp_compute_params *p, int status) {
 /* ---- copies and elementwise ----------------------------------------------------- */
 
 static void k_dup(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  const int64_t ne0 = t->ne[0];
   const struct rtp_tensor *a = t->src[0];
   int64_t r0, r1;
   split(rtp_nrows(t), p, &r0, &r1);
@@ -43,7 +76,7 @@ static void k_dup(const struct rtp_compute_params *p, struct rtp_tensor *t) {
     if (a->nb[0] == 4)
       memcpy(dst, src, (size_t)t->ne[0] * 4);
     else
-      for (int64_t i = 0; i < t->ne[0]; i++) dst[i] = *(const uint32_t *)(src + i * a->nb[0]);
+      for (int64_t i = 0; i < ne0; i++) dst[i] = *(const uint32_t *)(src + i * a->nb[0]);
   }
 }
 
@@ -79,26 +112,28 @@ static void k_binary(const struct rtp_compute_params *p, struct rtp_tensor *t) {
 }
 
 static void k_scale(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  const int64_t ne0 = t->ne[0];
   float s = rtp__get_param_f32(t, 0);
   int64_t r0, r1;
   split(rtp_nrows(t), p, &r0, &r1);
   for (int64_t r = r0; r < r1; r++) {
     float *y = (float *)row_ptr(t, r);
     const float *x = (const float *)row_ptr(t->src[0], r);
-    for (int64_t i = 0; i < t->ne[0]; i++) y[i] = x[i] * s;
+    for (int64_t i = 0; i < ne0; i++) y[i] = x[i] * s;
   }
 }
 
 /* Each thread sums its rows in double; thread 0 adds the partial sums in order. */
 static void k_sum(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   const struct rtp_tensor *a = t->src[0];
+  const int64_t ne0 = a->ne[0];
   double *part = p->work;
   int64_t r0, r1;
   split(rtp_nrows(a), p, &r0, &r1);
   double s = 0;
   for (int64_t r = r0; r < r1; r++) {
     const float *x = (const float *)row_ptr(a, r);
-    for (int64_t i = 0; i < a->ne[0]; i++) s += x[i];
+    for (int64_t i = 0; i < ne0; i++) s += x[i];
   }
   part[p->ith] = s;
   rtp__barrier(p);
@@ -110,6 +145,7 @@ static void k_sum(const struct rtp_compute_params *p, struct rtp_tensor *t) {
 }
 
 static void k_repeat(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  const int64_t ne0 = t->ne[0];
   const struct rtp_tensor *a = t->src[0];
   int64_t r0, r1;
   split(rtp_nrows(t), p, &r0, &r1);
@@ -119,7 +155,7 @@ static void k_repeat(const struct rtp_compute_params *p, struct rtp_tensor *t) {
     if (a->ne[0] == t->ne[0])
       memcpy(y, x, (size_t)t->ne[0] * sizeof(float));
     else
-      for (int64_t i = 0; i < t->ne[0]; i++) y[i] = x[0];
+      for (int64_t i = 0; i < ne0; i++) y[i] = x[0];
   }
 }
 
@@ -127,6 +163,7 @@ static void k_repeat(const struct rtp_compute_params *p, struct rtp_tensor *t) {
  * has more than one, so no two threads write the same element. */
 static void k_repeat_back(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   const struct rtp_tensor *a = t->src[0];
+  const int64_t ne0 = a->ne[0];
   int64_t n_out = rtp_nrows(t), n_in = rtp_nrows(a);
   if (t->ne[0] == a->ne[0] && t->ne[0] > 1) {
     int64_t c0, c1;
@@ -144,7 +181,7 @@ static void k_repeat_back(const struct rtp_compute_params *p, struct rtp_tensor 
   for (int64_t r = 0; r < n_in; r++) {
     float *y = (float *)bcast_row_ptr(t, a->ne, r);
     const float *x = (const float *)row_ptr(a, r);
-    for (int64_t i = 0; i < a->ne[0]; i++) y[t->ne[0] == 1 ? 0 : i] += x[i];
+    for (int64_t i = 0; i < ne0; i++) y[t->ne[0] == 1 ? 0 : i] += x[i];
   }
 }
 
@@ -224,28 +261,30 @@ static void k_norm_back(const struct rtp_compute_params *p, struct rtp_tensor *t
 #define GELU_C 0.7978845608028654f /* sqrt(2 / pi) */
 
 static void k_gelu(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  const int64_t ne0 = t->ne[0];
   int64_t r0, r1;
   split(rtp_nrows(t), p, &r0, &r1);
   for (int64_t r = r0; r < r1; r++) {
     const float *x = (const float *)row_ptr(t->src[0], r);
     float *y = (float *)row_ptr(t, r);
-    for (int64_t i = 0; i < t->ne[0]; i++) {
+    for (int64_t i = 0; i < ne0; i++) {
       float v = x[i];
-      y[i] = 0.5f * v * (1.0f + tanhf(GELU_C * (v + 0.044715f * v * v * v)));
+      y[i] = 0.5f * v * (1.0f + fast_tanhf(GELU_C * (v + 0.044715f * v * v * v)));
     }
   }
 }
 
 static void k_gelu_back(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  const int64_t ne0 = t->ne[0];
   int64_t r0, r1;
   split(rtp_nrows(t), p, &r0, &r1);
   for (int64_t r = r0; r < r1; r++) {
     const float *dy = (const float *)row_ptr(t->src[0], r);
     const float *x = (const float *)row_ptr(t->src[1], r);
     float *dx = (float *)row_ptr(t, r);
-    for (int64_t i = 0; i < t->ne[0]; i++) {
+    for (int64_t i = 0; i < ne0; i++) {
       float v = x[i], u = GELU_C * (v + 0.044715f * v * v * v);
-      float th = tanhf(u), du = GELU_C * (1.0f + 3.0f * 0.044715f * v * v);
+      float th = fast_tanhf(u), du = GELU_C * (1.0f + 3.0f * 0.044715f * v * v);
       dx[i] = dy[i] * (0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * du);
     }
   }
@@ -260,14 +299,11 @@ static void k_soft_max(const struct rtp_compute_params *p, struct rtp_tensor *t)
     const float *x = (const float *)row_ptr(t->src[0], r);
     float *y = (float *)row_ptr(t, r);
     int64_t len = causal ? r % t->ne[1] + (n - t->ne[1]) + 1 : n;
-    float mx = -INFINITY;
+    float mx = -INFINITY, s = 0.0f;
     for (int64_t i = 0; i < len; i++) mx = fmaxf(mx, x[i] * scale);
-    double s = 0;
-    for (int64_t i = 0; i < len; i++) {
-      y[i] = expf(x[i] * scale - mx);
-      s += y[i];
-    }
-    float inv = (float)(1.0 / s);
+    for (int64_t i = 0; i < len; i++) y[i] = fast_expf(x[i] * scale - mx);
+    for (int64_t i = 0; i < len; i++) s += y[i];
+    float inv = 1.0f / s;
     for (int64_t i = 0; i < len; i++) y[i] *= inv;
     for (int64_t i = len; i < n; i++) y[i] = 0.0f;
   }
@@ -275,6 +311,7 @@ static void k_soft_max(const struct rtp_compute_params *p, struct rtp_tensor *t)
 
 /* dx = scale * y * (dy - sum(dy * y)) */
 static void k_soft_max_back(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  const int64_t ne0 = t->ne[0];
   float scale = rtp__get_param_f32(t, 0);
   int64_t r0, r1;
   split(rtp_nrows(t), p, &r0, &r1);
@@ -283,8 +320,8 @@ static void k_soft_max_back(const struct rtp_compute_params *p, struct rtp_tenso
     const float *y = (const float *)row_ptr(t->src[1], r);
     float *dx = (float *)row_ptr(t, r);
     double dot = 0;
-    for (int64_t i = 0; i < t->ne[0]; i++) dot += dy[i] * y[i];
-    for (int64_t i = 0; i < t->ne[0]; i++) dx[i] = scale * y[i] * (dy[i] - (float)dot);
+    for (int64_t i = 0; i < ne0; i++) dot += dy[i] * y[i];
+    for (int64_t i = 0; i < ne0; i++) dx[i] = scale * y[i] * (dy[i] - (float)dot);
   }
 }
 
@@ -374,6 +411,7 @@ static void k_cross_entropy_back(const struct rtp_compute_params *p, struct rtp_
 /* t = base (or zeros), then src[0] added into the view (nb, offset) of t. */
 static void k_acc(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   const struct rtp_tensor *b = t->src[0], *base = t->src[1];
+  const int64_t ne0 = b->ne[0];
   size_t bytes = rtp_nbytes(t), c0 = bytes * p->ith / p->nth / 4 * 4;
   size_t c1 = p->ith == p->nth - 1 ? bytes : bytes * (p->ith + 1) / p->nth / 4 * 4;
   if (base)
@@ -389,11 +427,12 @@ static void k_acc(const struct rtp_compute_params *p, struct rtp_tensor *t) {
     int64_t i1 = r % b->ne[1], i2 = r / b->ne[1] % b->ne[2], i3 = r / b->ne[1] / b->ne[2];
     float *y = (float *)(DATA(t) + offs + i1 * nb1 + i2 * nb2 + i3 * nb3);
     const float *x = (const float *)row_ptr(b, r);
-    for (int64_t i = 0; i < b->ne[0]; i++) y[i] += x[i];
+    for (int64_t i = 0; i < ne0; i++) y[i] += x[i];
   }
 }
 
 static void k_concat(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  const int64_t ne0 = t->ne[0];
   const struct rtp_tensor *a = t->src[0], *b = t->src[1];
   int dim = t->op_params[0];
   int64_t r0, r1;
@@ -401,7 +440,7 @@ static void k_concat(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   for (int64_t r = r0; r < r1; r++) {
     int64_t idx[4] = {0, r % t->ne[1], r / t->ne[1] % t->ne[2], r / t->ne[1] / t->ne[2]};
     uint32_t *y = (uint32_t *)row_ptr(t, r);
-    for (int64_t i = 0; i < t->ne[0]; i++) {
+    for (int64_t i = 0; i < ne0; i++) {
       idx[0] = i;
       const struct rtp_tensor *s = idx[dim] < a->ne[dim] ? a : b;
       int64_t j[4] = {idx[0], idx[1], idx[2], idx[3]};

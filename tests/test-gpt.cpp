@@ -115,8 +115,20 @@ TEST_P(GptVsTorch, AdamSteps) {
   EXPECT_EQ(rtp_optimizer_steps(opt), 5);
   for (int i = 0; i < f.m.n_params; i++) {
     rtp_tensor *p = f.m.params[i];
-    std::vector<float> want = f.ref(std::string("adam.") + p->name, rtp_nelements(p));
-    EXPECT_LE(rel_err((float *)p->data, want.data(), rtp_nelements(p)), 1e-4) << p->name;
+    int64_t n = rtp_nelements(p);
+    std::vector<float> want = f.ref(std::string("adam.") + p->name, n);
+    std::vector<float> grad = f.ref(std::string("grad.") + p->name, n);
+    // Adam divides by sqrt(v): where the true gradient is exactly zero (the key bias:
+    // softmax ignores a constant added to a row of scores) it turns float rounding into
+    // full-size steps, in PyTorch's float32 as in ours. Such elements are left out.
+    double gmax = 0;
+    for (float v : grad) gmax = std::fmax(gmax, std::fabs(v));
+    std::vector<float> got((float *)p->data, (float *)p->data + n);
+    int64_t skipped = 0;
+    for (int64_t j = 0; j < n; j++)
+      if (std::fabs(grad[j]) <= 1e-9 * gmax) got[j] = want[j], skipped++;
+    EXPECT_LT(skipped, n) << p->name;
+    EXPECT_LE(rel_err(got.data(), want.data(), n), 1e-4) << p->name;
   }
   rtp_threadpool_free(tp);
 }

@@ -1,0 +1,198 @@
+/* bench-core: GEMM through the library next to direct cblas_sgemm for the shapes of the
+ * `small` model's forward and backward, and one full training step of the `small` model,
+ * on 1 and 2 threads. Prints JSON lines; ratios are measured side by side in one run.
+ *
+ *   bench-core [--batch B] [--threads "1 2"] [--reps R] [--steps S]
+ */
+#include <cblas.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "gpt.h"
+#include "rtp.h"
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void fill(float *p, int64_t n, unsigned seed) {
+  for (int64_t i = 0; i < n; i++) {
+    seed = seed * 1664525u + 1013904223u;
+    p[i] = (float)(seed >> 8) / 16777216.0f - 0.5f;
+  }
+}
+
+/* One GEMM of the model: C{M, N} = B{K, N} . A{K, M}^T, with either operand optionally
+ * transposed as the backward pass uses them. */
+struct shape {
+  const char *name;
+  int64_t m, n, k;
+  bool a_t, b_t; /* operand stored transposed ({M, K} / {N, K}) and viewed back */
+};
+
+static double time_best(double (*run)(void *), void *arg, int reps) {
+  double best = 1e30;
+  run(arg); /* warm-up */
+  for (int r = 0; r < reps; r++) {
+    double t = run(arg);
+    if (t < best) best = t;
+  }
+  return best;
+}
+
+struct lib_gemm {
+  struct rtp_graph *g;
+  struct rtp_threadpool *tp;
+};
+
+static double run_lib(void *arg) {
+  struct lib_gemm *lg = arg;
+  double t0 = now_s();
+  if (rtp_graph_compute(lg->g, lg->tp)) {
+    fprintf(stderr, "bench-core: %s\n", rtp_last_error());
+    exit(1);
+  }
+  return now_s() - t0;
+}
+
+struct direct_gemm {
+  const struct shape *s;
+  const float *a, *b;
+  float *c;
+};
+
+/* The same product straight to CBLAS: row-major C[N][M] = B[N][K] . A[M][K]^T. */
+static double run_direct(void *arg) {
+  struct direct_gemm *d = arg;
+  const struct shape *s = d->s;
+  double t0 = now_s();
+  cblas_sgemm(CblasRowMajor, s->b_t ? CblasTrans : CblasNoTrans, s->a_t ? CblasNoTrans : CblasTrans,
+              (int)s->n, (int)s->m, (int)s->k, 1.0f, d->b, s->b_t ? (int)s->n : (int)s->k, d->a,
+              s->a_t ? (int)s->m : (int)s->k, 0.0f, d->c, (int)s->m);
+  return now_s() - t0;
+}
+
+static double bench_gemm(const struct shape *s, int threads, int reps) {
+  struct rtp_init_params ip = {(size_t)(s->m * s->k + s->n * s->k + s->m * s->n) * 4 + (16 << 20),
+                               NULL, false};
+  struct rtp_context *ctx = rtp_init(ip);
+  struct rtp_tensor *a = s->a_t ? rtp_new_tensor_2d(ctx, RTP_TYPE_F32, s->m, s->k)
+                                : rtp_new_tensor_2d(ctx, RTP_TYPE_F32, s->k, s->m);
+  struct rtp_tensor *b = s->b_t ? rtp_new_tensor_2d(ctx, RTP_TYPE_F32, s->n, s->k)
+                                : rtp_new_tensor_2d(ctx, RTP_TYPE_F32, s->k, s->n);
+  fill(a->data, rtp_nelements(a), 1);
+  fill(b->data, rtp_nelements(b), 2);
+  struct rtp_tensor *c = rtp_mul_mat(ctx, s->a_t ? rtp_transpose(ctx, a) : a,
+                                     s->b_t ? rtp_transpose(ctx, b) : b);
+  rtp_set_output(c);
+  struct rtp_graph *g = rtp_graph_new(ctx, 16);
+  if (rtp_graph_build(g, c) || rtp_graph_plan(ctx, g)) {
+    fprintf(stderr, "bench-core: %s\n", rtp_last_error());
+    exit(1);
+  }
+  struct lib_gemm lg = {g, rtp_threadpool_new(threads)};
+  double t_lib = time_best(run_lib, &lg, reps);
+  float *cd = malloc((size_t)(s->m * s->n) * 4);
+  struct direct_gemm dg = {s, a->data, b->data, cd};
+  openblas_set_num_threads(threads);
+  double t_direct = time_best(run_direct, &dg, reps);
+  openblas_set_num_threads(1);
+  double flops = 2.0 * (double)s->m * (double)s->n * (double)s->k;
+  printf("{\"bench\":\"gemm\",\"shape\":\"%s\",\"m\":%lld,\"n\":%lld,\"k\":%lld,\"threads\":%d,"
+         "\"lib_gflops\":%.2f,\"cblas_gflops\":%.2f,\"ratio\":%.3f}\n",
+         s->name, (long long)s->m, (long long)s->n, (long long)s->k, threads,
+         flops / t_lib * 1e-9, flops / t_direct * 1e-9, t_direct / t_lib);
+  fflush(stdout);
+  free(cd);
+  rtp_threadpool_free(lg.tp);
+  rtp_free(ctx);
+  return flops / t_direct;
+}
+
+static void bench_step(struct gpt_config cfg, int batch, int threads, int steps,
+                       double gemm_rate) {
+  struct rtp_init_params ip = {gpt_arena_size(cfg, batch), NULL, false};
+  struct rtp_context *ctx = rtp_init(ip);
+  struct gpt m;
+  struct rtp_graph *g = rtp_graph_new(ctx, 8192);
+  if (!ctx || gpt_build(ctx, &m, cfg, batch) || rtp_graph_build(g, m.loss) ||
+      rtp_build_backward(ctx, g, m.loss) || rtp_graph_plan(ctx, g)) {
+    fprintf(stderr, "bench-core: %s\n", rtp_last_error());
+    exit(1);
+  }
+  gpt_init_weights(&m, 1);
+  struct rtp_optimizer *opt = rtp_optimizer_new(ctx, g, rtp_adamw_default());
+  int32_t *idx = m.idx->data, *tgt = m.targets->data;
+  for (int64_t i = 0; i < rtp_nelements(m.idx); i++) idx[i] = tgt[i] = (int32_t)(i * 7 % 256);
+  struct rtp_threadpool *tp = rtp_threadpool_new(threads);
+  double best = 1e30;
+  for (int s = 0; s <= steps; s++) {
+    double t0 = now_s();
+    if (rtp_graph_compute(g, tp) || rtp_optimizer_step(opt, tp)) {
+      fprintf(stderr, "bench-core: %s\n", rtp_last_error());
+      exit(1);
+    }
+    double t = now_s() - t0;
+    if (s > 0 && t < best) best = t; /* step 0 warms caches and pages */
+  }
+  struct rtp_mem_report r;
+  rtp_mem_report_get(ctx, &r);
+  double tokens = (double)cfg.seq_len * batch, flops = gpt_step_flops(cfg, batch);
+  printf("{\"bench\":\"step\",\"model\":\"small\",\"batch\":%d,\"threads\":%d,\"ms\":%.1f,"
+         "\"tokens_per_s\":%.0f,\"gflops\":%.2f,\"gemm_gflops\":%.2f,\"fraction_of_gemm\":%.3f,"
+         "\"params\":%lld,\"activation_bytes\":%zu,\"activation_sum\":%zu}\n",
+         batch, threads, best * 1e3, tokens / best, flops / best * 1e-9, gemm_rate * 1e-9,
+         flops / best / gemm_rate, (long long)gpt_n_params(cfg), r.bytes[RTP_ROLE_ACTIVATION],
+         r.activation_sum);
+  fflush(stdout);
+  rtp_threadpool_free(tp);
+  rtp_free(ctx);
+}
+
+int main(int argc, char **argv) {
+  int batch = 8, reps = 5, steps = 3;
+  const char *threads_arg = "1 2";
+  for (int i = 1; i < argc; i++) {
+    if (!strcmp(argv[i], "--batch") && i + 1 < argc)
+      batch = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--threads") && i + 1 < argc)
+      threads_arg = argv[++i];
+    else if (!strcmp(argv[i], "--reps") && i + 1 < argc)
+      reps = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--steps") && i + 1 < argc)
+      steps = atoi(argv[++i]);
+    else {
+      fprintf(stderr, "usage: bench-core [--batch B] [--threads \"1 2\"] [--reps R] [--steps S]\n");
+      return 2;
+    }
+  }
+  struct gpt_config cfg = gpt_config_small();
+  int64_t d = cfg.d_model, V = cfg.vocab, N = (int64_t)cfg.seq_len * batch;
+  /* Forward: y = x W^T. Backward: dx = dy W (W viewed transposed), dW = dy^T x. */
+  const struct shape shapes[] = {
+      {"c_attn.fwd", 3 * d, N, d, false, false},     {"c_attn.dx", d, N, 3 * d, true, false},
+      {"c_attn.dw", d, 3 * d, N, true, true},        {"c_proj.fwd", d, N, d, false, false},
+      {"c_fc.fwd", 4 * d, N, d, false, false},       {"c_fc.dx", d, N, 4 * d, true, false},
+      {"c_fc.dw", d, 4 * d, N, true, true},          {"mlp.c_proj.fwd", d, N, 4 * d, false, false},
+      {"mlp.c_proj.dw", 4 * d, d, N, true, true},    {"lm_head.fwd", V, N, d, false, false},
+  };
+  int n_shapes = (int)(sizeof(shapes) / sizeof(shapes[0]));
+  char buf[64];
+  snprintf(buf, sizeof(buf), "%s", threads_arg);
+  for (char *tok = strtok(buf, " ,"); tok; tok = strtok(NULL, " ,")) {
+    int threads = atoi(tok);
+    double flops = 0, secs = 0;
+    for (int i = 0; i < n_shapes; i++) {
+      double rate = bench_gemm(&shapes[i], threads, reps);
+      double f = 2.0 * (double)shapes[i].m * (double)shapes[i].n * (double)shapes[i].k;
+      flops += f;
+      secs += f / rate;
+    }
+    bench_step(cfg, batch, threads, steps, flops / secs);
+  }
+  return 0;
+}
