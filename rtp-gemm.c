@@ -8,21 +8,27 @@
 #include <cblas.h>
 #endif
 
-/* The portable kernel works on panels: NC columns of Y (transposed and packed) by KC
- * steps of k, then rows of X four at a time against 16 packed columns, an inner loop
- * of independent multiply-adds that vectorises without reassociating sums. */
+/* The portable kernel works on panels: NC columns of Y by KC steps of k, packed; then
+ * four rows of X, packed, against 16 columns at a time: an inner loop of independent
+ * multiply-adds that vectorises without reassociating sums. Packing both operands
+ * makes the speed independent of how they are laid out. */
 enum { MR = 4, NR = 16, KC = 256, NC = 128 };
 
-static void micro_kernel(int64_t mr, int64_t kc, const float *x, int64_t x_row, int64_t x_k,
-                         const float *yp, float *c, int64_t ldc, int64_t nr, bool first) {
-  float acc[MR][NR];
+static void micro_kernel(int64_t mr, int64_t kc, const float *xp, const float *yp, float *c,
+                         int64_t ldc, int64_t nr, bool first) {
+  float a0[NR], a1[NR], a2[NR], a3[NR];
+  float *acc[MR] = {a0, a1, a2, a3};
   for (int r = 0; r < MR; r++)
     for (int j = 0; j < NR; j++) acc[r][j] = (!first && r < mr && j < nr) ? c[r * ldc + j] : 0;
+  /* One row of Y against four broadcast values of X: the j loop is the vector. */
   for (int64_t k = 0; k < kc; k++) {
     const float *yk = yp + k * NR;
-    for (int r = 0; r < MR; r++) {
-      float xv = r < mr ? x[r * x_row + k * x_k] : 0.0f;
-      for (int j = 0; j < NR; j++) acc[r][j] += xv * yk[j];
+    float x0 = xp[k * MR], x1 = xp[k * MR + 1], x2 = xp[k * MR + 2], x3 = xp[k * MR + 3];
+    for (int j = 0; j < NR; j++) {
+      a0[j] += x0 * yk[j];
+      a1[j] += x1 * yk[j];
+      a2[j] += x2 * yk[j];
+      a3[j] += x3 * yk[j];
     }
   }
   for (int64_t r = 0; r < mr; r++)
@@ -33,6 +39,7 @@ void rtp__gemm_fallback(int64_t m, int64_t n, int64_t k, const float *x, int64_t
                         int64_t x_k, const float *y, int64_t y_row, int64_t y_k, float *c,
                         int64_t ldc) {
   float yp[KC * NC] __attribute__((aligned(64)));
+  float xp[KC * MR] __attribute__((aligned(64)));
   if (k == 0) {
     for (int64_t i = 0; i < m; i++) memset(c + i * ldc, 0, (size_t)n * sizeof(float));
     return;
@@ -49,9 +56,12 @@ void rtp__gemm_fallback(int64_t m, int64_t n, int64_t k, const float *x, int64_t
                 js + j < nc ? y[(j0 + js + j) * y_row + (k0 + kk) * y_k] : 0.0f;
       for (int64_t i0 = 0; i0 < m; i0 += MR) {
         int64_t mr = m - i0 < MR ? m - i0 : MR;
+        for (int64_t kk = 0; kk < kc; kk++)
+          for (int64_t r = 0; r < MR; r++)
+            xp[kk * MR + r] = r < mr ? x[(i0 + r) * x_row + (k0 + kk) * x_k] : 0.0f;
         for (int64_t js = 0; js < nc; js += NR)
-          micro_kernel(mr, kc, x + i0 * x_row + k0 * x_k, x_row, x_k, yp + js * kc,
-                       c + i0 * ldc + j0 + js, ldc, nc - js < NR ? nc - js : NR, k0 == 0);
+          micro_kernel(mr, kc, xp, yp + js * kc, c + i0 * ldc + j0 + js, ldc,
+                       nc - js < NR ? nc - js : NR, k0 == 0);
       }
     }
   }

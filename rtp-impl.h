@@ -22,7 +22,11 @@ void rtp__log(int level, const char *fmt, ...) RTP_PRINTF(2, 3);
   do {                                                                       \
     if (!(x)) rtp__abort(__FILE__, __LINE__, #x);                            \
   } while (0)
+#ifdef __cplusplus /* tests include this header to reach internal kernels */
+[[noreturn]] void rtp__abort(const char *file, int line, const char *what);
+#else
 _Noreturn void rtp__abort(const char *file, int line, const char *what);
+#endif
 
 /* ---- rtp.c: context, tensors, builders ---- */
 int rtp__ctx_error(struct rtp_context *ctx, int status, const char *fmt, ...) RTP_PRINTF(3, 4);

@@ -11,6 +11,7 @@
 #include <time.h>
 
 #include "gpt.h"
+#include "rtp-impl.h"
 #include "rtp.h"
 
 static double now_s(void) {
@@ -65,6 +66,16 @@ struct direct_gemm {
   float *c;
 };
 
+/* The built-in kernel the library uses when built without CBLAS (single thread). */
+static double run_fallback(void *arg) {
+  struct direct_gemm *d = arg;
+  const struct shape *s = d->s;
+  double t0 = now_s();
+  rtp__gemm_fallback(s->n, s->m, s->k, d->b, s->b_t ? 1 : s->k, s->b_t ? s->n : 1, d->a,
+                     s->a_t ? 1 : s->k, s->a_t ? s->m : 1, d->c, s->m);
+  return now_s() - t0;
+}
+
 /* The same product straight to CBLAS: row-major C[N][M] = B[N][K] . A[M][K]^T. */
 static double run_direct(void *arg) {
   struct direct_gemm *d = arg;
@@ -101,11 +112,14 @@ static double bench_gemm(const struct shape *s, int threads, int reps) {
   openblas_set_num_threads(threads);
   double t_direct = time_best(run_direct, &dg, reps);
   openblas_set_num_threads(1);
+  double t_fallback = threads == 1 ? time_best(run_fallback, &dg, 1) : 0;
   double flops = 2.0 * (double)s->m * (double)s->n * (double)s->k;
   printf("{\"bench\":\"gemm\",\"shape\":\"%s\",\"m\":%lld,\"n\":%lld,\"k\":%lld,\"threads\":%d,"
-         "\"lib_gflops\":%.2f,\"cblas_gflops\":%.2f,\"ratio\":%.3f}\n",
+         "\"lib_gflops\":%.2f,\"cblas_gflops\":%.2f,\"ratio\":%.3f",
          s->name, (long long)s->m, (long long)s->n, (long long)s->k, threads,
          flops / t_lib * 1e-9, flops / t_direct * 1e-9, t_direct / t_lib);
+  if (t_fallback > 0) printf(",\"fallback_gflops\":%.2f", flops / t_fallback * 1e-9);
+  printf("}\n");
   fflush(stdout);
   free(cd);
   rtp_threadpool_free(lg.tp);
