@@ -78,8 +78,10 @@ static int fl_free(struct free_list *fl, struct block blk) {
   return RTP_OK;
 }
 
+/* Nodes with a view_src (views, and communication nodes that fill another tensor's
+ * memory) live in their source's memory. */
 static bool is_planned(const struct rtp_tensor *t) {
-  return t->op != RTP_OP_NONE && !rtp__is_view_op(t->op) && !t->data;
+  return t->op != RTP_OP_NONE && !t->view_src && !t->data;
 }
 
 static const struct rtp_tensor *base_of(const struct rtp_tensor *t) {
@@ -90,19 +92,40 @@ static int node_index(const struct rtp_tensor *t) {
   return (int)(intptr_t)t->extra - 1; /* -1 for leafs */
 }
 
+/* The communication node whose result t is (through views), or NULL. */
+static const struct rtp_tensor *comm_source(const struct rtp_tensor *t) {
+  while (t && rtp__is_view_op(t->op)) t = t->src[0];
+  return t && t->op == RTP_OP_COMM ? t : NULL;
+}
+
 /* The index of the last node that reads each node, through any chain of views (a view's
- * data is its base's); outputs, and the bases of output views, live to the end. */
-static void compute_last_use(const struct rtp_graph *g, int *last) {
-  for (int i = 0; i < g->n_nodes; i++) last[i] = i;
-  for (int i = 0; i < g->n_nodes; i++) {
+ * data is its base's); outputs, and the bases of output views, live to the end. A
+ * transfer is waited for only where its result is first read (or at the end), so what
+ * it reads must stay in place until then. first_read is scratch of n ints. */
+static void compute_last_use(const struct rtp_graph *g, int *last, int *first_read) {
+  int n = g->n_nodes;
+  for (int i = 0; i < n; i++) last[i] = i, first_read[i] = n;
+  for (int i = 0; i < n; i++) {
     const struct rtp_tensor *t = g->nodes[i];
     for (int s = 0; s < RTP_MAX_SRC; s++) {
-      int j = t->src[s] ? node_index(base_of(t->src[s])) : -1;
+      if (!t->src[s] || (s == RTP_SRC_ORDER && t->op != RTP_OP_COMM)) continue;
+      int j = node_index(base_of(t->src[s]));
       if (j >= 0 && last[j] < i) last[j] = i;
+      const struct rtp_tensor *c = rtp__is_view_op(t->op) ? NULL : comm_source(t->src[s]);
+      int k = c ? node_index(c) : -1;
+      if (k >= 0 && first_read[k] > i) first_read[k] = i;
     }
     if (t->flags & (RTP_FLAG_OUTPUT | RTP_FLAG_LOSS)) {
       int j = node_index(base_of(t));
-      if (j >= 0) last[j] = g->n_nodes;
+      if (j >= 0) last[j] = n;
+    }
+  }
+  for (int i = 0; i < n; i++) {
+    const struct rtp_tensor *t = g->nodes[i];
+    if (t->op != RTP_OP_COMM) continue;
+    for (int s = 0; s < RTP_MAX_SRC; s++) {
+      int j = t->src[s] ? node_index(base_of(t->src[s])) : -1;
+      if (j >= 0 && last[j] < first_read[i]) last[j] = first_read[i];
     }
   }
 }
@@ -111,7 +134,7 @@ int rtp_graph_plan(struct rtp_context *ctx, struct rtp_graph *g) {
   if (!ctx || !g) return rtp__error(RTP_EINVAL, "rtp_graph_plan: NULL argument");
   if (g->plan) return rtp__error(RTP_ESTATE, "rtp_graph_plan: the graph is already planned");
   int n = g->n_nodes;
-  int *last = malloc((size_t)(n ? n : 1) * sizeof(int));
+  int *last = malloc((size_t)(n ? n : 1) * 2 * sizeof(int));
   size_t *offs = malloc((size_t)(n ? n : 1) * sizeof(size_t));
   struct free_list fl = {0};
   int rc = RTP_OK;
@@ -121,7 +144,7 @@ int rtp_graph_plan(struct rtp_context *ctx, struct rtp_graph *g) {
   }
   /* extra holds index + 1 of each node during planning, so sources find their node. */
   for (int i = 0; i < n; i++) g->nodes[i]->extra = (void *)(intptr_t)(i + 1);
-  compute_last_use(g, last);
+  compute_last_use(g, last, last + n);
 
   size_t sum = 0;
   for (int i = 0; i < n && rc == RTP_OK; i++) {

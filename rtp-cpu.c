@@ -333,6 +333,16 @@ static bool index_ok(const struct rtp_compute_params *p, int32_t idx, int64_t n)
   return false;
 }
 
+/* The row of a block of a table that token v names: op_params[0] is the block's first
+ * row and op_params[1] says indices outside it are expected (zero rows, no error). */
+static int64_t block_row(const struct rtp_compute_params *p, const struct rtp_tensor *t,
+                         int32_t v, int64_t rows) {
+  int64_t row = (int64_t)v - t->op_params[0];
+  if (row >= 0 && row < rows) return row;
+  if (!t->op_params[1] || v < 0) report(p, RTP_EINVAL);
+  return -1;
+}
+
 static void k_get_rows(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   const struct rtp_tensor *a = t->src[0];
   const int32_t *idx = t->src[1]->data;
@@ -340,8 +350,9 @@ static void k_get_rows(const struct rtp_compute_params *p, struct rtp_tensor *t)
   split(rtp_nrows(t), p, &r0, &r1);
   for (int64_t r = r0; r < r1; r++) {
     float *y = (float *)row_ptr(t, r);
-    if (index_ok(p, idx[r], a->ne[1]))
-      memcpy(y, DATA(a) + idx[r] * a->nb[1], (size_t)t->ne[0] * 4);
+    int64_t row = block_row(p, t, idx[r], a->ne[1]);
+    if (row >= 0)
+      memcpy(y, DATA(a) + row * a->nb[1], (size_t)t->ne[0] * 4);
     else
       memset(y, 0, (size_t)t->ne[0] * 4);
   }
@@ -355,8 +366,9 @@ static void k_get_rows_back(const struct rtp_compute_params *p, struct rtp_tenso
   split(t->ne[0], p, &c0, &c1);
   for (int64_t v = 0; v < t->ne[1]; v++) memset((float *)row_ptr(t, v) + c0, 0, (size_t)(c1 - c0) * 4);
   for (int64_t r = 0; r < rtp_nrows(dy); r++) {
-    if (!index_ok(p, idx[r], t->ne[1])) continue;
-    float *y = (float *)row_ptr(t, idx[r]);
+    int64_t row = block_row(p, t, idx[r], t->ne[1]);
+    if (row < 0) continue;
+    float *y = (float *)row_ptr(t, row);
     const float *x = (const float *)row_ptr(dy, r);
     for (int64_t i = c0; i < c1; i++) y[i] += x[i];
   }

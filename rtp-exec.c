@@ -135,27 +135,88 @@ void rtp__threadpool_run(struct rtp_threadpool *tp, rtp__job_fn fn, void *arg) {
   pthread_mutex_unlock(&tp->mu);
 }
 
-/* ---- graph execution ------------------------------------------------------------ */
+/* ---- graph execution ------------------------------------------------------------
+ * Communication nodes are posted by thread 0 and left running; their request waits in
+ * the node's `extra` until a later node reads the result. Thread 0 does that wait just
+ * before the barrier that ends the previous node, so every thread starts a node with its
+ * inputs complete. */
 
 struct graph_job {
   struct rtp_graph *g;
   void *work;
   int status;                   /* set by kernels that meet bad data */
   const struct rtp_tensor *bad; /* the first node that did */
+  int comm_status;              /* a failed transfer stops the graph */
+  bool stop;
 };
+
+/* The communication node whose result t is (through any chain of views), or NULL. */
+static struct rtp_tensor *comm_source(struct rtp_tensor *t) {
+  while (t && rtp__is_view_op(t->op)) t = t->src[0];
+  return t && t->op == RTP_OP_COMM ? t : NULL;
+}
+
+static void comm_wait(struct graph_job *job, struct rtp_tensor *c) {
+  if (!c->extra) return;
+  int rc = rtp_comm_wait(c->extra);
+  c->extra = NULL;
+  if (rc && !job->comm_status) job->comm_status = rc;
+}
+
+static void comm_post(struct graph_job *job, struct rtp_tensor *t) {
+  struct rtp_comm *comm = (struct rtp_comm *)(uintptr_t)rtp__get_param_u64(t, 4);
+  struct rtp_comm_req *req = NULL;
+  int rc;
+  if (t->op_params[0] == RTP__COMM_SENDRECV)
+    rc = rtp_comm_sendrecv(comm, t->src[0]->data, rtp_nbytes(t->src[0]), t->op_params[1],
+                           t->data, rtp_nbytes(t), t->op_params[2], &req);
+  else
+    rc = rtp_comm_allreduce(comm, t->data, (size_t)rtp_nelements(t), &req);
+  if (rc) {
+    job->comm_status = rc;
+    return;
+  }
+  t->extra = req;
+}
+
+/* Thread 0, before node t runs: every transfer t reads from must be complete. */
+static void wait_inputs(struct graph_job *job, struct rtp_tensor *t) {
+  for (int s = 0; s < RTP_MAX_SRC; s++) {
+    if (s == RTP_SRC_ORDER && t->op != RTP_OP_COMM) continue; /* order only */
+    struct rtp_tensor *c = t->src[s] ? comm_source(t->src[s]) : NULL;
+    if (c) comm_wait(job, c);
+  }
+}
 
 static void compute_job(const struct rtp_compute_params *base, void *arg) {
   struct graph_job *job = arg;
   struct rtp_compute_params p = *base;
   p.work = job->work;
   p.status = &job->status;
-  for (int i = 0; i < job->g->n_nodes; i++) {
-    struct rtp_tensor *t = job->g->nodes[i];
+  struct rtp_graph *g = job->g;
+  for (int i = 0; i < g->n_nodes; i++) {
+    struct rtp_tensor *t = g->nodes[i];
     if (rtp__is_view_op(t->op)) continue;
-    rtp__compute_forward(&p, t);
+    if (t->op == RTP_OP_COMM) {
+      if (p.ith == 0) comm_post(job, t);
+    } else {
+      rtp__compute_forward(&p, t);
+    }
+    if (p.ith == 0) {
+      if (job->status && !job->bad) job->bad = t;
+      for (int j = i + 1; j < g->n_nodes; j++)
+        if (!rtp__is_view_op(g->nodes[j]->op)) {
+          wait_inputs(job, g->nodes[j]);
+          break;
+        }
+      job->stop = job->comm_status != 0;
+    }
     rtp__barrier(&p);
-    if (p.ith == 0 && job->status && !job->bad) job->bad = t;
+    if (job->stop) break;
   }
+  if (p.ith == 0) /* nothing stays in flight once compute returns */
+    for (int i = 0; i < g->n_nodes; i++)
+      if (g->nodes[i]->op == RTP_OP_COMM) comm_wait(job, g->nodes[i]);
 }
 
 /* Every tensor a kernel touches must have memory: leafs from the arena or the caller. */
@@ -172,8 +233,9 @@ int rtp_graph_compute(struct rtp_graph *g, struct rtp_threadpool *tp) {
   if (!g->plan) return rtp__error(RTP_ESTATE, "rtp_graph_compute: call rtp_graph_plan first");
   int rc = check_ready(g);
   if (rc) return rc;
-  struct graph_job job = {g, rtp__graph_work(g), RTP_OK, NULL};
+  struct graph_job job = {.g = g, .work = rtp__graph_work(g)};
   rtp__threadpool_run(tp, compute_job, &job);
+  if (job.comm_status) return job.comm_status; /* the transport set the message */
   if (job.status) {
     char s[160];
     rtp__shape_str(job.bad, s, sizeof(s));

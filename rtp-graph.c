@@ -235,6 +235,13 @@ static void backward_node(struct backward *bw, struct rtp_tensor *t) {
     case RTP_OP_TRANSPOSE:
       add_grad(bw, a, rtp_cont(ctx, rtp_transpose(ctx, dy)));
       break;
+    case RTP_OP_ROT: {
+      struct rtp_tensor *dx = NULL, *dp = NULL;
+      rtp__rot_backward(ctx, t, dy, needs_grad(bw, a) ? &dx : NULL, &dp);
+      if (dx) add_grad(bw, a, dx);
+      add_grad(bw, b, dp);
+      break;
+    }
     default:
       backward_error(bw, t, "this op has no gradient");
   }
@@ -245,7 +252,7 @@ static void backward_node(struct backward *bw, struct rtp_tensor *t) {
 static struct rtp_tensor *claim_grad(struct backward *bw, struct rtp_tensor *p) {
   struct rtp_tensor *g = p->grad;
   if (!g) return NULL;
-  bool own = g->op != RTP_OP_NONE && !rtp__is_view_op(g->op) && !g->data &&
+  bool own = g->op != RTP_OP_NONE && !g->view_src && !g->data &&
              !(graph_has(bw->go, g) && (*mark_of(bw->go, g) & MARK_GRAD_CLAIMED));
   if (!own) g = rtp_dup(bw->ctx, g);
   if (!g || rtp_graph_build(&bw->go->g, g)) return NULL;

@@ -48,11 +48,33 @@ float rtp__get_param_f32(const struct rtp_tensor *t, int i);
 void rtp__set_param_u64(struct rtp_tensor *t, int i, uint64_t v);
 uint64_t rtp__get_param_u64(const struct rtp_tensor *t, int i);
 
+/* src[3] of a compute node may be an order-only edge: the node runs after it but does
+ * not read it (the executor does not wait for it, the planner does not count it). The
+ * parallel passes use it to lay out their schedules. */
+#define RTP_SRC_ORDER 3
+#define RTP_MAX_WORLD 64
+
+/* What a COMM node does (op_params[0]); op_params[4..5] hold the communicator. */
+enum { RTP__COMM_SENDRECV, RTP__COMM_ALLREDUCE };
+
 /* View ops compute nothing: their data is their source's. */
 static inline bool rtp__is_view_op(enum rtp_op op) {
   return op == RTP_OP_RESHAPE || op == RTP_OP_VIEW || op == RTP_OP_PERMUTE ||
-         op == RTP_OP_TRANSPOSE;
+         op == RTP_OP_TRANSPOSE || op == RTP_OP_ROT;
 }
+
+/* get_rows / get_rows_back on the block of rows [first, first + a's rows) of a larger
+ * table: indices outside the block give zero rows instead of an error. */
+struct rtp_tensor *rtp__get_rows_block(struct rtp_context *ctx, struct rtp_tensor *a,
+                                       struct rtp_tensor *idx, int64_t first);
+struct rtp_tensor *rtp__get_rows_back_block(struct rtp_context *ctx, struct rtp_tensor *dy,
+                                            struct rtp_tensor *idx,
+                                            const struct rtp_tensor *like, int64_t first);
+
+/* ---- rtp-parallel.c ---- */
+/* The backward schedule of a ROT node (an op on a rotated parameter block). */
+void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp_tensor *dy,
+                       struct rtp_tensor **dx, struct rtp_tensor **dp);
 
 /* ---- rtp-gemm.c ---- */
 /* C[m][n] = sum_k A(m,k) * B(n,k) (+ C if accumulate), all f32, where A(m,k) is at

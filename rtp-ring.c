@@ -20,6 +20,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,12 +59,12 @@ enum rc_type {
 };
 enum rc_cls { RC_P2P = 0, RC_COLL = 1 };
 
-#define RC_KIND_MAP(XX)                 \
-  XX(P2P, "send/recv")                  \
-  XX(ALLREDUCE, "allreduce")            \
-  XX(REDUCE_SCATTER, "reduce_scatter")  \
-  XX(ALLGATHER, "allgather")            \
-  XX(BROADCAST, "broadcast")            \
+#define RC_KIND_MAP(XX)                \
+  XX(P2P, "send/recv")                 \
+  XX(ALLREDUCE, "allreduce")           \
+  XX(REDUCE_SCATTER, "reduce_scatter") \
+  XX(ALLGATHER, "allgather")           \
+  XX(BROADCAST, "broadcast")           \
   XX(BARRIER, "barrier")
 
 enum rc_kind {
@@ -169,11 +170,11 @@ enum rc_req_state { RQ_FREE = 0, RQ_QUEUED, RQ_ACTIVE, RQ_DONE };
 
 struct rtp_comm_req {
   struct rtp_comm *comm;
-  struct rtp_comm_req *qnext;                /* free list or submission queue */
-  struct rtp_comm_req *anext, *aprev;        /* active list (comm thread) */
-  int state;                                 /* under c->mu */
-  int status;                                /* under c->mu once done */
-  char msg[RC_MSG];                          /* under c->mu once done */
+  struct rtp_comm_req *qnext;         /* free list or submission queue */
+  struct rtp_comm_req *anext, *aprev; /* active list (comm thread) */
+  int state;                          /* under c->mu */
+  int status;                         /* under c->mu once done */
+  char msg[RC_MSG];                   /* under c->mu once done */
   /* the operation, written by the poster, then read by the comm thread */
   int kind, cls;
   uint64_t seq;    /* what this rank sends: collective number or p2p send number */
@@ -245,6 +246,7 @@ struct rc_link {
   struct rc_cslot *cslots, *cfree;
   bool hb_pending, bye_rx, bye_tx, aborting;
   uint64_t close_at; /* aborting: close by then */
+  uv_shutdown_t shut;
   uint64_t last_rx, last_tx;
 };
 
@@ -517,7 +519,7 @@ static void req_wake_loop(struct rtp_comm *c, struct rtp_comm_req *r) {
 static int post(struct rtp_comm *c, struct rtp_comm_req **out, int kind, int cls, int peer_tx,
                 int peer_rx, const void *sbuf, uint64_t sbytes, void *buf, uint64_t rbytes,
                 uint64_t count, uint64_t esize, int root) {
-  struct rtp_comm_req *r;
+  struct rtp_comm_req *r = NULL;
   pthread_mutex_lock(&c->mu);
   int st = req_take(c, &r);
   if (st < 0) {
@@ -538,7 +540,7 @@ static int post(struct rtp_comm *c, struct rtp_comm_req **out, int kind, int cls
   bool local = c->size == 1 || (kind == RC_K_P2P && peer_tx < 0 && peer_rx < 0);
   if (local) {
     /* world size 1, or a rotation onto oneself: nothing to send */
-    if (kind == RC_K_P2P && sbytes && sbuf != buf) memmove(buf, sbuf, sbytes);
+    if (kind == RC_K_P2P && sbytes && buf && sbuf && sbuf != buf) memmove(buf, sbuf, sbytes);
     req_finish_locked(c, r, RTP_OK, NULL);
   } else {
     if (cls == RC_COLL) {
@@ -607,13 +609,15 @@ int rtp_comm_sendrecv(struct rtp_comm *c, const void *sendbuf, size_t sendbytes,
                       dst, src, c->rank);
   if (dst == c->rank) {
     if (sendbytes != recvbytes)
-      return rtp__error(RTP_EINVAL, "rtp_comm_sendrecv: %zu bytes sent to oneself, %zu "
-                                    "expected", sendbytes, recvbytes);
-    return post(c, req, RC_K_P2P, RC_P2P, -1, -1, sendbuf, sendbytes, recvbuf, recvbytes, 0,
-                1, 0);
+      return rtp__error(RTP_EINVAL,
+                        "rtp_comm_sendrecv: %zu bytes sent to oneself, %zu "
+                        "expected",
+                        sendbytes, recvbytes);
+    return post(c, req, RC_K_P2P, RC_P2P, -1, -1, sendbuf, sendbytes, recvbuf, recvbytes, 0, 1,
+                0);
   }
-  return post(c, req, RC_K_P2P, RC_P2P, dst, src, sendbuf, sendbytes, recvbuf, recvbytes, 0,
-              1, 0);
+  return post(c, req, RC_K_P2P, RC_P2P, dst, src, sendbuf, sendbytes, recvbuf, recvbytes, 0, 1,
+              0);
 }
 
 static int post_ring(struct rtp_comm *c, int kind, void *buf, size_t count, size_t esize,
@@ -622,7 +626,8 @@ static int post_ring(struct rtp_comm *c, int kind, void *buf, size_t count, size
   return post(c, req, kind, RC_COLL, right, left, NULL, 0, buf, 0, count, esize, root);
 }
 
-int rtp_comm_allreduce(struct rtp_comm *c, float *buf, size_t count, struct rtp_comm_req **req) {
+int rtp_comm_allreduce(struct rtp_comm *c, float *buf, size_t count,
+                       struct rtp_comm_req **req) {
   int st;
   if ((st = check_comm(c, "rtp_comm_allreduce")) < 0) return st;
   if (!buf && count) return rtp__error(RTP_EINVAL, "rtp_comm_allreduce: NULL buffer");
@@ -689,6 +694,11 @@ static uint64_t now_ms(struct rtp_comm *c) {
   return uv_now(&c->loop);
 }
 
+static void shutdown_cb(uv_shutdown_t *req, int status) {
+  (void)req;
+  (void)status;
+}
+
 static void cslot_cb(uv_write_t *w, int status) {
   struct rc_cslot *s = (struct rc_cslot *)w;
   struct rc_link *l = s->link;
@@ -696,7 +706,10 @@ static void cslot_cb(uv_write_t *w, int status) {
   if (s->heartbeat) l->hb_pending = false;
   s->next = l->cfree;
   l->cfree = s;
-  if (l->aborting && get32(s->buf) == RC_FRAME_MAGIC && s->buf[5] == RC_T_ABORT) link_close(l);
+  /* after the ABORT, half-close: the peer reads it, then our EOF, and closes */
+  if (l->aborting && status == 0 && get32(s->buf) == RC_FRAME_MAGIC &&
+      s->buf[5] == RC_T_ABORT && l->state != LS_CLOSING)
+    uv_shutdown(&l->shut, (uv_stream_t *)&l->tcp, shutdown_cb);
 }
 
 /* Queues a control frame with an optional payload (<= RC_MSG + 96 bytes). */
@@ -769,8 +782,7 @@ static void comm_fail(struct rtp_comm *c, int status, const char *fmt, ...) {
   for (struct rc_link *l = c->links_all, *nx; l; l = nx) {
     nx = l->next;
     if (l->state == LS_UP && !l->bye_rx && !l->aborting) {
-      uv_read_stop((uv_stream_t *)&l->tcp);
-      l->aborting = true;
+      l->aborting = true; /* reads are discarded from now on */
       l->close_at = now_ms(c) + grace;
       if (send_ctrl(l, &h, msg) < 0) link_close(l);
     } else if (!l->aborting) {
@@ -789,8 +801,7 @@ static void comm_fail(struct rtp_comm *c, int status, const char *fmt, ...) {
 }
 
 /* Fails one request only (a local mistake that leaves the protocol intact). */
-static void req_fail(struct rtp_comm_req *r, int status, const char *fmt, ...)
-    RTP_PRINTF(3, 4);
+static void req_fail(struct rtp_comm_req *r, int status, const char *fmt, ...) RTP_PRINTF(3, 4);
 static void req_fail(struct rtp_comm_req *r, int status, const char *fmt, ...) {
   if (r->fail) return;
   va_list ap;
@@ -814,6 +825,7 @@ static void leg_unlink(struct rc_leg *g) {
   if (g->next) g->next->prev = g->prev;
   g->next = g->prev = NULL;
   g->link = NULL;
+  if (l->bye_rx && !l->tx_legs && !l->rx_legs) link_close(l); /* flushed: let it go */
 }
 
 static void leg_link(struct rc_leg *g, struct rc_link *l) {
@@ -879,7 +891,8 @@ static void data_write_cb(uv_write_t *w, int status) {
   g->inflight--;
   if (status < 0) {
     if (status != UV_ECANCELED)
-      comm_fail(c, RTP_ECOMM, "writing to rank %d failed: %s", g->peer, uv_strerror(status));
+      comm_fail(c, RTP_EPEER, "lost rank %d (%s): %s", g->peer, g->link ? g->link->addr : "?",
+                uv_strerror(status));
     else if (!r->fail) {
       r->fail = c->loop_failed ? c->loop_failed : RTP_ECOMM;
       snprintf(r->fail_msg, sizeof(r->fail_msg), "%s", c->fail_msg);
@@ -1137,6 +1150,11 @@ static void reader_expect(struct rc_link *l, int state, void *ptr, size_t n) {
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
   struct rc_link *l = h->data;
   (void)suggested;
+  if (l->aborting) {
+    buf->base = (char *)l->scratch;
+    buf->len = l->scratch_cap;
+    return;
+  }
   RTP_ASSERT(l->rwant > l->rhave);
   buf->base = (char *)l->rptr + l->rhave;
   size_t n = l->rwant - l->rhave;
@@ -1166,6 +1184,10 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
   struct rc_link *l = s->data;
   (void)buf;
   if (l->state == LS_CLOSING) return;
+  if (l->aborting) {
+    if (nread < 0) link_close(l);
+    return;
+  }
   if (nread < 0) {
     link_lost(l, nread);
     return;
@@ -1311,8 +1333,8 @@ static void link_up(struct rc_link *l) {
 
 static void on_rtr(struct rc_link *l, const struct rc_hdr *h) {
   struct rtp_comm *c = l->comm;
-  struct rc_rtr t = {.kind = h->kind, .cls = h->cls, .seq = h->seq, .total = h->total,
-                     .arg = h->arg};
+  struct rc_rtr t = {
+      .kind = h->kind, .cls = h->cls, .seq = h->seq, .total = h->total, .arg = h->arg};
   for (struct rc_leg *g = l->tx_legs; g; g = g->next) {
     struct rtp_comm_req *r = g->req;
     if (r->cls == h->cls && r->seq == h->seq) {
@@ -1345,8 +1367,9 @@ static void on_data_hdr(struct rc_link *l, const struct rc_hdr *h) {
                           kind_name(r->kind));
   uint64_t k = g->next_k;
   if (k >= g->nframes || h->total != k)
-    return protocol_error(l, "frame %" PRIu64 " of %s #%" PRIu64 " out of sequence (%" PRIu64
-                             " of %" PRIu64 " expected)",
+    return protocol_error(l,
+                          "frame %" PRIu64 " of %s #%" PRIu64 " out of sequence (%" PRIu64
+                          " of %" PRIu64 " expected)",
                           h->total, kind_name(r->kind), h->seq, k, g->nframes);
   uint8_t *ptr;
   uint64_t len;
@@ -1481,14 +1504,23 @@ static void on_hdr(struct rc_link *l) {
       if (h->len) return protocol_error(l, "bad heartbeat");
       reader_expect(l, R_HDR, l->hdrbuf, RC_HDR_SIZE);
       return;
-    case RC_T_BYE:
+    case RC_T_BYE: {
+      /* The peer is gone for good once our writes to it are flushed: requests that
+         still need anything else from it cannot complete. */
       l->bye_rx = true;
-      if ((l->tx_legs || l->rx_legs) && !c->shutting_down)
-        return comm_fail(c, RTP_ECOMM, "rank %d (%s) left (rtp_comm_free) with operations "
-                                       "pending",
+      reader_expect(l, R_HDR, l->hdrbuf, RC_HDR_SIZE);
+      bool stuck = false;
+      for (struct rc_leg *g = l->rx_legs; g; g = g->next) stuck |= g->next_k < g->nframes;
+      for (struct rc_leg *g = l->tx_legs; g; g = g->next)
+        stuck |= !g->ready || g->next_k < g->nframes;
+      if (stuck && !c->shutting_down)
+        return comm_fail(c, RTP_ECOMM,
+                         "rank %d (%s) left (rtp_comm_free) with operations "
+                         "pending",
                          l->rank, l->addr);
-      link_close(l);
+      if (!l->tx_legs && !l->rx_legs) link_close(l);
       return;
+    }
     case RC_T_ABORT:
       if (h->len > RC_MSG) return protocol_error(l, "abort message too long");
       break;
@@ -1559,12 +1591,16 @@ static void on_connection(uv_stream_t *server, int status) {
 
 static void connect_attempt(struct rc_link *l);
 
+static void retry_cb(uv_timer_t *t) {
+  connect_attempt(t->data);
+}
+
 static void retry_closed(uv_handle_t *h) {
   struct rc_link *l = h->data;
   l->tcp_open = false;
   if (--l->nhandles == 0) return link_free(l);
   if (l->state == LS_CLOSING) return;
-  uv_timer_start(&l->retry, (uv_timer_cb)connect_attempt, 100, 0);
+  uv_timer_start(&l->retry, retry_cb, 100, 0);
 }
 
 static void on_connect(uv_connect_t *req, int status) {
@@ -1581,6 +1617,7 @@ static void on_connect(uv_connect_t *req, int status) {
     return;
   }
   tune_socket(&l->tcp);
+  l->state = LS_HANDSHAKE;
   hello_fill(c, l->hs);
   if (send_raw(l, l->hs, RC_HELLO_SIZE) < 0) {
     comm_fail(c, RTP_ECOMM, "handshake with rank %d (%s): write failed", l->rank, l->addr);
@@ -1637,7 +1674,8 @@ static void maybe_finalize(struct rtp_comm *c) {
 static void shutdown_begin(struct rtp_comm *c) {
   if (c->shutting_down) return;
   c->shutting_down = true;
-  c->shutdown_deadline = now_ms(c) + (uint64_t)(c->params.timeout_ms < 5000 ? c->params.timeout_ms : 5000);
+  c->shutdown_deadline =
+      now_ms(c) + (uint64_t)(c->params.timeout_ms < 5000 ? c->params.timeout_ms : 5000);
   for (struct rtp_comm_req *r = c->active, *nx; r; r = nx) {
     nx = r->anext;
     if (!r->fail) {
@@ -1731,7 +1769,8 @@ static void on_tick(uv_timer_t *t) {
     if (!r->fail && now - r->last_progress > timeout) {
       int peer = r->rx.peer >= 0 && r->rx.next_k < r->rx.nframes ? r->rx.peer : r->tx.peer;
       comm_fail(c, RTP_ETIMEDOUT,
-                "%s #%" PRIu64 " made no progress for %d ms: waiting for rank %d (%s) "
+                "%s #%" PRIu64
+                " made no progress for %d ms: waiting for rank %d (%s) "
                 "(did it post the same operations?)",
                 kind_name(r->kind), r->seq, c->params.timeout_ms, peer, peer_addr(c, peer));
       return;
@@ -1739,7 +1778,8 @@ static void on_tick(uv_timer_t *t) {
   }
 }
 
-static int resolve(struct rtp_comm *c, const char *host, int port, struct sockaddr_storage *out) {
+static int resolve(struct rtp_comm *c, const char *host, int port,
+                   struct sockaddr_storage *out) {
   if (parse_ip(host, port, out) == 0) return 0;
   uv_getaddrinfo_t gai;
   struct addrinfo hints;
@@ -1945,8 +1985,9 @@ int rtp_comm_init(const struct rtp_comm_params *pin, struct rtp_comm **out) {
     return rtp__error(RTP_EINVAL, "the local backend has one rank (world size %d asked)",
                       p.world_size);
   if (!local && !p.token[0])
-    return rtp__error(RTP_EINVAL, "the tcp backend needs a job token (RTP_TOKEN; rtp-run "
-                                  "makes one)");
+    return rtp__error(RTP_EINVAL,
+                      "the tcp backend needs a job token (RTP_TOKEN; rtp-run "
+                      "makes one)");
   if (!local && (p.master_port <= 0 || p.master_port > 65535))
     return rtp__error(RTP_EINVAL, "master port %d out of range", p.master_port);
 
@@ -1991,7 +2032,14 @@ int rtp_comm_init(const struct rtp_comm_params *pin, struct rtp_comm **out) {
   c->timer.data = c;
   uv_idle_init(&c->loop, &c->idle);
   c->idle.data = c;
-  if (pthread_create(&c->thread, NULL, comm_thread, c) != 0) {
+  /* The comm thread takes no signals: a write to a dead peer gives EPIPE there rather
+     than a process-killing SIGPIPE, and SIGINT/SIGTERM reach the user's threads. */
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_BLOCK, &all, &old);
+  int prc = pthread_create(&c->thread, NULL, comm_thread, c);
+  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  if (prc != 0) {
     uv_close((uv_handle_t *)&c->async, NULL);
     uv_close((uv_handle_t *)&c->timer, NULL);
     uv_close((uv_handle_t *)&c->idle, NULL);

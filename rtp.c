@@ -565,6 +565,27 @@ struct rtp_tensor *rtp_cross_entropy(struct rtp_context *ctx, struct rtp_tensor 
                        logits, targets);
 }
 
+struct rtp_tensor *rtp__get_rows_block(struct rtp_context *ctx, struct rtp_tensor *a,
+                                       struct rtp_tensor *idx, int64_t first) {
+  struct rtp_tensor *t = rtp_get_rows(ctx, a, idx);
+  if (t) {
+    t->op_params[0] = (int32_t)first;
+    t->op_params[1] = 1;
+  }
+  return t;
+}
+
+struct rtp_tensor *rtp__get_rows_back_block(struct rtp_context *ctx, struct rtp_tensor *dy,
+                                            struct rtp_tensor *idx,
+                                            const struct rtp_tensor *like, int64_t first) {
+  struct rtp_tensor *t = rtp__op3(ctx, RTP_OP_GET_ROWS_BACK, like->ne, dy, idx, NULL);
+  if (t) {
+    t->op_params[0] = (int32_t)first;
+    t->op_params[1] = 1;
+  }
+  return t;
+}
+
 /* Largest byte offset + 1 that a tensor of shape ne with strides nb touches. */
 static size_t extent(const int64_t *ne, const size_t *nb, size_t elem) {
   size_t n = elem;
@@ -740,5 +761,51 @@ struct rtp_tensor *rtp__op3(struct rtp_context *ctx, enum rtp_op op, const int64
   if (!inputs_ok(ctx, rtp_op_name(op), a, b, true)) return NULL;
   struct rtp_tensor *t = rtp__new_node(ctx, op, RTP_TYPE_F32, ne, a, b);
   if (t) t->src[2] = c;
+  return t;
+}
+
+/* ---- communication nodes ------------------------------------------------------------ */
+
+/* A node that fills (or sums in place) the memory of `buf` when the executor posts it. */
+static struct rtp_tensor *comm_node(struct rtp_context *ctx, const char *name,
+                                    struct rtp_comm *comm, struct rtp_tensor *buf,
+                                    struct rtp_tensor *after) {
+  if (!comm) {
+    rtp__ctx_error(ctx, RTP_EINVAL, "%s: NULL communicator", name);
+    return NULL;
+  }
+  if (buf->type != RTP_TYPE_F32 || !rtp_is_contiguous(buf))
+    return op_error(ctx, name, RTP_ESHAPE, buf, NULL, "needs a contiguous f32 buffer");
+  struct rtp_tensor *t = rtp__new_node(ctx, RTP_OP_COMM, buf->type, buf->ne, buf, NULL);
+  if (!t) return NULL;
+  t->view_src = buf->view_src ? buf->view_src : buf;
+  t->view_offs = buf->view_offs;
+  if (t->view_src->data) t->data = (char *)t->view_src->data + t->view_offs;
+  t->src[2] = after;
+  rtp__set_param_u64(t, 4, (uint64_t)(uintptr_t)comm);
+  return t;
+}
+
+struct rtp_tensor *rtp_sendrecv(struct rtp_context *ctx, struct rtp_comm *comm,
+                                struct rtp_tensor *send, int dst, struct rtp_tensor *recv,
+                                int src, struct rtp_tensor *after) {
+  if (!inputs_ok(ctx, "sendrecv", send, recv, true)) return NULL;
+  if (send->type != RTP_TYPE_F32 || !rtp_is_contiguous(send))
+    return op_error(ctx, "sendrecv", RTP_ESHAPE, send, recv, "send must be contiguous f32");
+  struct rtp_tensor *t = comm_node(ctx, "sendrecv", comm, recv, after);
+  if (!t) return NULL;
+  t->src[0] = send;
+  t->src[1] = recv;
+  t->op_params[0] = RTP__COMM_SENDRECV;
+  t->op_params[1] = dst;
+  t->op_params[2] = src;
+  return t;
+}
+
+struct rtp_tensor *rtp_allreduce(struct rtp_context *ctx, struct rtp_comm *comm,
+                                 struct rtp_tensor *a, struct rtp_tensor *after) {
+  if (!inputs_ok(ctx, "allreduce", a, NULL, false)) return NULL;
+  struct rtp_tensor *t = comm_node(ctx, "allreduce", comm, a, after);
+  if (t) t->op_params[0] = RTP__COMM_ALLREDUCE;
   return t;
 }

@@ -124,7 +124,9 @@ enum rtp_type {
   XX(RESHAPE, "reshape")                                                     \
   XX(VIEW, "view")                                                           \
   XX(PERMUTE, "permute")                                                     \
-  XX(TRANSPOSE, "transpose")
+  XX(TRANSPOSE, "transpose")                                                 \
+  XX(COMM, "comm")                   /* posted to a communicator */          \
+  XX(ROT, "rot")                     /* an op on a rotated parameter */
 
 enum rtp_op {
 #define RTP_XX(name, text) RTP_OP_##name,
@@ -530,6 +532,77 @@ RTP_API int rtp_comm_wait_for(struct rtp_comm_req *req, int timeout_ms);
 /* *done = whether req completed; if so it is given back and its status returned. */
 RTP_API int rtp_comm_test(struct rtp_comm_req *req, bool *done);
 /* RTP-COMM-END */
+
+/* ---- communication in graphs ---------------------------------------------------- */
+/*
+ * Communication nodes are posted to the communicator when the executor reaches them and
+ * run while the compute nodes after them run; a node that reads a communication node's
+ * result (directly or through views) waits for it first. Their result is a view of the
+ * buffer they fill, so buffers can be persistent (a pool shared by every layer) or
+ * planned. `after` (may be NULL) orders the node after another one: how a graph says
+ * that a buffer may be overwritten only once an earlier transfer out of it is done.
+ */
+/* recv's memory, filled with what rank src sends while send goes to rank dst. */
+RTP_API struct rtp_tensor *rtp_sendrecv(struct rtp_context *ctx, struct rtp_comm *comm,
+                                        struct rtp_tensor *send, int dst,
+                                        struct rtp_tensor *recv, int src,
+                                        struct rtp_tensor *after);
+/* a's memory, summed over all ranks in place (f32, contiguous). */
+RTP_API struct rtp_tensor *rtp_allreduce(struct rtp_context *ctx, struct rtp_comm *comm,
+                                         struct rtp_tensor *a, struct rtp_tensor *after);
+
+/* ---- parallel strategies (rtp-parallel.c) --------------------------------------- */
+/*
+ * Build the model once, as for one device, in a context that may have no_alloc (its
+ * parameters then take no memory); then rtp_parallelize builds this rank's training
+ * graph in ctx: forward, backward and communication, ready for rtp_graph_plan.
+ *
+ *   ddp  every rank holds every parameter; gradients are summed over ranks in buckets
+ *        all-reduced while backward runs.
+ *   rtp  every parameter is split into world-size blocks along its first (outermost)
+ *        dimension; this rank owns one block, its gradient and its optimizer state.
+ *        Blocks rotate around the ring during forward; during backward they rotate the
+ *        other way with their gradients, which arrive at their owner summed over ranks.
+ *
+ * Each rank trains on its own batch; the loss that rtp_parallel_tensor gives for the
+ * model's loss is the mean over all ranks' batches, and the gradients are those of that
+ * mean, so N ranks with batch B train exactly like one process with batch N x B.
+ */
+enum rtp_strategy {
+  RTP_STRATEGY_NONE = 0, /* one process */
+  RTP_STRATEGY_DDP,
+  RTP_STRATEGY_FSDP, /* not implemented yet */
+  RTP_STRATEGY_TP,   /* not implemented yet */
+  RTP_STRATEGY_RTP,
+  RTP_STRATEGY_COUNT,
+};
+
+RTP_API const char *rtp_strategy_name(enum rtp_strategy s);
+RTP_API int rtp_strategy_parse(const char *name, enum rtp_strategy *out);
+
+struct rtp_parallel_params {
+  enum rtp_strategy strategy;
+  struct rtp_comm *comm; /* NULL for one process */
+  size_t bucket_bytes;   /* ddp: gradient bucket size (0: 4 MiB) */
+  int graph_size;        /* nodes of the rank's graph (0: 16384) */
+};
+
+struct rtp_parallel;
+
+/* NULL with the error in ctx (rtp_context_error) and rtp_last_error. Collective: every
+ * rank calls it, and ranks that built different models fail with RTP_EPEER. */
+RTP_API struct rtp_parallel *rtp_parallelize(struct rtp_context *ctx,
+                                             const struct rtp_graph *fwd,
+                                             struct rtp_tensor *loss,
+                                             const struct rtp_parallel_params *params);
+RTP_API struct rtp_graph *rtp_parallel_graph(const struct rtp_parallel *p);
+/* This rank's tensor for a tensor of the one-device graph (inputs to fill, parameters
+ * to initialise); for the loss, the mean over all ranks. */
+RTP_API struct rtp_tensor *rtp_parallel_tensor(const struct rtp_parallel *p,
+                                               const struct rtp_tensor *t);
+/* The rows [first, first + len) of dimension dim of param that this rank holds. */
+RTP_API int rtp_parallel_block(const struct rtp_parallel *p, const struct rtp_tensor *param,
+                               int64_t *first, int64_t *len, int *dim);
 
 #ifdef __cplusplus
 }

@@ -35,8 +35,8 @@ int gpt_config_check(struct gpt_config c) {
 
 int64_t gpt_n_params(struct gpt_config c) {
   int64_t d = c.d_model, V = c.vocab, T = c.seq_len;
-  int64_t block = 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * d + (4 * d * d + 4 * d) +
-                  (4 * d * d + d);
+  int64_t block =
+      2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * d + (4 * d * d + 4 * d) + (4 * d * d + d);
   return V * d + T * d + c.n_layer * block + 2 * d + V * d;
 }
 
@@ -44,8 +44,8 @@ size_t gpt_arena_size(struct gpt_config c, int batch) {
   size_t tokens = (size_t)c.seq_len * (size_t)batch;
   size_t per_layer = tokens * (40 * (size_t)c.d_model + 6 * (size_t)c.n_head * c.seq_len);
   size_t logits = tokens * (size_t)c.vocab * 4;
-  return 4 * 4 * (size_t)gpt_n_params(c) * 5 / 4 + 4 * per_layer * (size_t)c.n_layer + 4 * logits +
-         (64u << 20);
+  return 4 * 4 * (size_t)gpt_n_params(c) * 5 / 4 + 4 * per_layer * (size_t)c.n_layer +
+         4 * logits + (64u << 20);
 }
 
 double gpt_step_flops(struct gpt_config c, int batch) {
@@ -55,8 +55,8 @@ double gpt_step_flops(struct gpt_config c, int batch) {
   return 6.0 * (double)gpt_n_params(c) * tokens + attn;
 }
 
-static struct rtp_tensor *param(struct rtp_context *ctx, struct gpt *m, int64_t ne0, int64_t ne1,
-                                const char *fmt, int layer) {
+static struct rtp_tensor *param(struct rtp_context *ctx, struct gpt *m, int64_t ne0,
+                                int64_t ne1, const char *fmt, int layer) {
   struct rtp_tensor *t = ne1 > 0 ? rtp_new_tensor_2d(ctx, RTP_TYPE_F32, ne0, ne1)
                                  : rtp_new_tensor_1d(ctx, RTP_TYPE_F32, ne0);
   if (!t) return NULL;
@@ -74,7 +74,7 @@ static struct rtp_tensor *linear(struct rtp_context *ctx, struct rtp_tensor *x,
 
 /* Causal self-attention of x {d, T*B}: heads are views of the fused q, k, v projection. */
 static struct rtp_tensor *attention(struct rtp_context *ctx, const struct gpt *m,
-                                   const struct gpt_block *blk, struct rtp_tensor *x) {
+                                    const struct gpt_block *blk, struct rtp_tensor *x) {
   int64_t d = m->cfg.d_model, H = m->cfg.n_head, hd = d / H, T = m->cfg.seq_len, B = m->batch;
   struct rtp_tensor *qkv = linear(ctx, x, blk->c_attn_w, blk->c_attn_b); /* {3d, T*B} */
   size_t f = sizeof(float), nb[4] = {f, hd * f, 3 * d * f, 3 * d * T * f};
@@ -85,7 +85,7 @@ static struct rtp_tensor *attention(struct rtp_context *ctx, const struct gpt *m
   struct rtp_tensor *scores = rtp_mul_mat(ctx, heads[1], heads[0]); /* {T, T, H, B} */
   struct rtp_tensor *att = rtp_soft_max(ctx, scores, 1.0f / sqrtf((float)hd), true);
   struct rtp_tensor *out = rtp_mul_mat(ctx, rtp_transpose(ctx, heads[2]), att); /* {hd,T,H,B} */
-  out = rtp_cont(ctx, rtp_permute(ctx, out, 0, 2, 1, 3));                  /* {hd,H,T,B} */
+  out = rtp_cont(ctx, rtp_permute(ctx, out, 0, 2, 1, 3));                       /* {hd,H,T,B} */
   return linear(ctx, rtp_reshape_2d(ctx, out, d, T * B), blk->attn_proj_w, blk->attn_proj_b);
 }
 
@@ -121,8 +121,10 @@ static void make_params(struct rtp_context *ctx, struct gpt *m) {
 
 int gpt_build(struct rtp_context *ctx, struct gpt *m, struct gpt_config cfg, int batch) {
   if (gpt_config_check(cfg) || batch <= 0)
-    return rtp__gpt_error("gpt_build: bad config (sizes must be positive, n_head must divide "
-                          "d_model, at most %d layers, batch > 0)", GPT_MAX_LAYERS);
+    return rtp__gpt_error(
+        "gpt_build: bad config (sizes must be positive, n_head must divide "
+        "d_model, at most %d layers, batch > 0)",
+        GPT_MAX_LAYERS);
   memset(m, 0, sizeof(*m));
   m->cfg = cfg;
   m->batch = batch;

@@ -1,0 +1,565 @@
+/* rtp-parallel.c - passes that turn a one-device forward graph into one rank's training
+ * graph: ddp (every rank holds everything; gradients all-reduced in buckets during
+ * backward) and rtp (each rank owns one block of every parameter; blocks rotate around
+ * the ring, forward one way and with their gradients the other way back).
+ *
+ * The model is built once, for one device, in a context that may give parameters no
+ * memory (no_alloc). The pass clones its forward graph into the rank's context node by
+ * node, replacing what the strategy changes, then builds backward there. For rtp, every
+ * op that reads a parameter becomes a schedule of block ops and transfers closed by a
+ * ROT node, whose backward rule (rtp__rot_backward) emits the backward schedule: the
+ * blocks are fetched again rather than kept, which is what keeps memory at 1/N. */
+#include "rtp-impl.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* What a ROT node applies its parameter block with (op_params[0]). */
+enum rot_kind { ROT_MUL_MAT, ROT_GET_ROWS, ROT_ADD, ROT_MUL };
+
+struct rtp_parallel {
+  struct rtp_context *ctx;
+  struct rtp_comm *comm;
+  enum rtp_strategy strategy;
+  int rank, world;
+  const struct rtp_graph *src; /* the one-device forward graph */
+  struct rtp_tensor **map;     /* rank tensor of src node i, then of src leaf i */
+  struct rtp_graph *graph;
+  struct rtp_tensor *loss, *global_loss;
+  /* rtp's flyweight pool: two (block, gradient) slots sized for the largest block,
+   * shared by every op; forward rotation uses the block slots. */
+  struct rtp_tensor *pool_w[2], *pool_g[2];
+  size_t pool_elems;
+};
+
+const char *rtp_strategy_name(enum rtp_strategy s) {
+  static const char *const names[RTP_STRATEGY_COUNT] = {"none", "ddp", "fsdp", "tp", "rtp"};
+  return (unsigned)s < RTP_STRATEGY_COUNT ? names[s] : "?";
+}
+
+int rtp_strategy_parse(const char *name, enum rtp_strategy *out) {
+  for (int s = 0; s < RTP_STRATEGY_COUNT; s++)
+    if (name && strcmp(name, rtp_strategy_name((enum rtp_strategy)s)) == 0) {
+      *out = (enum rtp_strategy)s;
+      return RTP_OK;
+    }
+  return rtp__error(RTP_EINVAL, "unknown strategy '%s' (none, ddp, fsdp, tp or rtp)",
+                    name ? name : "(null)");
+}
+
+/* ---- blocks of a parameter ------------------------------------------------------ */
+
+/* Parameters are split along their outermost dimension (PyTorch's first). */
+static int split_dim(const struct rtp_tensor *p) {
+  return rtp_n_dims(p) - 1;
+}
+
+static void block_of(const struct rtp_tensor *full, int world, int s, int64_t *first,
+                     int64_t *len) {
+  size_t f, l;
+  rtp_comm_block((size_t)full->ne[split_dim(full)], world, s, &f, &l);
+  *first = (int64_t)f;
+  *len = (int64_t)l;
+}
+
+/* ---- the map from one-device tensors to this rank's ------------------------------ */
+
+static int index_in(const struct rtp_parallel *p, const struct rtp_tensor *t) {
+  for (int i = 0; i < p->src->n_nodes; i++)
+    if (p->src->nodes[i] == t) return i;
+  for (int i = 0; i < p->src->n_leafs; i++)
+    if (p->src->leafs[i] == t) return p->src->n_nodes + i;
+  return -1;
+}
+
+struct rtp_tensor *rtp_parallel_tensor(const struct rtp_parallel *p, const struct rtp_tensor *t) {
+  if (!p || !t) return NULL;
+  if (t == p->loss) return p->global_loss;
+  int i = index_in(p, t);
+  return i >= 0 ? p->map[i] : NULL;
+}
+
+struct rtp_graph *rtp_parallel_graph(const struct rtp_parallel *p) {
+  return p ? p->graph : NULL;
+}
+
+int rtp_parallel_block(const struct rtp_parallel *p, const struct rtp_tensor *param,
+                       int64_t *first, int64_t *len, int *dim) {
+  if (!p || !param || !(param->flags & RTP_FLAG_PARAM) || index_in(p, param) < 0)
+    return rtp__error(RTP_EINVAL, "rtp_parallel_block: not a parameter of the model");
+  *dim = split_dim(param);
+  if (p->strategy == RTP_STRATEGY_RTP && p->world > 1) {
+    block_of(param, p->world, p->rank, first, len);
+  } else {
+    *first = 0;
+    *len = param->ne[*dim];
+  }
+  return RTP_OK;
+}
+
+/* ---- cloning -------------------------------------------------------------------- */
+
+static struct rtp_tensor *mapped(struct rtp_parallel *p, const struct rtp_tensor *t) {
+  int i = t ? index_in(p, t) : -1;
+  return i >= 0 ? p->map[i] : NULL;
+}
+
+static struct rtp_tensor *clone_leaf(struct rtp_parallel *p, const struct rtp_tensor *t) {
+  int64_t ne[4];
+  memcpy(ne, t->ne, sizeof(ne));
+  bool param = t->flags & RTP_FLAG_PARAM;
+  if (param && p->strategy == RTP_STRATEGY_RTP && p->world > 1) {
+    int64_t first, len;
+    block_of(t, p->world, p->rank, &first, &len);
+    ne[split_dim(t)] = len;
+  }
+  struct rtp_tensor *c = rtp_new_tensor(p->ctx, t->type, RTP_MAX_DIMS, ne);
+  if (!c) return NULL;
+  if (!c->data && !rtp__tensor_alloc(p->ctx, c, RTP_ROLE_INPUT)) return NULL;
+  if (t->data && !param) memcpy(c->data, t->data, rtp_nbytes(t)); /* constants */
+  c->flags = t->flags;
+  c->role = t->role;
+  memcpy(c->name, t->name, sizeof(c->name));
+  return c;
+}
+
+/* A node like t over this rank's sources: same op, params, shape and strides. */
+static struct rtp_tensor *clone_node(struct rtp_parallel *p, const struct rtp_tensor *t) {
+  struct rtp_tensor *src[RTP_MAX_SRC] = {0};
+  for (int s = 0; s < RTP_MAX_SRC; s++)
+    if (t->src[s] && !(src[s] = mapped(p, t->src[s]))) return NULL;
+  struct rtp_tensor *c = rtp__new_node(p->ctx, t->op, t->type, t->ne, src[0], src[1]);
+  if (!c) return NULL;
+  for (int s = 2; s < RTP_MAX_SRC; s++) c->src[s] = src[s];
+  memcpy(c->nb, t->nb, sizeof(c->nb));
+  memcpy(c->op_params, t->op_params, sizeof(c->op_params));
+  memcpy(c->name, t->name, sizeof(c->name));
+  c->flags = t->flags;
+  if (t->view_src) { /* the rank's source may itself be a view (a ROT node): use its base */
+    struct rtp_tensor *b = mapped(p, t->view_src);
+    if (!b) return NULL;
+    c->view_src = b->view_src ? b->view_src : b;
+    c->view_offs = t->view_offs + (b->view_src ? b->view_offs : 0);
+    if (c->view_src->data) c->data = (char *)c->view_src->data + c->view_offs;
+  }
+  return c;
+}
+
+/* ---- rtp: the forward schedule -------------------------------------------------- */
+
+/* The pool slot `slot` seen as block s of full (its shape). */
+static struct rtp_tensor *slot_as(struct rtp_parallel *p, struct rtp_tensor *slot,
+                                  const struct rtp_tensor *full, int s) {
+  int64_t first, len, ne[4];
+  block_of(full, p->world, s, &first, &len);
+  memcpy(ne, full->ne, sizeof(ne));
+  ne[split_dim(full)] = len;
+  size_t nb[4] = {sizeof(float)};
+  for (int i = 1; i < 4; i++) nb[i] = nb[i - 1] * (size_t)ne[i - 1];
+  return rtp_view(p->ctx, slot, RTP_MAX_DIMS, ne, nb, 0);
+}
+
+/* x's slice [first, first + len) along dim. */
+static struct rtp_tensor *slice(struct rtp_context *ctx, struct rtp_tensor *x, int dim,
+                                int64_t first, int64_t len) {
+  int64_t ne[4];
+  memcpy(ne, x->ne, sizeof(ne));
+  ne[dim] = len;
+  return rtp_view(ctx, x, RTP_MAX_DIMS, ne, x->nb, (size_t)first * x->nb[dim]);
+}
+
+/* The part of the op that block w (= block s of the parameter) serves. */
+static struct rtp_tensor *apply_block(struct rtp_parallel *p, enum rot_kind kind,
+                                      const struct rtp_tensor *full, struct rtp_tensor *w,
+                                      int s, struct rtp_tensor *x) {
+  int64_t first, len;
+  block_of(full, p->world, s, &first, &len);
+  switch (kind) {
+    case ROT_MUL_MAT:
+      return rtp_mul_mat(p->ctx, w, x);
+    case ROT_GET_ROWS:
+      return rtp__get_rows_block(p->ctx, w, x, first);
+    case ROT_ADD:
+      return rtp_add(p->ctx, slice(p->ctx, x, split_dim(full), first, len), w);
+    default:
+      return rtp_mul(p->ctx, slice(p->ctx, x, split_dim(full), first, len), w);
+  }
+}
+
+/* Blocks of the result, by block index, made whole: summed (get_rows, where each
+ * block contributes zero rows for the tokens it does not hold) or concatenated along
+ * the dimension the blocks split. */
+static struct rtp_tensor *assemble(struct rtp_parallel *p, enum rot_kind kind, int dim,
+                                   struct rtp_tensor **parts) {
+  struct rtp_tensor *y = parts[0];
+  for (int s = 1; s < p->world; s++)
+    y = kind == ROT_GET_ROWS ? rtp_add(p->ctx, y, parts[s])
+                             : rtp_concat(p->ctx, y, parts[s], dim);
+  return y;
+}
+
+static int rot_kind_of(const struct rtp_tensor *t, const struct rtp_tensor *param,
+                       enum rot_kind *kind) {
+  if (t->op == RTP_OP_MUL_MAT && t->src[0] == param && param->ne[2] == 1 && param->ne[3] == 1)
+    *kind = ROT_MUL_MAT;
+  else if (t->op == RTP_OP_GET_ROWS && t->src[0] == param)
+    *kind = ROT_GET_ROWS;
+  else if ((t->op == RTP_OP_ADD || t->op == RTP_OP_MUL) && t->src[1] == param &&
+           param->ne[split_dim(param)] == t->ne[split_dim(param)])
+    *kind = t->op == RTP_OP_ADD ? ROT_ADD : ROT_MUL;
+  else
+    return RTP_EINVAL;
+  return RTP_OK;
+}
+
+/* y = op(param, x) on this rank: step k applies block (rank + k) % N, which arrived
+ * from rank + 1 during step k - 1; step 0 uses the owned block and never waits. */
+static struct rtp_tensor *rot_forward(struct rtp_parallel *p, const struct rtp_tensor *t,
+                                      const struct rtp_tensor *full) {
+  enum rot_kind kind;
+  if (rot_kind_of(t, full, &kind)) {
+    char s[128];
+    rtp__shape_str(full, s, sizeof(s));
+    rtp__ctx_error(p->ctx, RTP_EINVAL,
+                   "rtp strategy: parameter %s is used by %s, which rtp cannot split "
+                   "(mul_mat as the first operand, get_rows, or a broadcast add/mul)",
+                   s, rtp_op_name(t->op));
+    return NULL;
+  }
+  int N = p->world, r = p->rank, left = (r + N - 1) % N, right = (r + 1) % N;
+  struct rtp_tensor *own = mapped(p, full), *x = mapped(p, kind == ROT_ADD || kind == ROT_MUL
+                                                                  ? t->src[0]
+                                                                  : t->src[1]);
+  /* Order edges (RTP_SRC_ORDER) lay the steps out as: post the transfer of step k + 1,
+   * compute step k; the transfer into a slot waits for the step that last read it. */
+  struct rtp_tensor *parts[RTP_MAX_WORLD] = {0}, *held = own, *prev = NULL;
+  for (int k = 0; k < N; k++) {
+    int s = (r + k) % N;
+    struct rtp_tensor *rot = NULL;
+    if (k + 1 < N)
+      rot = rtp_sendrecv(p->ctx, p->comm, held, left,
+                         slot_as(p, p->pool_w[(k + 1) % 2], full, (s + 1) % N), right, prev);
+    parts[s] = apply_block(p, kind, full, held, s, x);
+    if (!parts[s]) return NULL;
+    parts[s]->src[RTP_SRC_ORDER] = rot ? rot : prev;
+    prev = parts[s];
+    held = rot;
+  }
+  struct rtp_tensor *y = assemble(p, kind, kind == ROT_MUL_MAT ? 0 : split_dim(full), parts);
+  if (!y) return NULL;
+  /* The handle autodiff sees: y itself, as an op of (x, owned block). */
+  struct rtp_tensor *h = rtp__new_node(p->ctx, RTP_OP_ROT, y->type, y->ne, x, own);
+  if (!h) return NULL;
+  memcpy(h->nb, y->nb, sizeof(h->nb));
+  h->src[2] = y;
+  h->view_src = y->view_src ? y->view_src : y;
+  h->view_offs = y->view_offs;
+  h->op_params[0] = kind;
+  h->op_params[1] = split_dim(full);
+  rtp__set_param_u64(h, 2, (uint64_t)(uintptr_t)p);
+  rtp__set_param_u64(h, 4, (uint64_t)(uintptr_t)full);
+  memcpy(h->name, t->name, sizeof(h->name));
+  h->flags = t->flags;
+  return h;
+}
+
+/* ---- rtp: the backward schedule ------------------------------------------------- */
+
+/* dy's part that block s produced (the slice, or all of it for get_rows). */
+static struct rtp_tensor *dy_part(struct rtp_parallel *p, enum rot_kind kind, int dim,
+                                  const struct rtp_tensor *full, struct rtp_tensor *dy, int s) {
+  if (kind == ROT_GET_ROWS) return dy;
+  int64_t first, len;
+  block_of(full, p->world, s, &first, &len);
+  return slice(p->ctx, dy, kind == ROT_MUL_MAT ? 0 : dim, first, len);
+}
+
+/* This rank's contribution to the gradient of block s (shaped like w, not read). */
+static struct rtp_tensor *block_grad(struct rtp_parallel *p, enum rot_kind kind, int dim,
+                                     const struct rtp_tensor *full, struct rtp_tensor *w,
+                                     struct rtp_tensor *x, struct rtp_tensor *dys, int s) {
+  struct rtp_context *ctx = p->ctx;
+  int64_t first, len;
+  block_of(full, p->world, s, &first, &len);
+  switch (kind) {
+    case ROT_MUL_MAT: { /* dW_s = dy_s^T x, over all rows of the batch */
+      struct rtp_tensor *x2 = rtp_reshape_2d(ctx, rtp_cont(ctx, x), x->ne[0], rtp_nrows(x));
+      struct rtp_tensor *d2 = rtp_reshape_2d(ctx, rtp_cont(ctx, dys), dys->ne[0], rtp_nrows(dys));
+      return rtp_mul_mat(ctx, rtp_transpose(ctx, x2), rtp_transpose(ctx, d2));
+    }
+    case ROT_GET_ROWS:
+      return rtp__get_rows_back_block(ctx, dys, x, w, first);
+    case ROT_ADD:
+      return rtp_repeat_back(ctx, rtp_cont(ctx, dys), w);
+    default:
+      return rtp_repeat_back(ctx, rtp_mul(ctx, rtp_cont(ctx, dys),
+                                          rtp_cont(ctx, slice(ctx, x, dim, first, len))),
+                             w);
+  }
+}
+
+/* Block s's part of dx (NULL where the op has none). */
+static struct rtp_tensor *block_dx(struct rtp_parallel *p, enum rot_kind kind,
+                                   struct rtp_tensor *w, struct rtp_tensor *dys) {
+  switch (kind) {
+    case ROT_MUL_MAT: /* summed over blocks */
+      return rtp_mul_mat(p->ctx, rtp_transpose(p->ctx, w), dys);
+    case ROT_MUL: /* concatenated over blocks */
+      return rtp_mul(p->ctx, rtp_cont(p->ctx, dys), w);
+    default: /* add passes dy through whole; get_rows has no input gradient */
+      return NULL;
+  }
+}
+
+/*
+ * Step k = N-1 .. 0 holds block s = (rank + k) % N and the gradient of s summed over the
+ * ranks that held it before; it adds its own part and passes both on to rank + 1, so at
+ * k = 0 each rank holds its own block with the gradient summed over all ranks. The first
+ * block is fetched from its owner; the last hop carries only the gradient.
+ */
+void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp_tensor *dy,
+                       struct rtp_tensor **dx, struct rtp_tensor **dp) {
+  struct rtp_parallel *p = (struct rtp_parallel *)(uintptr_t)rtp__get_param_u64(t, 2);
+  const struct rtp_tensor *full = (const struct rtp_tensor *)(uintptr_t)rtp__get_param_u64(t, 4);
+  enum rot_kind kind = (enum rot_kind)t->op_params[0];
+  int dim = t->op_params[1], N = p->world, r = p->rank;
+  int left = (r + N - 1) % N, right = (r + 1) % N;
+  struct rtp_tensor *x = t->src[0], *own = t->src[1];
+  dy = rtp_cont(ctx, dy);
+  /* Only ops whose input gradient needs the block fetch it again (mul_mat, mul). */
+  bool need_w = dx && (kind == ROT_MUL_MAT || kind == ROT_MUL);
+  struct rtp_tensor *parts[RTP_MAX_WORLD] = {0}, *dx_sum = NULL, *w = NULL;
+  if (need_w)
+    w = rtp_sendrecv(ctx, p->comm, own, right, slot_as(p, p->pool_w[(N - 1) % 2], full, left),
+                     left, NULL);
+  /* Per step: this rank's part of the block's gradient (no block needed), then the
+   * prefetch of the next block, then the input gradient with the held block. */
+  struct rtp_tensor *g_in = NULL, *g = NULL, *last_read = NULL;
+  for (int k = N - 1; k >= 0; k--) {
+    int s = (r + k) % N;
+    struct rtp_tensor *held = k == 0 ? own : w, *next_w = NULL;
+    struct rtp_tensor *dys = dy_part(p, kind, dim, full, dy, s);
+    /* The gradient's shape is block s's, whether or not the block itself is here. */
+    struct rtp_tensor *shape = k == 0 ? own : slot_as(p, p->pool_g[0], full, s);
+    struct rtp_tensor *contrib = block_grad(p, kind, dim, full, shape, x, dys, s);
+    if (!contrib) return;
+    contrib->src[RTP_SRC_ORDER] = last_read;
+    last_read = contrib;
+    if (need_w && k > 1) /* at k = 1 the next block is our own */
+      next_w = rtp_sendrecv(ctx, p->comm, held, right,
+                            slot_as(p, p->pool_w[(k - 1) % 2], full, (s + N - 1) % N), left,
+                            contrib);
+    if (dx) {
+      struct rtp_tensor *d = block_dx(p, kind, held, dys);
+      if (d) {
+        d->src[RTP_SRC_ORDER] = next_w ? next_w : contrib;
+        last_read = d;
+      }
+      if (kind == ROT_MUL_MAT) dx_sum = dx_sum ? rtp_add(ctx, dx_sum, d) : d;
+      parts[s] = d;
+    }
+    g = g_in ? rtp_add(ctx, g_in, contrib) : contrib;
+    if (k > 0) /* the summed gradient of s goes on to the next holder */
+      g_in = rtp_sendrecv(ctx, p->comm, rtp_cont(ctx, g), right,
+                          slot_as(p, p->pool_g[(k - 1) % 2], full, (s + N - 1) % N), left, g_in);
+    w = next_w;
+  }
+  *dp = g;
+  if (!dx) return;
+  if (kind == ROT_MUL_MAT)
+    *dx = dx_sum;
+  else if (kind == ROT_MUL)
+    *dx = assemble(p, kind, dim, parts);
+  else if (kind == ROT_ADD)
+    *dx = dy;
+}
+
+/* ---- the pass ------------------------------------------------------------------- */
+
+/* Which parameter, if any, node t reads (the first one). */
+static const struct rtp_tensor *param_read(const struct rtp_tensor *t) {
+  for (int s = 0; s < RTP_MAX_SRC; s++)
+    if (t->src[s] && (t->src[s]->flags & RTP_FLAG_PARAM)) return t->src[s];
+  return NULL;
+}
+
+static int make_pool(struct rtp_parallel *p) {
+  size_t largest = 0;
+  for (int i = 0; i < p->src->n_leafs; i++) {
+    const struct rtp_tensor *t = p->src->leafs[i];
+    if (!(t->flags & RTP_FLAG_PARAM)) continue;
+    int64_t first, len;
+    block_of(t, p->world, 0, &first, &len); /* block 0 is a largest one */
+    size_t n = (size_t)(rtp_nelements(t) / t->ne[split_dim(t)] * len);
+    if (n > largest) largest = n;
+  }
+  p->pool_elems = largest;
+  for (int i = 0; i < 2; i++) {
+    p->pool_w[i] = rtp_new_tensor_1d(p->ctx, RTP_TYPE_F32, (int64_t)largest);
+    p->pool_g[i] = rtp_new_tensor_1d(p->ctx, RTP_TYPE_F32, (int64_t)largest);
+    for (int j = 0; j < 2; j++) {
+      struct rtp_tensor *s = j ? p->pool_g[i] : p->pool_w[i];
+      if (!s || (!s->data && !rtp__tensor_alloc(p->ctx, s, RTP_ROLE_COMM)))
+        return rtp_context_error(p->ctx, NULL);
+      s->role = RTP_ROLE_COMM;
+      rtp_set_name(s, "rtp.pool.%c%d", j ? 'g' : 'w', i);
+    }
+  }
+  return RTP_OK;
+}
+
+static int clone_forward(struct rtp_parallel *p) {
+  const struct rtp_graph *src = p->src;
+  bool rot = p->strategy == RTP_STRATEGY_RTP && p->world > 1;
+  for (int i = 0; i < src->n_leafs; i++) {
+    p->map[src->n_nodes + i] = clone_leaf(p, src->leafs[i]);
+    if (!p->map[src->n_nodes + i]) return rtp_context_error(p->ctx, NULL);
+  }
+  for (int i = 0; i < src->n_nodes; i++) {
+    const struct rtp_tensor *t = src->nodes[i], *param = rot ? param_read(t) : NULL;
+    p->map[i] = param ? rot_forward(p, t, param) : clone_node(p, t);
+    if (!p->map[i]) {
+      int err = rtp_context_error(p->ctx, NULL);
+      return err ? err : rtp__ctx_error(p->ctx, RTP_EINVAL, "rtp_parallelize: cannot clone %s",
+                                        rtp_op_name(t->op));
+    }
+  }
+  return RTP_OK;
+}
+
+/* Each rank's loss is the mean over its own batch: seeding backward with 1/N makes the
+ * summed gradients those of the mean over the global batch. */
+static int scale_seed(struct rtp_parallel *p) {
+  struct rtp_tensor *seed = p->map[index_in(p, p->loss)]->grad;
+  if (!seed || !seed->data) return rtp__error(RTP_ESTATE, "rtp_parallelize: no loss seed");
+  rtp_set_f32(seed, 1.0f / (float)p->world);
+  return RTP_OK;
+}
+
+/* Moves node `t` (last in g) to just after position `at`. */
+static void graph_move_after(struct rtp_graph *g, int at, struct rtp_tensor *t) {
+  memmove(&g->nodes[at + 2], &g->nodes[at + 1], (size_t)(g->n_nodes - 1 - (at + 1)) * sizeof(t));
+  g->nodes[at + 1] = t;
+}
+
+/*
+ * ddp: the gradients of consecutive parameters that are adjacent in memory form buckets
+ * of about bucket_bytes; each bucket's all-reduce is posted right after the last of its
+ * gradients is computed, so it runs during the rest of backward.
+ */
+static int ddp_buckets(struct rtp_parallel *p, size_t bucket_bytes) {
+  struct rtp_graph *g = p->graph;
+  int n_params = 0;
+  struct rtp_tensor *grads[4096];
+  for (int i = 0; i < g->n_nodes && n_params < 4096; i++) /* in the order they are computed */
+    if (g->nodes[i]->role == RTP_ROLE_GRAD && !g->nodes[i]->view_src)
+      grads[n_params++] = g->nodes[i];
+  int i = 0;
+  while (i < n_params) {
+    char *lo = grads[i]->data, *hi = lo + rtp_nbytes(grads[i]);
+    int j = i + 1;
+    for (; j < n_params && (size_t)(hi - lo) < bucket_bytes; j++) {
+      char *d = grads[j]->data;
+      if (d + rtp_nbytes(grads[j]) + RTP_ALIGN < lo || d > hi + RTP_ALIGN) break;
+      if (d < lo) lo = d;
+      if (d + rtp_nbytes(grads[j]) > hi) hi = d + rtp_nbytes(grads[j]);
+    }
+    /* The bucket spans the gradients and the padding between them. */
+    struct rtp_tensor *span = rtp_new_tensor_1d(p->ctx, RTP_TYPE_F32, 0);
+    if (!span) return rtp_context_error(p->ctx, NULL);
+    span->ne[0] = (hi - lo) / (int64_t)sizeof(float);
+    for (int d = 1; d < 4; d++) span->nb[d] = span->nb[0] * (size_t)span->ne[0];
+    span->data = lo;
+    rtp_set_name(span, "ddp.bucket.%d", i);
+    struct rtp_tensor *ar = rtp_allreduce(p->ctx, p->comm, span, grads[j - 1]);
+    if (!ar || rtp_graph_build(g, ar)) return rtp_context_error(p->ctx, NULL);
+    int at = 0;
+    for (int k = 0; k < g->n_nodes; k++)
+      if (g->nodes[k] == grads[j - 1]) at = k;
+    graph_move_after(g, at, ar);
+    i = j;
+  }
+  return RTP_OK;
+}
+
+/* The loss over the global batch, for logging: the ranks' means, averaged. */
+static int global_loss(struct rtp_parallel *p) {
+  struct rtp_tensor *l = p->map[index_in(p, p->loss)];
+  if (p->world == 1) {
+    p->global_loss = l;
+    return RTP_OK;
+  }
+  struct rtp_tensor *copy = rtp_dup(p->ctx, l);
+  struct rtp_tensor *sum = rtp_allreduce(p->ctx, p->comm, copy, NULL);
+  p->global_loss = rtp_set_name(rtp_scale(p->ctx, sum, 1.0f / (float)p->world), "loss.global");
+  rtp_set_output(p->global_loss);
+  return p->global_loss ? rtp_graph_build(p->graph, p->global_loss) : rtp_context_error(p->ctx, NULL);
+}
+
+/* Ranks must have built the same model: rank 0's fingerprint of names and shapes is
+ * broadcast and compared. */
+static int check_same_model(struct rtp_parallel *p) {
+  uint64_t h = 1469598103934665603ull;
+  for (int i = 0; i < p->src->n_leafs; i++) {
+    const struct rtp_tensor *t = p->src->leafs[i];
+    if (!(t->flags & RTP_FLAG_PARAM)) continue;
+    for (const char *c = t->name; *c; c++) h = (h ^ (uint8_t)*c) * 1099511628211ull;
+    for (int d = 0; d < 4; d++) h = (h ^ (uint64_t)t->ne[d]) * 1099511628211ull;
+  }
+  uint64_t root = h;
+  int rc = rtp_comm_broadcast(p->comm, &root, sizeof(root), 0, NULL);
+  if (rc) return rc;
+  if (root != h)
+    return rtp__error(RTP_EPEER, "rtp_parallelize: rank %d built a different model than "
+                      "rank 0 (parameter names or shapes differ)", p->rank);
+  return RTP_OK;
+}
+
+struct rtp_parallel *rtp_parallelize(struct rtp_context *ctx, const struct rtp_graph *fwd,
+                                     struct rtp_tensor *loss,
+                                     const struct rtp_parallel_params *pp) {
+  if (!ctx || !fwd || !loss || !pp) {
+    rtp__error(RTP_EINVAL, "rtp_parallelize: NULL argument");
+    return NULL;
+  }
+  int world = pp->comm ? rtp_comm_size(pp->comm) : 1;
+  if (pp->strategy != RTP_STRATEGY_NONE && pp->strategy != RTP_STRATEGY_DDP &&
+      pp->strategy != RTP_STRATEGY_RTP) {
+    rtp__ctx_error(ctx, RTP_ENOSYS, "rtp_parallelize: strategy %s is not implemented yet",
+                   rtp_strategy_name(pp->strategy));
+    return NULL;
+  }
+  if ((pp->strategy == RTP_STRATEGY_NONE && world > 1) || world > RTP_MAX_WORLD) {
+    rtp__ctx_error(ctx, RTP_EINVAL, "rtp_parallelize: strategy %s with %d ranks (max %d)",
+                   rtp_strategy_name(pp->strategy), world, RTP_MAX_WORLD);
+    return NULL;
+  }
+  struct rtp_parallel *p = rtp__ctx_alloc(ctx, sizeof(*p), "the parallel plan");
+  struct rtp_tensor **map = rtp__ctx_alloc(
+      ctx, sizeof(*map) * (size_t)(fwd->n_nodes + fwd->n_leafs + 1), "the parallel map");
+  if (!p || !map) return NULL;
+  *p = (struct rtp_parallel){.ctx = ctx, .comm = pp->comm, .strategy = pp->strategy,
+                             .rank = pp->comm ? rtp_comm_rank(pp->comm) : 0, .world = world,
+                             .src = fwd, .map = map, .loss = loss};
+  if (index_in(p, loss) < 0) {
+    rtp__ctx_error(ctx, RTP_EINVAL, "rtp_parallelize: the loss is not a node of the graph");
+    return NULL;
+  }
+  int rc = world > 1 ? check_same_model(p) : RTP_OK;
+  if (!rc && p->strategy == RTP_STRATEGY_RTP && world > 1) rc = make_pool(p);
+  if (!rc) rc = clone_forward(p);
+  if (!rc && !(p->graph = rtp_graph_new(ctx, pp->graph_size > 0 ? pp->graph_size : 16384)))
+    rc = rtp_context_error(ctx, NULL);
+  struct rtp_tensor *l = rc ? NULL : p->map[index_in(p, loss)];
+  if (!rc) rc = rtp_graph_build(p->graph, l);
+  if (!rc) rc = rtp_build_backward(ctx, p->graph, l);
+  if (!rc && world > 1) rc = scale_seed(p);
+  if (!rc && p->strategy == RTP_STRATEGY_DDP && world > 1)
+    rc = ddp_buckets(p, pp->bucket_bytes ? pp->bucket_bytes : (size_t)4 << 20);
+  if (!rc) rc = global_loss(p);
+  if (rc) {
+    if (!rtp_context_error(ctx, NULL)) rtp__ctx_error(ctx, rc, "%s", rtp_last_error());
+    return NULL;
+  }
+  return p;
+}

@@ -1,0 +1,124 @@
+// test-comm-util.h - multi-process helpers for the transport tests: free ports, forking
+// ranks with a deadline, and a common way to build communicator parameters.
+#pragma once
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "rtp.h"
+
+// Set by LeakSanitizer (ASan builds): forked ranks end with _exit, which skips the
+// end-of-process leak check, so they run it themselves.
+extern "C" void __lsan_do_leak_check(void) __attribute__((weak));
+
+namespace rtptest {
+
+// A TCP port that was free a moment ago (the kernel's choice for port 0).
+inline int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  bind(fd, (sockaddr *)&a, sizeof(a));
+  socklen_t n = sizeof(a);
+  getsockname(fd, (sockaddr *)&a, &n);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+inline double now_s() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+inline rtp_comm_params params(int rank, int size, int port, int timeout_ms = 20000,
+                              const char *token = "test-token") {
+  rtp_comm_params p = rtp_comm_params_default();
+  snprintf(p.backend, sizeof(p.backend), "tcp");
+  p.rank = rank;
+  p.world_size = size;
+  snprintf(p.master_addr, sizeof(p.master_addr), "127.0.0.1");
+  p.master_port = port;
+  snprintf(p.token, sizeof(p.token), "%s", token);
+  p.timeout_ms = timeout_ms;
+  return p;
+}
+
+struct Result {
+  int code = -1;  // exit code, or -signal, or -1000 if killed at the deadline
+};
+
+// Runs fn(i) in n forked processes. Processes listed in expendable are killed once all the
+// others have exited. Everything is killed after timeout_s. Returns one result per process.
+inline std::vector<Result> run_procs(int n, const std::function<int(int)> &fn,
+                                     double timeout_s = 60, std::vector<int> expendable = {}) {
+  fflush(stdout);
+  fflush(stderr);
+  std::vector<pid_t> pids(n);
+  for (int i = 0; i < n; i++) {
+    pid_t pid = fork();
+    if (pid == 0) {
+      int code = 1;
+      code = fn(i);
+      if (__lsan_do_leak_check) __lsan_do_leak_check();
+      fflush(stdout);
+      fflush(stderr);
+      _exit(code);
+    }
+    pids[i] = pid;
+  }
+  std::vector<Result> res(n);
+  std::vector<bool> done(n, false);
+  double t0 = now_s();
+  int left = n;
+  while (left > 0) {
+    bool progress = false;
+    for (int i = 0; i < n; i++) {
+      if (done[i]) continue;
+      int st;
+      pid_t r = waitpid(pids[i], &st, WNOHANG);
+      if (r == pids[i]) {
+        done[i] = true;
+        left--;
+        progress = true;
+        res[i].code = WIFEXITED(st) ? WEXITSTATUS(st) : -WTERMSIG(st);
+      }
+    }
+    bool only_expendable = left > 0;
+    for (int i = 0; i < n; i++) {
+      bool exp = false;
+      for (int e : expendable) exp |= e == i;
+      if (!done[i] && !exp) only_expendable = false;
+    }
+    if (only_expendable || now_s() - t0 > timeout_s) {
+      for (int i = 0; i < n; i++)
+        if (!done[i]) {
+          kill(pids[i], SIGKILL);
+          kill(pids[i], SIGCONT);
+          waitpid(pids[i], nullptr, 0);
+          res[i].code = -1000;
+          done[i] = true;
+        }
+      break;
+    }
+    if (!progress) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return res;
+}
+
+}  // namespace rtptest
