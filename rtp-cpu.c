@@ -443,8 +443,16 @@ static void k_acc(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   }
 }
 
+/* Copies n elements of a row that may be strided. */
+static void copy_row(uint32_t *dst, const char *src, size_t stride, int64_t n) {
+  if (stride == 4)
+    memcpy(dst, src, (size_t)n * 4);
+  else
+    for (int64_t i = 0; i < n; i++) dst[i] = *(const uint32_t *)(src + i * stride);
+}
+
+/* Row r of t comes from a's row or b's (dim > 0), or is a's row then b's (dim 0). */
 static void k_concat(const struct rtp_compute_params *p, struct rtp_tensor *t) {
-  const int64_t ne0 = t->ne[0];
   const struct rtp_tensor *a = t->src[0], *b = t->src[1];
   int dim = t->op_params[0];
   int64_t r0, r1;
@@ -452,14 +460,15 @@ static void k_concat(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   for (int64_t r = r0; r < r1; r++) {
     int64_t idx[4] = {0, r % t->ne[1], r / t->ne[1] % t->ne[2], r / t->ne[1] / t->ne[2]};
     uint32_t *y = (uint32_t *)row_ptr(t, r);
-    for (int64_t i = 0; i < ne0; i++) {
-      idx[0] = i;
-      const struct rtp_tensor *s = idx[dim] < a->ne[dim] ? a : b;
-      int64_t j[4] = {idx[0], idx[1], idx[2], idx[3]};
-      if (s == b) j[dim] -= a->ne[dim];
-      y[i] = *(const uint32_t *)(DATA(s) + j[0] * s->nb[0] + j[1] * s->nb[1] + j[2] * s->nb[2] +
-                                 j[3] * s->nb[3]);
+    if (dim == 0) {
+      copy_row(y, row_ptr(a, r), a->nb[0], a->ne[0]);
+      copy_row(y + a->ne[0], row_ptr(b, r), b->nb[0], b->ne[0]);
+      continue;
     }
+    const struct rtp_tensor *s = idx[dim] < a->ne[dim] ? a : b;
+    if (s == b) idx[dim] -= a->ne[dim];
+    copy_row(y, DATA(s) + idx[1] * s->nb[1] + idx[2] * s->nb[2] + idx[3] * s->nb[3], s->nb[0],
+             t->ne[0]);
   }
 }
 

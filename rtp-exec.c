@@ -5,7 +5,10 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 struct rtp_threadpool {
@@ -141,6 +144,38 @@ void rtp__threadpool_run(struct rtp_threadpool *tp, rtp__job_fn fn, void *arg) {
  * before the barrier that ends the previous node, so every thread starts a node with its
  * inputs complete. */
 
+/* RTP_PROFILE=1: wall time per op (thread 0's view, waits for transfers included in
+ * "comm.wait"), printed to stderr when the process exits. For finding slow kernels. */
+static struct {
+  int on; /* -1 unknown */
+  double op_s[RTP_OP_COUNT], wait_s;
+  long op_n[RTP_OP_COUNT];
+} prof = {-1, {0}, 0, {0}};
+
+static double prof_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void prof_print(void) {
+  fprintf(stderr, "rtp profile (pid %d):\n", (int)getpid());
+  for (int i = 0; i < RTP_OP_COUNT; i++)
+    if (prof.op_n[i])
+      fprintf(stderr, "  %-20s %8ld nodes %10.1f ms\n", rtp_op_name((enum rtp_op)i), prof.op_n[i],
+              prof.op_s[i] * 1e3);
+  fprintf(stderr, "  %-20s %19s %10.1f ms\n", "comm.wait", "", prof.wait_s * 1e3);
+}
+
+static bool prof_enabled(void) {
+  if (prof.on < 0) {
+    const char *v = getenv("RTP_PROFILE");
+    prof.on = v && *v && strcmp(v, "0") != 0;
+    if (prof.on) atexit(prof_print);
+  }
+  return prof.on;
+}
+
 struct graph_job {
   struct rtp_graph *g;
   void *work;
@@ -158,7 +193,9 @@ static struct rtp_tensor *comm_source(struct rtp_tensor *t) {
 
 static void comm_wait(struct graph_job *job, struct rtp_tensor *c) {
   if (!c->extra) return;
+  double t0 = prof.on > 0 ? prof_now() : 0;
   int rc = rtp_comm_wait(c->extra);
+  if (prof.on > 0) prof.wait_s += prof_now() - t0;
   c->extra = NULL;
   if (rc && !job->comm_status) job->comm_status = rc;
 }
@@ -194,9 +231,11 @@ static void compute_job(const struct rtp_compute_params *base, void *arg) {
   p.work = job->work;
   p.status = &job->status;
   struct rtp_graph *g = job->g;
+  bool profile = p.ith == 0 && prof_enabled();
   for (int i = 0; i < g->n_nodes; i++) {
     struct rtp_tensor *t = g->nodes[i];
     if (rtp__is_view_op(t->op)) continue;
+    double t0 = profile ? prof_now() : 0;
     if (t->op == RTP_OP_COMM) {
       if (p.ith == 0) comm_post(job, t);
     } else {
@@ -212,6 +251,10 @@ static void compute_job(const struct rtp_compute_params *base, void *arg) {
       job->stop = job->comm_status != 0;
     }
     rtp__barrier(&p);
+    if (profile) {
+      prof.op_s[t->op] += prof_now() - t0;
+      prof.op_n[t->op]++;
+    }
     if (job->stop) break;
   }
   if (p.ith == 0) /* nothing stays in flight once compute returns */

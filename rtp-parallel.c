@@ -283,9 +283,11 @@ static struct rtp_tensor *block_grad(struct rtp_parallel *p, enum rot_kind kind,
   block_of(full, p->world, s, &first, &len);
   switch (kind) {
     case ROT_MUL_MAT: { /* dW_s = dy_s^T x, over all rows of the batch */
-      struct rtp_tensor *x2 = rtp_reshape_2d(ctx, rtp_cont(ctx, x), x->ne[0], rtp_nrows(x));
-      struct rtp_tensor *d2 = rtp_reshape_2d(ctx, rtp_cont(ctx, dys), dys->ne[0], rtp_nrows(dys));
-      return rtp_mul_mat(ctx, rtp_transpose(ctx, x2), rtp_transpose(ctx, d2));
+      if (rtp_n_dims(x) > 2) { /* GEMM reads 2-D strided slices in place; else flatten */
+        x = rtp_reshape_2d(ctx, rtp_cont(ctx, x), x->ne[0], rtp_nrows(x));
+        dys = rtp_reshape_2d(ctx, rtp_cont(ctx, dys), dys->ne[0], rtp_nrows(dys));
+      }
+      return rtp_mul_mat(ctx, rtp_transpose(ctx, x), rtp_transpose(ctx, dys));
     }
     case ROT_GET_ROWS:
       return rtp__get_rows_back_block(ctx, dys, x, w, first);

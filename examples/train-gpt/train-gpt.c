@@ -1,0 +1,873 @@
+/*
+ * train-gpt.c - the flagship trainer: the reference GPT (DESIGN.md section 6) on bytes.
+ *
+ *     train-gpt --config tiny --steps 300                 # the built-in addition task
+ *     train-gpt --data input.txt --export model.safetensors
+ *     train-gpt --init model.safetensors --eval-only --data test.txt
+ *     train-gpt --init model.safetensors --sample 200 --prompt "12+34="
+ *
+ * One process for now. The program is split so that a parallel strategy slots in without
+ * touching the rest: data (sample_batch defines the global batch of world x B windows and
+ * the rank's share of it), model setup (trainer_init: build, differentiate, plan, the
+ * place where a strategy's graph pass goes), the step (train_step: where the loss would be
+ * averaged over ranks), evaluation, logging and files each have their own short functions.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "gpt.h"
+#include "rtp.h"
+
+#define EXIT_USAGE 2
+
+/* ---- options ------------------------------------------------------------------------ */
+
+struct options {
+  const char *config;                    /* tiny, small, medium; NULL: --init's, else small */
+  int n_layer, d_model, n_head, seq_len; /* 0: from the config */
+  int batch, steps, threads, log_every, eval_windows, eval_problems, sample, ckpt_every;
+  float lr; /* 0: the config's */
+  float temperature;
+  int64_t seed;
+  const char *strategy, *data, *metrics, *init, *export_path, *ckpt_dir, *prompt;
+  bool eval_only, resume, help;
+};
+
+#define MAX_FLAGS 32
+
+enum arg_kind { ARG_INT, ARG_I64, ARG_FLOAT, ARG_STR, ARG_BOOL };
+
+struct flag {
+  const char *name;
+  enum arg_kind kind;
+  void *dst;
+  const char *arg; /* the value's name in --help; NULL for a switch */
+  const char *help;
+};
+
+/* The command line of issue 5; the table is both the parser and the --help text. */
+static int flag_table(struct options *o, struct flag *f) {
+  struct flag t[] = {
+      {"--config", ARG_STR, &o->config, "NAME",
+       "tiny | small | medium (default small, or --init's)"},
+      {"--n-layer", ARG_INT, &o->n_layer, "N", "transformer blocks (overrides the config)"},
+      {"--d-model", ARG_INT, &o->d_model, "N", "embedding width"},
+      {"--n-head", ARG_INT, &o->n_head, "N", "attention heads (must divide --d-model)"},
+      {"--seq-len", ARG_INT, &o->seq_len, "T", "context length in bytes"},
+      {"--batch", ARG_INT, &o->batch, "B", "sequences per step and rank (default 8)"},
+      {"--steps", ARG_INT, &o->steps, "N", "optimizer steps (default 200; 0: only --init)"},
+      {"--lr", ARG_FLOAT, &o->lr, "X", "Adam learning rate (tiny 1e-3, else 3e-4)"},
+      {"--seed", ARG_I64, &o->seed, "N", "seed of the weights, batches and sampling (1337)"},
+      {"--threads", ARG_INT, &o->threads, "N", "compute threads (default: all cores)"},
+      {"--strategy", ARG_STR, &o->strategy, "S",
+       "rtp | ddp | fsdp | tp (one process: all equal)"},
+      {"--data", ARG_STR, &o->data, "FILE",
+       "bytes as tokens, last 10% held out (default: built-in sums)"},
+      {"--metrics", ARG_STR, &o->metrics, "FILE", "write one JSON object per step (JSONL)"},
+      {"--init", ARG_STR, &o->init, "FILE", "start from a consolidated .safetensors model"},
+      {"--export", ARG_STR, &o->export_path, "FILE",
+       "write the model as .safetensors at the end"},
+      {"--eval-only", ARG_BOOL, &o->eval_only, NULL,
+       "print {\"eval_loss\": x, \"windows\": n} over all of --data"},
+      {"--sample", ARG_INT, &o->sample, "N",
+       "generate N bytes after training (or from --init)"},
+      {"--temperature", ARG_FLOAT, &o->temperature, "X", "sampling temperature (0: greedy)"},
+      {"--prompt", ARG_STR, &o->prompt, "TEXT",
+       "what --sample continues (default: held-out text)"},
+      {"--log-every", ARG_INT, &o->log_every, "N", "steps between progress lines (auto)"},
+      {"--eval-windows", ARG_INT, &o->eval_windows, "N",
+       "held-out windows per evaluation (256; 0: all)"},
+      {"--eval-problems", ARG_INT, &o->eval_problems, "N",
+       "held-out sums for the accuracy (64)"},
+      {"--ckpt-dir", ARG_STR, &o->ckpt_dir, "DIR", "sharded checkpoints (not yet supported)"},
+      {"--ckpt-every", ARG_INT, &o->ckpt_every, "N", "steps between checkpoints (not yet)"},
+      {"--resume", ARG_BOOL, &o->resume, NULL, "continue from --ckpt-dir (not yet supported)"},
+      {"--help", ARG_BOOL, &o->help, NULL, "this text"},
+  };
+  _Static_assert(sizeof(t) / sizeof(t[0]) <= MAX_FLAGS, "raise MAX_FLAGS");
+  int n = (int)(sizeof(t) / sizeof(t[0]));
+  memcpy(f, t, sizeof(t));
+  return n;
+}
+
+static void print_usage(FILE *out) {
+  struct options o;
+  struct flag f[MAX_FLAGS];
+  int n = flag_table(&o, f);
+  fprintf(out,
+          "usage: train-gpt [options]\n"
+          "Trains the reference GPT (byte vocabulary) with rtp. Without --data it learns the\n"
+          "built-in task, sums like \"042+917=0959\", and reports exact-match accuracy on\n"
+          "held-out sums.\n\noptions:\n");
+  for (int i = 0; i < n; i++) {
+    char left[40];
+    snprintf(left, sizeof(left), "%s%s%s", f[i].name, f[i].arg ? " " : "",
+             f[i].arg ? f[i].arg : "");
+    fprintf(out, "  %-22s %s\n", left, f[i].help);
+  }
+  fprintf(out,
+          "\nconfigs: tiny T=32 d=64 L=2 H=4; small T=128 d=384 L=6 H=6; medium T=256 d=768 "
+          "L=12 H=12.\nExit status: 0 success, 1 failure, 2 bad command line.\n");
+}
+
+static int usage_error(const char *fmt, ...) RTP_PRINTF(1, 2);
+static int usage_error(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  fprintf(stderr, "train-gpt: ");
+  vfprintf(stderr, fmt, ap);
+  fprintf(stderr, "\n(train-gpt --help lists the options)\n");
+  va_end(ap);
+  return EXIT_USAGE;
+}
+
+static int parse_value(const struct flag *f, const char *s) {
+  char *end = NULL;
+  errno = 0;
+  if (f->kind == ARG_STR) {
+    *(const char **)f->dst = s;
+    return 0;
+  }
+  if (f->kind == ARG_FLOAT) {
+    double v = strtod(s, &end);
+    if (*s && !*end && !errno && isfinite(v) && v >= 0) {
+      *(float *)f->dst = (float)v;
+      return 0;
+    }
+    return usage_error("%s: expected a number >= 0, got '%s'", f->name, s);
+  }
+  long long v = strtoll(s, &end, 10);
+  bool ok = *s && !*end && !errno && v >= 0;
+  if (f->kind == ARG_INT && ok && v <= 1 << 30) {
+    *(int *)f->dst = (int)v;
+    return 0;
+  }
+  if (f->kind == ARG_I64 && ok) {
+    *(int64_t *)f->dst = v;
+    return 0;
+  }
+  return usage_error("%s: expected a non-negative integer, got '%s'", f->name, s);
+}
+
+static int parse_args(int argc, char **argv, struct options *o) {
+  *o = (struct options){.batch = 8,
+                        .steps = 200,
+                        .seed = 1337,
+                        .eval_windows = 256,
+                        .eval_problems = 64,
+                        .strategy = "rtp"};
+  struct flag f[MAX_FLAGS];
+  int n = flag_table(o, f);
+  for (int i = 1; i < argc; i++) {
+    int k = 0;
+    while (k < n && strcmp(argv[i], f[k].name) != 0) k++;
+    if (k == n) return usage_error("unknown option '%s'", argv[i]);
+    if (f[k].kind == ARG_BOOL) {
+      *(bool *)f[k].dst = true;
+      continue;
+    }
+    if (i + 1 == argc) return usage_error("%s needs a value (%s)", f[k].name, f[k].arg);
+    int rc = parse_value(&f[k], argv[++i]);
+    if (rc) return rc;
+  }
+  return 0;
+}
+
+/* What the parser accepts but this build cannot do yet gets a clear refusal. */
+static int check_options(const struct options *o) {
+  static const char *const strategies[] = {"rtp", "ddp", "fsdp", "tp"};
+  bool known = false;
+  for (int i = 0; i < 4; i++) known |= strcmp(o->strategy, strategies[i]) == 0;
+  if (!known)
+    return usage_error("--strategy must be rtp, ddp, fsdp or tp, not '%s'", o->strategy);
+  if (o->ckpt_dir || o->ckpt_every || o->resume)
+    return usage_error("--ckpt-dir, --ckpt-every and --resume are not yet supported");
+  struct rtp_comm_params p;
+  if (rtp_comm_params_from_env(&p) != RTP_OK)
+    return usage_error("bad rank environment: %s", rtp_last_error());
+  if (p.world_size > 1)
+    return usage_error("--strategy %s on %d ranks is not yet supported: run one process",
+                       o->strategy, p.world_size);
+  if (o->batch < 1) return usage_error("--batch must be at least 1");
+  if (o->prompt && !*o->prompt) return usage_error("--prompt must not be empty");
+  return 0;
+}
+
+/* ---- errors --------------------------------------------------------------------------- */
+
+/* Prints what failed with the library's message and passes the status on. */
+static int fail(int status, const char *fmt, ...) RTP_PRINTF(2, 3);
+static int fail(int status, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  fprintf(stderr, "train-gpt: ");
+  vfprintf(stderr, fmt, ap);
+  va_end(ap);
+  const char *msg = rtp_last_error();
+  fprintf(stderr, ": %s\n", *msg ? msg : rtp_strerror(status));
+  return status;
+}
+
+/* ---- model configuration -------------------------------------------------------------- */
+
+struct preset {
+  const char *name;
+  struct gpt_config cfg;
+  float lr;
+};
+
+static const struct preset *find_preset(const char *name) {
+  static struct preset presets[3];
+  presets[0] = (struct preset){"tiny", {256, 32, 64, 2, 4}, 1e-3f};
+  presets[1] = (struct preset){"small", gpt_config_small(), 3e-4f};
+  presets[2] = (struct preset){"medium", gpt_config_medium(), 3e-4f};
+  for (int i = 0; i < 3; i++)
+    if (strcmp(presets[i].name, name) == 0) return &presets[i];
+  return NULL;
+}
+
+static int meta_int(struct rtp_safetensors *st, const char *key, int *out) {
+  const char *s = rtp_safetensors_meta(st, key);
+  if (!s) return 0;
+  char *end;
+  long v = strtol(s, &end, 10);
+  if (!*s || *end || v <= 0 || v > 1 << 20) return -1;
+  *out = (int)v;
+  return 1;
+}
+
+/* The sizes of an exported model, from its metadata; false if it has none. */
+static bool config_from_file(struct rtp_safetensors *st, struct gpt_config *c) {
+  struct gpt_config f = *c;
+  int found = meta_int(st, "vocab", &f.vocab) + meta_int(st, "seq_len", &f.seq_len) +
+              meta_int(st, "d_model", &f.d_model) + meta_int(st, "n_layer", &f.n_layer) +
+              meta_int(st, "n_head", &f.n_head);
+  if (found != 5) return false;
+  *c = f;
+  return true;
+}
+
+/* --config (or --init's sizes), then the size flags on top. */
+static int resolve_config(struct options *o, struct rtp_safetensors *init,
+                          struct gpt_config *c) {
+  const struct preset *p = find_preset(o->config ? o->config : "small");
+  if (!p) return usage_error("--config must be tiny, small or medium, not '%s'", o->config);
+  *c = p->cfg;
+  if (!o->config && init) config_from_file(init, c);
+  if (o->lr == 0) o->lr = p->lr;
+  if (o->n_layer) c->n_layer = o->n_layer;
+  if (o->d_model) c->d_model = o->d_model;
+  if (o->n_head) c->n_head = o->n_head;
+  if (o->seq_len) c->seq_len = o->seq_len;
+  if (c->n_layer < 1 || c->n_layer > GPT_MAX_LAYERS)
+    return usage_error("--n-layer must be 1..%d", GPT_MAX_LAYERS);
+  if (c->d_model < 1 || c->n_head < 1 || c->d_model % c->n_head)
+    return usage_error("--n-head (%d) must divide --d-model (%d)", c->n_head, c->d_model);
+  if (c->seq_len < 2) return usage_error("--seq-len must be at least 2");
+  return 0;
+}
+
+/* ---- data ----------------------------------------------------------------------------- */
+
+struct dataset {
+  uint8_t *bytes;
+  size_t n;
+  size_t split; /* training windows lie in [0, split), evaluation windows in [split, n) */
+  bool builtin; /* the addition task: held-out lines are sums with one right answer */
+};
+
+static uint64_t mix64(uint64_t z) { /* splitmix64's finaliser */
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+#define TASK_LINES 20000
+#define TASK_MAX_LINE 16
+
+/*
+ * The built-in task: lines "a+b=c\n" with a, b < 1000 written with three digits and c with
+ * four ("042+917=0959"). Predicting c needs each digit of a, b and the carries from the
+ * digits to its right: attention over the line, not n-grams.
+ * Held-out sums are a fixed hash class of (a, b), so none of them is ever trained on;
+ * they follow the training lines and make up the last tenth of the bytes.
+ */
+static int make_addition_task(struct dataset *d) {
+  size_t cap = (size_t)TASK_LINES * TASK_MAX_LINE;
+  char *train = malloc(cap), *held = malloc(cap);
+  if (!train || !held) {
+    free(train);
+    free(held);
+    fprintf(stderr, "train-gpt: out of memory for the built-in task\n");
+    return RTP_ENOMEM;
+  }
+  size_t nt = 0, nh = 0;
+  uint64_t s = 0xadd; /* fixed, so every run and every --eval-only sees the same task */
+  for (int lines = 0; lines < TASK_LINES;) {
+    s = mix64(s);
+    int a = (int)(s % 1000), b = (int)((s >> 32) % 1000);
+    bool is_held = mix64(((uint64_t)a << 32) | (uint64_t)b) % 10 == 0;
+    if (is_held && nh >= nt / 9) continue; /* keep the held-out part at a tenth */
+    char *dst = is_held ? held + nh : train + nt;
+    int len = snprintf(dst, TASK_MAX_LINE, "%03d+%03d=%04d\n", a, b, a + b);
+    *(is_held ? &nh : &nt) += (size_t)len;
+    lines++;
+  }
+  memcpy(train + nt, held, nh);
+  free(held);
+  *d = (struct dataset){(uint8_t *)train, nt + nh, nt, true};
+  return RTP_OK;
+}
+
+/* Any file, its bytes as tokens; the last tenth is held out (all of it with --eval-only). */
+static int load_data_file(const char *path, bool eval_only, struct dataset *d) {
+  FILE *f = fopen(path, "rb");
+  if (!f) {
+    fprintf(stderr, "train-gpt: --data %s: %s\n", path, strerror(errno));
+    return RTP_EIO;
+  }
+  size_t cap = 1 << 20, n = 0;
+  uint8_t *buf = malloc(cap);
+  for (size_t got = 1; buf && got > 0;) {
+    if (n == cap) {
+      uint8_t *bigger = realloc(buf, cap *= 2);
+      if (!bigger) free(buf);
+      buf = bigger;
+      if (!buf) break;
+    }
+    got = fread(buf + n, 1, cap - n, f);
+    n += got;
+  }
+  bool bad = ferror(f) || !buf;
+  fclose(f);
+  if (bad) {
+    free(buf);
+    fprintf(stderr, "train-gpt: --data %s: cannot read the file\n", path);
+    return RTP_EIO;
+  }
+  *d = (struct dataset){buf, n, eval_only ? 0 : n - n / 10, false};
+  return RTP_OK;
+}
+
+static int check_data(const struct dataset *d, int T, bool eval_only, const char *what) {
+  size_t need = (size_t)T + 1;
+  if ((!eval_only && d->split < need) || d->n - d->split < need) {
+    fprintf(stderr,
+            "train-gpt: %s has %zu bytes: too few for --seq-len %d (the training part and the "
+            "held-out tenth each need at least %zu)\n",
+            what, d->n, T, need);
+    return RTP_EINVAL;
+  }
+  return RTP_OK;
+}
+
+/*
+ * The global batch of a step is world x B windows of T + 1 bytes from the training part;
+ * window j starts at an offset drawn from (seed, step, j) alone. Rank r takes windows
+ * r*B .. r*B + B - 1, so N ranks with batch B see exactly the data of one process with
+ * batch N*B. idx gets the first T bytes of each window, tgt the last T.
+ */
+static void sample_batch(const struct dataset *d, uint64_t seed, int64_t step, int world,
+                         int rank, int B, int T, int32_t *idx, int32_t *tgt) {
+  uint64_t starts = d->split - (size_t)T; /* window starts that fit */
+  for (int j = 0; j < world * B; j++) {
+    if (j / B != rank) continue;
+    uint64_t h = mix64(mix64(seed) ^ mix64(((uint64_t)step << 20) ^ (uint64_t)j));
+    const uint8_t *w = d->bytes + h % starts;
+    int b = j % B;
+    for (int t = 0; t < T; t++) {
+      idx[b * T + t] = w[t];
+      tgt[b * T + t] = w[t + 1];
+    }
+  }
+}
+
+/* ---- the model and its graphs ---------------------------------------------------------- */
+
+struct trainer {
+  struct rtp_context *ctx;
+  struct rtp_threadpool *tp;
+  struct gpt m;
+  struct rtp_graph *train; /* forward, backward; NULL with --eval-only */
+  struct rtp_graph *eval;  /* the forward to the logits alone */
+  struct rtp_optimizer *opt;
+  int world, rank;
+};
+
+static int graph_size(struct gpt_config c) {
+  return 512 + 256 * c.n_layer;
+}
+
+/*
+ * Evaluation reuses the training graph's forward nodes instead of building a second model:
+ * the eval graph is those same nodes up to the logits (a prefix of the training graph, in
+ * the same order), already placed by the training plan, so planning it adds no activation
+ * memory and computing it runs the forward alone, without the backward. It is correct
+ * because the nodes keep their training placement, where each one stays live until its
+ * last forward reader has run. The cost is that evaluation uses the training batch shape.
+ */
+static int build_graphs(struct trainer *tr, bool train) {
+  struct gpt_config c = tr->m.cfg;
+  if (train) {
+    tr->train = rtp_graph_new(tr->ctx, graph_size(c));
+    if (!tr->train || rtp_graph_build(tr->train, tr->m.loss) ||
+        rtp_build_backward(tr->ctx, tr->train, tr->m.loss) ||
+        rtp_graph_plan(tr->ctx, tr->train))
+      return fail(RTP_EINVAL, "building the training graph");
+  }
+  tr->eval = rtp_graph_new(tr->ctx, graph_size(c) / 2);
+  if (!tr->eval || rtp_graph_build(tr->eval, tr->m.logits) || rtp_graph_plan(tr->ctx, tr->eval))
+    return fail(RTP_EINVAL, "building the evaluation graph");
+  return RTP_OK;
+}
+
+/* The eval graph adds its node table and a plan to what gpt_arena_size counts. */
+static size_t arena_size(struct gpt_config c, int batch) {
+  return gpt_arena_size(c, batch) + (size_t)graph_size(c) * 64 + (1u << 20);
+}
+
+static int trainer_init(struct trainer *tr, struct gpt_config c, const struct options *o) {
+  *tr = (struct trainer){.world = 1, .rank = 0};
+  tr->ctx = rtp_init((struct rtp_init_params){arena_size(c, o->batch), NULL, false});
+  if (!tr->ctx) return fail(RTP_ENOMEM, "creating the arena");
+  tr->tp = rtp_threadpool_new(o->threads);
+  if (!tr->tp) return fail(RTP_ENOMEM, "starting %d threads", o->threads);
+  if (gpt_build(tr->ctx, &tr->m, c, o->batch)) return fail(RTP_EINVAL, "building the model");
+  int rc = build_graphs(tr, !o->eval_only);
+  if (rc) return rc;
+  gpt_init_weights(&tr->m, (uint64_t)o->seed);
+  if (o->eval_only) return RTP_OK;
+  struct rtp_adamw_params hp = rtp_adamw_default();
+  hp.lr = o->lr;
+  tr->opt = rtp_optimizer_new(tr->ctx, tr->train, hp);
+  return tr->opt ? RTP_OK : fail(RTP_ENOMEM, "creating the optimizer");
+}
+
+static void trainer_free(struct trainer *tr) {
+  rtp_threadpool_free(tr->tp);
+  rtp_free(tr->ctx);
+}
+
+/* One optimizer step on this rank's share of the global batch; *loss is its mean. */
+static int train_step(struct trainer *tr, const struct dataset *d, uint64_t seed, int64_t step,
+                      float *loss) {
+  struct gpt *m = &tr->m;
+  sample_batch(d, seed, step, tr->world, tr->rank, m->batch, m->cfg.seq_len, m->idx->data,
+               m->targets->data);
+  int rc = rtp_graph_compute(tr->train, tr->tp);
+  if (rc) return fail(rc, "step %" PRId64 ": forward and backward", step + 1);
+  *loss = rtp_get_f32_1d(m->loss, 0);
+  rc = rtp_optimizer_step(tr->opt, tr->tp);
+  return rc ? fail(rc, "step %" PRId64 ": optimizer", step + 1) : RTP_OK;
+}
+
+/* ---- evaluation ------------------------------------------------------------------------ */
+
+/* Sum over the T positions of row b of -log softmax(logits)[target]. */
+static double row_loss(const struct gpt *m, int b) {
+  int V = m->cfg.vocab, T = m->cfg.seq_len;
+  const float *logits = m->logits->data;
+  const int32_t *tgt = m->targets->data;
+  double sum = 0;
+  for (int t = 0; t < T; t++) {
+    const float *l = logits + ((size_t)b * T + t) * V;
+    float mx = l[0];
+    for (int v = 1; v < V; v++) mx = l[v] > mx ? l[v] : mx;
+    double z = 0;
+    for (int v = 0; v < V; v++) z += exp((double)l[v] - mx);
+    sum += log(z) + mx - l[tgt[b * T + t]];
+  }
+  return sum;
+}
+
+/* Fills row b of the inputs with the window of T + 1 bytes at w (zeros if w is NULL). */
+static void set_window(struct gpt *m, int b, const uint8_t *w) {
+  int T = m->cfg.seq_len;
+  int32_t *idx = m->idx->data, *tgt = m->targets->data;
+  for (int t = 0; t < T; t++) {
+    idx[b * T + t] = w ? w[t] : 0;
+    tgt[b * T + t] = w ? w[t + 1] : 0;
+  }
+}
+
+static int64_t count_windows(const struct dataset *d, int T) {
+  return (int64_t)((d->n - d->split - 1) / (size_t)T);
+}
+
+/* Mean next-byte loss over the held-out windows [split + i*T, split + i*T + T], i < n,
+ * computed B windows at a time (unused rows of the last batch are ignored). */
+static int evaluate(struct trainer *tr, const struct dataset *d, int64_t n, double *loss) {
+  struct gpt *m = &tr->m;
+  int B = m->batch, T = m->cfg.seq_len;
+  double sum = 0;
+  for (int64_t first = 0; first < n; first += B) {
+    for (int b = 0; b < B; b++)
+      set_window(m, b, first + b < n ? d->bytes + d->split + (size_t)(first + b) * T : NULL);
+    int rc = rtp_graph_compute(tr->eval, tr->tp);
+    if (rc) return fail(rc, "evaluation");
+    for (int b = 0; b < B && first + b < n; b++) sum += row_loss(m, b);
+  }
+  *loss = sum / ((double)n * T);
+  return RTP_OK;
+}
+
+/* The next byte after position t of row b: greedy, or sampled at the temperature. */
+static int pick_byte(const struct gpt *m, int b, int t, float temperature, uint64_t *rng) {
+  int V = m->cfg.vocab;
+  const float *l = (const float *)m->logits->data + ((size_t)b * m->cfg.seq_len + t) * V;
+  int best = 0;
+  for (int v = 1; v < V; v++) best = l[v] > l[best] ? v : best;
+  if (temperature <= 0) return best;
+  double z = 0, r;
+  for (int v = 0; v < V; v++) z += exp((l[v] - l[best]) / temperature);
+  *rng = mix64(*rng);
+  r = (double)(*rng >> 11) / 9007199254740992.0 * z;
+  for (int v = 0; v < V; v++) {
+    r -= exp((l[v] - l[best]) / temperature);
+    if (r <= 0) return v;
+  }
+  return best;
+}
+
+/* A held-out sum: the prompt "\na+b=" and the answer "c\n". */
+struct problem {
+  char prompt[TASK_MAX_LINE + 1], answer[TASK_MAX_LINE];
+  int prompt_len;
+};
+
+/* Up to max problems from the complete lines of the held-out part. */
+static int held_out_problems(const struct dataset *d, struct problem *p, int max) {
+  int n = 0;
+  const char *s = (const char *)d->bytes + d->split, *end = (const char *)d->bytes + d->n;
+  while (n < max && s < end) {
+    const char *eq = memchr(s, '=', (size_t)(end - s));
+    const char *nl = eq ? memchr(eq, '\n', (size_t)(end - eq)) : NULL;
+    if (!nl || nl - s >= TASK_MAX_LINE - 1) break;
+    p[n].prompt_len =
+        snprintf(p[n].prompt, sizeof(p[n].prompt), "\n%.*s", (int)(eq + 1 - s), s);
+    snprintf(p[n].answer, sizeof(p[n].answer), "%.*s", (int)(nl + 1 - eq - 1), eq + 1);
+    n++;
+    s = nl + 1;
+  }
+  return n;
+}
+
+#define DECODE_ROWS 64 /* problems decoded at once, at most one per batch row */
+
+/* Greedy answers to a batch of problems, each in its own row, one byte per forward. */
+static int solve_batch(struct trainer *tr, const struct problem *p, int n, int *right) {
+  struct gpt *m = &tr->m;
+  int T = m->cfg.seq_len;
+  char got[DECODE_ROWS][TASK_MAX_LINE] = {{0}};
+  int len[DECODE_ROWS] = {0};
+  for (int b = 0; b < m->batch; b++) set_window(m, b, NULL);
+  int32_t *idx = m->idx->data;
+  for (int b = 0; b < n; b++)
+    for (int t = 0; t < p[b].prompt_len; t++) idx[b * T + t] = (uint8_t)p[b].prompt[t];
+  for (int k = 0; k < TASK_MAX_LINE - 1; k++) {
+    int rc = rtp_graph_compute(tr->eval, tr->tp);
+    if (rc) return fail(rc, "decoding");
+    bool busy = false;
+    for (int b = 0; b < n; b++) {
+      int pos = p[b].prompt_len + len[b];
+      if ((len[b] && got[b][len[b] - 1] == '\n') || pos >= T) continue;
+      got[b][len[b]++] = (char)pick_byte(m, b, pos - 1, 0, NULL);
+      idx[b * T + pos] = (uint8_t)got[b][len[b] - 1];
+      busy = true;
+    }
+    if (!busy) break;
+  }
+  for (int b = 0; b < n; b++) *right += strcmp(got[b], p[b].answer) == 0;
+  return RTP_OK;
+}
+
+/* Exact-match accuracy of greedy answers to up to max held-out sums. */
+static int accuracy(struct trainer *tr, const struct dataset *d, int max, double *acc, int *n) {
+  struct problem *p = calloc((size_t)(max > 0 ? max : 1), sizeof(*p));
+  if (!p) return fail(RTP_ENOMEM, "accuracy");
+  *n = held_out_problems(d, p, max);
+  int right = 0, rc = RTP_OK, B = tr->m.batch < DECODE_ROWS ? tr->m.batch : DECODE_ROWS;
+  for (int first = 0; first < *n && !rc; first += B)
+    rc = solve_batch(tr, p + first, *n - first < B ? *n - first : B, &right);
+  free(p);
+  *acc = *n ? (double)right / *n : 0;
+  return rc;
+}
+
+struct eval_stats {
+  double loss, acc;
+  int64_t windows;
+  int problems; /* 0: no accuracy (not the built-in task) */
+};
+
+static int eval_all(struct trainer *tr, const struct dataset *d, int max_windows,
+                    int max_problems, struct eval_stats *e) {
+  *e = (struct eval_stats){0};
+  e->windows = count_windows(d, tr->m.cfg.seq_len);
+  if (max_windows > 0 && e->windows > max_windows) e->windows = max_windows;
+  int rc = evaluate(tr, d, e->windows, &e->loss);
+  if (!rc && d->builtin && max_problems > 0)
+    rc = accuracy(tr, d, max_problems, &e->acc, &e->problems);
+  return rc;
+}
+
+/* ---- generation ------------------------------------------------------------------------- */
+
+/* Prints the prompt and n generated bytes; the context is the last T bytes so far. */
+static int sample_text(struct trainer *tr, const uint8_t *prompt, size_t plen, int n,
+                       float temperature, uint64_t seed) {
+  struct gpt *m = &tr->m;
+  int T = m->cfg.seq_len;
+  uint8_t *text = malloc(plen + (size_t)n);
+  if (!text) return fail(RTP_ENOMEM, "sampling");
+  memcpy(text, prompt, plen);
+  uint64_t rng = mix64(seed ^ 0x5a);
+  int rc = RTP_OK;
+  for (size_t len = plen; len < plen + (size_t)n && !rc; len++) {
+    size_t w = len < (size_t)T ? len : (size_t)T;
+    for (int b = 0; b < m->batch; b++) set_window(m, b, NULL);
+    for (size_t t = 0; t < w; t++) ((int32_t *)m->idx->data)[t] = text[len - w + t];
+    rc = rtp_graph_compute(tr->eval, tr->tp);
+    if (rc) fail(rc, "sampling");
+    text[len] = (uint8_t)pick_byte(m, 0, (int)w - 1, temperature, &rng);
+  }
+  if (!rc) {
+    printf("--- sample (%d bytes, %s) ---\n", n, temperature > 0 ? "sampled" : "greedy");
+    for (size_t i = 0; i < plen + (size_t)n; i++)
+      if (text[i] == '\n' || (text[i] >= 32 && text[i] < 127))
+        putchar(text[i]);
+      else
+        printf("\\x%02x", text[i]);
+    printf("\n---\n");
+  }
+  free(text);
+  return rc;
+}
+
+/* --prompt, or the start of the held-out text (for the task: the first sum up to '='). */
+static int run_sample(struct trainer *tr, const struct dataset *d, const struct options *o) {
+  const uint8_t *prompt = (const uint8_t *)o->prompt;
+  size_t plen = o->prompt ? strlen(o->prompt) : 0;
+  if (!prompt) {
+    prompt = d->bytes + d->split;
+    const uint8_t *eq = d->builtin ? memchr(prompt, '=', d->n - d->split) : NULL;
+    plen = eq ? (size_t)(eq + 1 - prompt) : (size_t)tr->m.cfg.seq_len / 2;
+  }
+  return sample_text(tr, prompt, plen, o->sample, o->temperature, (uint64_t)o->seed);
+}
+
+/* ---- files --------------------------------------------------------------------------------
+ */
+
+static int load_init(struct trainer *tr, struct rtp_safetensors *st, const char *path) {
+  for (int i = 0; i < tr->m.n_params; i++) {
+    int rc = rtp_safetensors_read(st, tr->m.params[i]->name, tr->m.params[i]);
+    if (rc) return fail(rc, "--init %s", path);
+  }
+  return RTP_OK;
+}
+
+/* One consolidated file with nanoGPT's names and [out, in] shapes, plus the sizes. */
+static int export_model(struct trainer *tr, const char *path, int64_t steps) {
+  struct gpt_config c = tr->m.cfg;
+  char v[6][24];
+  snprintf(v[0], sizeof(v[0]), "%d", c.vocab);
+  snprintf(v[1], sizeof(v[1]), "%d", c.seq_len);
+  snprintf(v[2], sizeof(v[2]), "%d", c.d_model);
+  snprintf(v[3], sizeof(v[3]), "%d", c.n_layer);
+  snprintf(v[4], sizeof(v[4]), "%d", c.n_head);
+  snprintf(v[5], sizeof(v[5]), "%" PRId64, steps);
+  const char *meta[] = {"format",  "pt", "vocab",  v[0], "seq_len", v[1], "d_model", v[2],
+                        "n_layer", v[3], "n_head", v[4], "step",    v[5], NULL};
+  int rc = rtp_safetensors_save(path, tr->m.params, tr->m.n_params, meta);
+  return rc ? fail(rc, "--export %s", path) : RTP_OK;
+}
+
+/* ---- progress and metrics ------------------------------------------------------------------
+ */
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* The process's peak resident set (VmHWM) in bytes, 0 if /proc does not say. */
+static size_t peak_rss(void) {
+  FILE *f = fopen("/proc/self/status", "r");
+  if (!f) return 0;
+  char line[256];
+  size_t kb = 0;
+  while (fgets(line, sizeof(line), f))
+    if (sscanf(line, "VmHWM: %zu kB", &kb) == 1) break;
+  fclose(f);
+  return kb * 1024;
+}
+
+struct step_stats {
+  int64_t step, steps; /* 1-based */
+  float loss;
+  double ms, tokens_per_s, eta_s;
+  const struct eval_stats *eval; /* NULL unless evaluated at this step */
+};
+
+static void write_metrics(FILE *f, const struct trainer *tr, const struct step_stats *s) {
+  struct rtp_mem_report r;
+  rtp_mem_report_get(tr->ctx, &r);
+  fprintf(
+      f,
+      "{\"step\": %" PRId64
+      ", \"loss\": %.9g, \"ms_per_step\": %.4f, \"tokens_per_s\": %.2f"
+      ", \"params\": %zu, \"grads\": %zu, \"optim\": %zu, \"activations\": %zu, \"comm\": %zu"
+      ", \"peak_rss\": %zu",
+      s->step, s->loss, s->ms, s->tokens_per_s, r.bytes[RTP_ROLE_PARAM], r.bytes[RTP_ROLE_GRAD],
+      r.bytes[RTP_ROLE_OPTIM], r.bytes[RTP_ROLE_ACTIVATION], r.bytes[RTP_ROLE_COMM],
+      peak_rss());
+  if (s->eval) fprintf(f, ", \"eval_loss\": %.9g", s->eval->loss);
+  if (s->eval && s->eval->problems) fprintf(f, ", \"accuracy\": %.6g", s->eval->acc);
+  fprintf(f, "}\n");
+  fflush(f);
+}
+
+static void format_duration(double s, char *buf, size_t n) {
+  long t = (long)(s + 0.5);
+  if (t >= 3600)
+    snprintf(buf, n, "%ldh%02ldm", t / 3600, t / 60 % 60);
+  else
+    snprintf(buf, n, "%ldm%02lds", t / 60, t % 60);
+}
+
+/* One line per interval: a bar redrawn in place on a terminal, plain lines otherwise. */
+static void print_progress(const struct trainer *tr, const struct step_stats *s, bool tty) {
+  struct rtp_mem_report r;
+  rtp_mem_report_get(tr->ctx, &r);
+  char eta[32], ev[64] = "";
+  format_duration(s->eta_s, eta, sizeof(eta));
+  if (s->eval && s->eval->problems)
+    snprintf(ev, sizeof(ev), " | eval %.4f acc %5.1f%%", s->eval->loss, 100 * s->eval->acc);
+  else if (s->eval)
+    snprintf(ev, sizeof(ev), " | eval %.4f", s->eval->loss);
+  if (tty) {
+    char bar[21];
+    int fill = (int)(20 * s->step / s->steps);
+    for (int i = 0; i < 20; i++) bar[i] = i < fill ? '#' : '.';
+    bar[20] = 0;
+    printf("\r[%s] ", bar);
+  }
+  printf("step %" PRId64 "/%" PRId64
+         " | loss %.4f%s | %.0f tok/s | %.1f ms/step | mem %.1f MiB "
+         "rss %.1f MiB | ETA %s%s",
+         s->step, s->steps, s->loss, ev, s->tokens_per_s, s->ms, r.total / 1048576.0,
+         peak_rss() / 1048576.0, eta, tty && s->step < s->steps ? "\x1b[K" : "\n");
+  fflush(stdout);
+}
+
+/* ---- the two modes ---------------------------------------------------------------------- */
+
+static int run_training(struct trainer *tr, const struct dataset *d, const struct options *o,
+                        FILE *metrics) {
+  int every = o->log_every ? o->log_every : (o->steps >= 20 ? o->steps / 20 : 1);
+  bool tty = isatty(STDOUT_FILENO);
+  double start = now_s(), tokens = (double)tr->world * tr->m.batch * tr->m.cfg.seq_len;
+  for (int64_t step = 0; step < o->steps; step++) {
+    double t0 = now_s();
+    float loss = 0;
+    int rc = train_step(tr, d, (uint64_t)o->seed, step, &loss);
+    if (rc) return rc;
+    double dt = now_s() - t0;
+    if (!isfinite(loss)) {
+      fprintf(stderr, "train-gpt: the loss is %f at step %" PRId64 " (try a lower --lr)\n",
+              loss, step + 1);
+      return RTP_EINVAL;
+    }
+    struct step_stats s = {step + 1, o->steps, loss, 1e3 * dt, tokens / dt, 0, NULL};
+    struct eval_stats e;
+    bool log = s.step % every == 0 || s.step == 1 || s.step == o->steps;
+    if (log && (rc = eval_all(tr, d, o->eval_windows, o->eval_problems, &e))) return rc;
+    s.eval = log ? &e : NULL;
+    s.eta_s = (now_s() - start) / (double)s.step * (double)(o->steps - s.step);
+    if (metrics) write_metrics(metrics, tr, &s);
+    if (log) print_progress(tr, &s, tty);
+  }
+  printf("trained %d steps in %.1f s\n", o->steps, now_s() - start);
+  return RTP_OK;
+}
+
+/* {"eval_loss": x, "windows": n} over every window of the held-out part (all of --data). */
+static int run_eval_only(struct trainer *tr, const struct dataset *d, const struct options *o) {
+  struct eval_stats e;
+  int rc = eval_all(tr, d, 0, d->builtin ? o->eval_problems : 0, &e);
+  if (rc) return rc;
+  printf("{\"eval_loss\": %.9g, \"windows\": %" PRId64, e.loss, e.windows);
+  if (e.problems) printf(", \"accuracy\": %.6g, \"problems\": %d", e.acc, e.problems);
+  printf("}\n");
+  return RTP_OK;
+}
+
+/* ---- main ----------------------------------------------------------------------------------
+ */
+
+static int open_inputs(struct options *o, struct rtp_safetensors **init, struct gpt_config *c,
+                       struct dataset *d) {
+  if (o->init && rtp_safetensors_open(o->init, init))
+    return fail(RTP_EIO, "--init %s", o->init);
+  int rc = resolve_config(o, *init, c);
+  if (rc) return rc;
+  rc = o->data ? load_data_file(o->data, o->eval_only, d) : make_addition_task(d);
+  if (rc) return rc;
+  return check_data(d, c->seq_len, o->eval_only, o->data ? o->data : "the built-in task");
+}
+
+static int run(struct options *o) {
+  struct rtp_safetensors *init = NULL;
+  struct gpt_config cfg;
+  struct dataset data = {0};
+  struct trainer tr = {0};
+  FILE *metrics = NULL;
+  int rc = open_inputs(o, &init, &cfg, &data);
+  if (!rc) rc = trainer_init(&tr, cfg, o);
+  if (!rc && init) rc = load_init(&tr, init, o->init);
+  if (!rc && o->metrics && !(metrics = fopen(o->metrics, "w"))) {
+    fprintf(stderr, "train-gpt: --metrics %s: %s\n", o->metrics, strerror(errno));
+    rc = RTP_EIO;
+  }
+  if (!rc && !o->eval_only && o->steps > 0) {
+    printf(
+        "model: %d layers, d_model %d, %d heads, seq_len %d, %.2fM parameters; batch %d, "
+        "lr %g, %s data\n",
+        cfg.n_layer, cfg.d_model, cfg.n_head, cfg.seq_len, gpt_n_params(cfg) / 1e6, o->batch,
+        o->lr, o->data ? o->data : "built-in addition");
+    rc = run_training(&tr, &data, o, metrics);
+  }
+  if (!rc && o->eval_only) rc = run_eval_only(&tr, &data, o);
+  if (!rc && o->sample) rc = run_sample(&tr, &data, o);
+  if (!rc && o->export_path)
+    rc = export_model(&tr, o->export_path, o->eval_only ? 0 : o->steps);
+  if (metrics && fclose(metrics) && !rc) rc = fail(RTP_EIO, "--metrics %s", o->metrics);
+  trainer_free(&tr);
+  rtp_safetensors_close(init);
+  free(data.bytes);
+  return rc;
+}
+
+int main(int argc, char **argv) {
+  struct options o;
+  int rc = parse_args(argc, argv, &o);
+  if (rc) return rc;
+  if (o.help) {
+    print_usage(stdout);
+    return 0;
+  }
+  rc = check_options(&o);
+  if (rc) return rc;
+  rc = run(&o);
+  return rc == EXIT_USAGE ? EXIT_USAGE : rc ? 1 : 0;
+}

@@ -1,0 +1,318 @@
+// The examples end to end: train-gpt trains the tiny model on its built-in task, writes
+// one metrics object per step, exports a model that --init and --eval-only read back to the
+// same loss (and PyTorch too, when /usr/bin/python3 has torch), and refuses bad input with a
+// message and a non-zero exit; embed-c and train-gpt-cpp run and save.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "rtp.h"
+
+namespace {
+
+struct Result {
+  int code = -1;  // exit status, -1 if killed by a signal
+  std::string out, err;
+};
+
+std::string slurp(const std::string &path) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+std::string quote(const std::string &s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+std::string tmp_dir() {
+  static std::string dir = [] {
+    std::string tmpl = testing::TempDir() + "rtp-examples-XXXXXX";
+    std::vector<char> buf(tmpl.begin(), tmpl.end());
+    buf.push_back(0);
+    return std::string(mkdtemp(buf.data())) + "/";
+  }();
+  return dir;
+}
+
+// Removes the scratch directory once every test has run.
+class ScratchCleanup : public testing::Environment {
+  void TearDown() override {
+    if (std::system(("rm -rf " + quote(tmp_dir())).c_str()) != 0)
+      std::fprintf(stderr, "could not remove %s\n", tmp_dir().c_str());
+  }
+};
+testing::Environment *const scratch_cleanup =
+    testing::AddGlobalTestEnvironment(new ScratchCleanup);
+
+Result run(const std::vector<std::string> &argv) {
+  std::string cmd;
+  for (const std::string &a : argv) cmd += quote(a) + " ";
+  std::string out = tmp_dir() + "stdout", err = tmp_dir() + "stderr";
+  int st = std::system((cmd + ">" + quote(out) + " 2>" + quote(err)).c_str());
+  Result r;
+  if (WIFEXITED(st)) r.code = WEXITSTATUS(st);
+  r.out = slurp(out);
+  r.err = slurp(err);
+  return r;
+}
+
+// A flat JSON object of numbers, strings and null, as train-gpt writes; false if malformed.
+bool parse_flat_json(const std::string &s, std::map<std::string, double> *obj) {
+  size_t i = 0;
+  auto ws = [&] {
+    while (i < s.size() && std::isspace((unsigned char)s[i])) i++;
+  };
+  auto str = [&](std::string *v) {
+    if (s[i] != '"') return false;
+    size_t end = s.find('"', i + 1);
+    if (end == std::string::npos) return false;
+    *v = s.substr(i + 1, end - i - 1);
+    i = end + 1;
+    return true;
+  };
+  ws();
+  if (i >= s.size() || s[i++] != '{') return false;
+  for (;;) {
+    ws();
+    std::string key, text;
+    if (!str(&key)) return false;
+    ws();
+    if (i >= s.size() || s[i++] != ':') return false;
+    ws();
+    if (s.compare(i, 4, "null") == 0) {
+      i += 4;
+    } else if (s[i] == '"') {
+      if (!str(&text)) return false;
+    } else {
+      char *end = nullptr;
+      double v = std::strtod(s.c_str() + i, &end);
+      if (end == s.c_str() + i) return false;
+      i = (size_t)(end - s.c_str());
+      (*obj)[key] = v;
+    }
+    ws();
+    if (i < s.size() && s[i] == ',') {
+      i++;
+      continue;
+    }
+    if (i >= s.size() || s[i++] != '}') return false;
+    ws();
+    return i == s.size();
+  }
+}
+
+std::vector<std::string> lines(const std::string &s) {
+  std::vector<std::string> v;
+  std::stringstream ss(s);
+  for (std::string l; std::getline(ss, l);) v.push_back(l);
+  return v;
+}
+
+// Some text for --data: bytes[i*T .. i*T+T] windows, 32 of them at T = 32.
+std::string write_data_file() {
+  std::string path = tmp_dir() + "data.txt", text;
+  while (text.size() < 32 * 32 + 1)
+    text += "Every rank keeps one shard of every parameter; the shards travel. ";
+  text.resize(32 * 32 + 1);
+  std::ofstream(path, std::ios::binary) << text;
+  return path;
+}
+
+const int kSteps = 30;
+
+// train-gpt's argv: the flags split at spaces, then the extra arguments (paths).
+std::vector<std::string> train_gpt(const std::string &flags,
+                                   const std::vector<std::string> &extra = {}) {
+  std::vector<std::string> argv = {TRAIN_GPT};
+  std::stringstream ss(flags);
+  for (std::string w; ss >> w;) argv.push_back(w);
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  return argv;
+}
+
+// One short training run shared by the tests below: its outputs are what they check.
+class TrainGpt : public testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    metrics_ = tmp_dir() + "metrics.jsonl";
+    model_ = tmp_dir() + "model.safetensors";
+    train_ =
+        run(train_gpt("--config tiny --steps 30 --lr 3e-3 --seed 7 --threads 2 --log-every 15 "
+                      "--eval-windows 0 --eval-problems 16",
+                      {"--metrics", metrics_, "--export", model_}));
+  }
+  static std::string metrics_, model_;
+  static Result train_;
+};
+std::string TrainGpt::metrics_, TrainGpt::model_;
+Result TrainGpt::train_;
+
+TEST_F(TrainGpt, LossFallsAndMetricsHaveOneObjectPerStep) {
+  ASSERT_EQ(train_.code, 0) << train_.err;
+  std::vector<std::string> ls = lines(slurp(metrics_));
+  ASSERT_EQ((int)ls.size(), kSteps);
+  std::map<std::string, double> first, last;
+  for (int i = 0; i < kSteps; i++) {
+    std::map<std::string, double> o;
+    ASSERT_TRUE(parse_flat_json(ls[i], &o)) << ls[i];
+    for (const char *k : {"step", "loss", "ms_per_step", "tokens_per_s", "params", "grads",
+                          "optim", "activations", "comm", "peak_rss"})
+      ASSERT_TRUE(o.count(k)) << k << " missing in " << ls[i];
+    EXPECT_EQ(o["step"], i + 1);
+    EXPECT_GT(o["ms_per_step"], 0);
+    EXPECT_GT(o["tokens_per_s"], 0);
+    EXPECT_GT(o["params"], 0);
+    EXPECT_EQ(o["params"], o["grads"]);
+    EXPECT_EQ(o["optim"], 2 * o["params"]);
+    EXPECT_GT(o["peak_rss"], o["params"]);
+    if (i == 0) first = o;
+    last = o;
+  }
+  std::printf("tiny on the addition task: loss %.3f -> %.3f in %d steps, eval %.3f\n",
+              first["loss"], last["loss"], kSteps, last["eval_loss"]);
+  EXPECT_GT(first["loss"], 5.0);  // about log(256) from the start
+  EXPECT_LT(last["loss"], 0.6 * first["loss"]);
+  EXPECT_TRUE(last.count("eval_loss") && last.count("accuracy"));
+  EXPECT_NE(train_.out.find("step 30/30"), std::string::npos) << train_.out;
+}
+
+TEST_F(TrainGpt, ExportReloadsToTheSameEvalLoss) {
+  ASSERT_EQ(train_.code, 0) << train_.err;
+  std::map<std::string, double> last;
+  ASSERT_TRUE(parse_flat_json(lines(slurp(metrics_)).back(), &last));
+  Result r = run(
+      {TRAIN_GPT, "--init", model_, "--eval-only", "--threads", "2", "--eval-problems", "16"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  std::map<std::string, double> ev;
+  ASSERT_EQ(lines(r.out).size(), 1u) << r.out;
+  ASSERT_TRUE(parse_flat_json(r.out, &ev)) << r.out;
+  EXPECT_NEAR(ev["eval_loss"], last["eval_loss"], 1e-6 * last["eval_loss"]);
+  EXPECT_EQ(ev["accuracy"], last["accuracy"]);
+  EXPECT_GT(ev["windows"], 100);
+}
+
+TEST_F(TrainGpt, EvalOnlyDataPrintsOneJsonLine) {
+  ASSERT_EQ(train_.code, 0) << train_.err;
+  std::string data = write_data_file();
+  Result r = run({TRAIN_GPT, "--init", model_, "--eval-only", "--data", data});
+  ASSERT_EQ(r.code, 0) << r.err;
+  std::map<std::string, double> ev;
+  ASSERT_TRUE(parse_flat_json(r.out, &ev)) << r.out;
+  EXPECT_EQ(ev.size(), 2u) << r.out;
+  EXPECT_EQ(ev["windows"], 32);
+  EXPECT_GT(ev["eval_loss"], 0);
+  EXPECT_EQ(r.out.rfind("{\"eval_loss\": ", 0), 0u) << r.out;
+  EXPECT_EQ(r.out.find("\n"), r.out.size() - 1) << r.out;
+}
+
+TEST_F(TrainGpt, SamplesFromTheExport) {
+  ASSERT_EQ(train_.code, 0) << train_.err;
+  Result r = run({TRAIN_GPT, "--init", model_, "--steps", "0", "--sample", "12", "--prompt",
+                  "12+34=", "--temperature", "0.8"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("--- sample (12 bytes, sampled) ---\n12+34="), std::string::npos)
+      << r.out;
+}
+
+TEST_F(TrainGpt, LoadsInPyTorch) {
+  ASSERT_EQ(train_.code, 0) << train_.err;
+  if (run({"/usr/bin/python3", "-c", "import torch"}).code != 0)
+    GTEST_SKIP() << "/usr/bin/python3 has no torch (apt install python3-torch)";
+  Result r = run(
+      {"/usr/bin/python3", CHECK_EXPORT, model_, write_data_file(), "--train-gpt", TRAIN_GPT});
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  std::printf("%s", r.out.c_str());
+}
+
+// Bad input: a message on stderr and a non-zero exit, never a crash.
+struct BadCase {
+  std::vector<std::string> args;
+  int code;
+  std::string message;
+};
+
+TEST(TrainGptErrors, BadInputIsRefusedClearly) {
+  std::string corrupt = tmp_dir() + "corrupt.safetensors";
+  std::ofstream(corrupt, std::ios::binary) << std::string("\x40\0\0\0\0\0\0\0{\"a\":", 13);
+  std::string other = tmp_dir() + "other.safetensors";
+  ASSERT_EQ(run({EMBED_C, other}).code, 0);
+  std::string tiny = tmp_dir() + "tiny.safetensors";
+  ASSERT_EQ(run({TRAIN_GPT, "--config", "tiny", "--steps", "0", "--export", tiny}).code, 0);
+  std::string missing = tmp_dir() + "no-such.safetensors";
+  const BadCase cases[] = {
+      {{"--bogus"}, 2, "unknown option '--bogus'"},
+      {{"--steps"}, 2, "--steps needs a value"},
+      {{"--steps", "ten"}, 2, "--steps: expected a non-negative integer"},
+      {{"--lr", "-1"}, 2, "--lr: expected a number"},
+      {{"--config", "huge"}, 2, "--config must be tiny, small or medium"},
+      {{"--config", "tiny", "--n-head", "5"}, 2, "must divide --d-model"},
+      {{"--strategy", "zero"}, 2, "--strategy must be"},
+      {{"--ckpt-dir", "ck"}, 2, "not yet supported"},
+      {{"--resume"}, 2, "not yet supported"},
+      {{"--init", missing, "--eval-only"}, 1, "no-such.safetensors"},
+      {{"--init", corrupt, "--eval-only"}, 1, "corrupt.safetensors"},
+      {{"--init", other, "--config", "tiny", "--eval-only"}, 1, "no tensor"},
+      {{"--init", tiny, "--d-model", "32", "--n-head", "2", "--eval-only"},
+       1,
+       "destination is"},
+      {{"--config", "tiny", "--data", missing}, 1, "no-such.safetensors"},
+      {{"--config", "tiny", "--data", corrupt}, 1, "too few"},
+  };
+  for (const BadCase &c : cases) {
+    std::vector<std::string> argv = {TRAIN_GPT};
+    argv.insert(argv.end(), c.args.begin(), c.args.end());
+    Result r = run(argv);
+    EXPECT_EQ(r.code, c.code) << c.args[0] << ": " << r.err;
+    EXPECT_NE(r.err.find(c.message), std::string::npos)
+        << c.args[0] << ": expected '" << c.message << "' in: " << r.err;
+  }
+  Result env = run({"env", "RTP_WORLD_SIZE=2", "RTP_RANK=1", TRAIN_GPT});
+  EXPECT_EQ(env.code, 2);
+  EXPECT_NE(env.err.find("on 2 ranks is not yet supported"), std::string::npos) << env.err;
+}
+
+TEST(TrainGptHelp, ListsTheIssueFlags) {
+  Result r = run({TRAIN_GPT, "--help"});
+  ASSERT_EQ(r.code, 0);
+  for (const char *f :
+       {"--config",    "--n-layer",  "--d-model",     "--n-head",  "--seq-len",  "--batch",
+        "--steps",     "--lr",       "--seed",        "--threads", "--strategy", "--data",
+        "--metrics",   "--ckpt-dir", "--ckpt-every",  "--resume",  "--init",     "--export",
+        "--eval-only", "--sample",   "--temperature", "--help"})
+    EXPECT_NE(r.out.find(f), std::string::npos) << f;
+}
+
+TEST(EmbedC, TrainsAndSaves) {
+  std::string out = tmp_dir() + "mlp.safetensors";
+  Result r = run({EMBED_C, out});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("step 100"), std::string::npos) << r.out;
+  rtp_safetensors *st = nullptr;
+  ASSERT_EQ(rtp_safetensors_open(out.c_str(), &st), 0) << rtp_last_error();
+  EXPECT_EQ(rtp_safetensors_count(st), 3);
+  EXPECT_GE(rtp_safetensors_find(st, "fc1.weight"), 0);
+  rtp_safetensors_close(st);
+}
+
+TEST(TrainGptCpp, TrainsAndSaves) {
+  std::string out = tmp_dir() + "cpp.safetensors";
+  Result r = run({TRAIN_GPT_CPP, "12", out});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("step  12"), std::string::npos) << r.out;
+  EXPECT_EQ(access(out.c_str(), R_OK), 0);
+}
+
+}  // namespace
