@@ -33,10 +33,11 @@ test-tsan: deps
 	cd $(BUILD)-tsan && ctest --output-on-failure -j $(JOBS) -L tsan
 
 run: build
-	./$(BUILD)/examples/train-gpt --steps 200
+	./$(BUILD)/examples/train-gpt --config tiny --steps 300 --batch 16 --sample 64
 
 bench: build
 	./$(BUILD)/bench/bench-core
+	./$(BUILD)/bench/bench-parallel
 
 format:
 	clang-format -i $$(git ls-files '*.c' '*.h' '*.cpp' '*.hpp' '*.cu')

@@ -71,6 +71,9 @@ struct rtp_tensor *rtp__get_rows_back_block(struct rtp_context *ctx, struct rtp_
                                             struct rtp_tensor *idx,
                                             const struct rtp_tensor *like, int64_t first);
 
+/* ---- rtp-opt.c ---- */
+void rtp__optimizer_set_comm(struct rtp_optimizer *opt, struct rtp_comm *comm);
+
 /* ---- rtp-parallel.c ---- */
 /* The backward schedule of a ROT node (an op on a rotated parameter block). */
 void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp_tensor *dy,

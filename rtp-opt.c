@@ -10,10 +10,14 @@ struct rtp_optimizer {
   int n;
   struct rtp_tensor **params, **m, **v;
   float lr_t, bc1, bc2; /* this step's factors, set before the threads run */
+  float gscale;         /* clipping factor for this step's gradients */
+  float norm;           /* the last global gradient norm */
+  struct rtp_comm *comm; /* set when each rank holds a different share of the gradients */
+  double partial[RTP_MAX_THREADS];
 };
 
 struct rtp_adamw_params rtp_adamw_default(void) {
-  return (struct rtp_adamw_params){3e-4f, 0.9f, 0.95f, 1e-8f, 0.0f};
+  return (struct rtp_adamw_params){3e-4f, 0.9f, 0.95f, 1e-8f, 0.0f, 0.0f};
 }
 
 struct rtp_optimizer *rtp_optimizer_new(struct rtp_context *ctx, struct rtp_graph *g,
@@ -23,9 +27,9 @@ struct rtp_optimizer *rtp_optimizer_new(struct rtp_context *ctx, struct rtp_grap
     return NULL;
   }
   if (!(hp.lr >= 0) || !(hp.beta1 >= 0 && hp.beta1 < 1) || !(hp.beta2 >= 0 && hp.beta2 < 1) ||
-      !(hp.eps > 0) || !(hp.weight_decay >= 0)) {
-    rtp__ctx_error(ctx, RTP_EINVAL,
-                   "rtp_optimizer_new: need lr >= 0, 0 <= betas < 1, eps > 0, weight_decay >= 0");
+      !(hp.eps > 0) || !(hp.weight_decay >= 0) || !(hp.clip_norm >= 0)) {
+    rtp__ctx_error(ctx, RTP_EINVAL, "rtp_optimizer_new: need lr >= 0, 0 <= betas < 1, eps > 0, "
+                   "weight_decay >= 0, clip_norm >= 0");
     return NULL;
   }
   int n = 0;
@@ -34,7 +38,7 @@ struct rtp_optimizer *rtp_optimizer_new(struct rtp_context *ctx, struct rtp_grap
   struct rtp_optimizer *opt = rtp__ctx_alloc(ctx, sizeof(*opt) + 3 * (size_t)n * sizeof(void *),
                                              "the optimizer");
   if (!opt) return NULL;
-  *opt = (struct rtp_optimizer){.hp = hp, .n = n};
+  *opt = (struct rtp_optimizer){.hp = hp, .n = n, .gscale = 1.0f};
   opt->params = (struct rtp_tensor **)(opt + 1);
   opt->m = opt->params + n;
   opt->v = opt->m + n;
@@ -71,17 +75,58 @@ static void adam_job(const struct rtp_compute_params *p, void *arg) {
     int64_t i0 = n * p->ith / p->nth, i1 = n * (p->ith + 1) / p->nth;
     float *w = opt->params[k]->data, *m = opt->m[k]->data, *v = opt->v[k]->data;
     const float *g = opt->params[k]->grad->data;
+    float gs = opt->gscale;
     for (int64_t i = i0; i < i1; i++) {
-      m[i] = b1 * m[i] + (1.0f - b1) * g[i];
-      v[i] = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
+      float gi = g[i] * gs;
+      m[i] = b1 * m[i] + (1.0f - b1) * gi;
+      v[i] = b2 * v[i] + (1.0f - b2) * gi * gi;
       float denom = sqrtf(v[i]) / opt->bc2 + eps;
       w[i] = w[i] * decay - opt->lr_t * m[i] / denom;
     }
   }
 }
 
+/* Each thread sums the squares of its share of every gradient. */
+static void sumsq_job(const struct rtp_compute_params *p, void *arg) {
+  struct rtp_optimizer *opt = arg;
+  double s = 0;
+  for (int k = 0; k < opt->n; k++) {
+    int64_t n = rtp_nelements(opt->params[k]);
+    const float *g = opt->params[k]->grad->data;
+    for (int64_t i = n * p->ith / p->nth; i < n * (p->ith + 1) / p->nth; i++)
+      s += (double)g[i] * g[i];
+  }
+  opt->partial[p->ith] = s;
+}
+
+static int grad_norm(struct rtp_optimizer *opt, struct rtp_threadpool *tp) {
+  rtp__threadpool_run(tp, sumsq_job, opt);
+  double s = 0;
+  for (int i = 0; i < rtp_threadpool_size(tp); i++) s += opt->partial[i];
+  if (opt->comm) { /* the shares of all ranks make the whole */
+    float f = (float)s;
+    int rc = rtp_comm_allreduce(opt->comm, &f, 1, NULL);
+    if (rc) return rc;
+    s = f;
+  }
+  opt->norm = (float)sqrt(s);
+  return RTP_OK;
+}
+
+void rtp__optimizer_set_comm(struct rtp_optimizer *opt, struct rtp_comm *comm) {
+  opt->comm = comm;
+}
+
+float rtp_optimizer_grad_norm(const struct rtp_optimizer *opt) {
+  return opt ? opt->norm : 0.0f;
+}
+
 int rtp_optimizer_step(struct rtp_optimizer *opt, struct rtp_threadpool *tp) {
   if (!opt) return rtp__error(RTP_EINVAL, "rtp_optimizer_step: NULL optimizer");
+  int rc = grad_norm(opt, tp);
+  if (rc) return rc;
+  float clip = opt->hp.clip_norm;
+  opt->gscale = clip > 0 && opt->norm > clip ? clip / opt->norm : 1.0f;
   opt->t++;
   /* PyTorch's form: step = lr / (1 - b1^t), denom = sqrt(v) / sqrt(1 - b2^t) + eps. */
   opt->bc1 = 1.0f - (float)pow(opt->hp.beta1, (double)opt->t);

@@ -97,6 +97,18 @@ int rtp_parallel_block(const struct rtp_parallel *p, const struct rtp_tensor *pa
   return RTP_OK;
 }
 
+struct rtp_optimizer *rtp_parallel_optimizer(const struct rtp_parallel *p,
+                                             struct rtp_adamw_params params) {
+  if (!p) {
+    rtp__error(RTP_EINVAL, "rtp_parallel_optimizer: NULL plan");
+    return NULL;
+  }
+  struct rtp_optimizer *opt = rtp_optimizer_new(p->ctx, p->graph, params);
+  /* Sharded gradients are disjoint shares of the whole: their norm needs every rank. */
+  if (opt && p->strategy == RTP_STRATEGY_RTP && p->world > 1) rtp__optimizer_set_comm(opt, p->comm);
+  return opt;
+}
+
 /* ---- cloning -------------------------------------------------------------------- */
 
 static struct rtp_tensor *mapped(struct rtp_parallel *p, const struct rtp_tensor *t) {

@@ -360,8 +360,9 @@ struct rtp_adamw_params {
   float beta2;
   float eps;
   float weight_decay; /* decoupled (AdamW); 0 is Adam */
+  float clip_norm;    /* > 0: scale gradients so their global L2 norm is at most this */
 };
-RTP_API struct rtp_adamw_params rtp_adamw_default(void); /* 3e-4, 0.9, 0.95, 1e-8, 0 */
+RTP_API struct rtp_adamw_params rtp_adamw_default(void); /* 3e-4, 0.9, 0.95, 1e-8, 0, 0 */
 
 struct rtp_optimizer;
 /* Adam states (role OPTIM) for every parameter of g, zeroed, from the arena. */
@@ -371,6 +372,8 @@ RTP_API struct rtp_optimizer *rtp_optimizer_new(struct rtp_context *ctx, struct 
 RTP_API int rtp_optimizer_step(struct rtp_optimizer *opt, struct rtp_threadpool *tp);
 RTP_API void rtp_optimizer_set_lr(struct rtp_optimizer *opt, float lr);
 RTP_API int64_t rtp_optimizer_steps(const struct rtp_optimizer *opt);
+/* The L2 norm of all gradients (over every rank) at the last step, before clipping. */
+RTP_API float rtp_optimizer_grad_norm(const struct rtp_optimizer *opt);
 
 /* ---- files: safetensors (rtp-io.c) ---------------------------------------------- */
 /* RTP-IO-BEGIN */
@@ -600,6 +603,10 @@ RTP_API struct rtp_graph *rtp_parallel_graph(const struct rtp_parallel *p);
  * to initialise); for the loss, the mean over all ranks. */
 RTP_API struct rtp_tensor *rtp_parallel_tensor(const struct rtp_parallel *p,
                                                const struct rtp_tensor *t);
+/* Adam over this rank's parameters; the gradient norm for clipping is the global one
+ * (a scalar all-reduce when parameters are sharded). */
+RTP_API struct rtp_optimizer *rtp_parallel_optimizer(const struct rtp_parallel *p,
+                                                     struct rtp_adamw_params params);
 /* The rows [first, first + len) of dimension dim of param that this rank holds. */
 RTP_API int rtp_parallel_block(const struct rtp_parallel *p, const struct rtp_tensor *param,
                                int64_t *first, int64_t *len, int *dim);

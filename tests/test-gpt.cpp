@@ -102,7 +102,7 @@ TEST_P(GptVsTorch, AdamSteps) {
   Fixture f;
   ASSERT_NO_FATAL_FAILURE(f.load(GetParam()));
   rtp_threadpool *tp = rtp_threadpool_new(GetParam());
-  rtp_adamw_params hp = {1e-3f, 0.9f, 0.95f, 1e-8f, 0.0f};
+  rtp_adamw_params hp = {1e-3f, 0.9f, 0.95f, 1e-8f, 0.0f, 0.0f};
   rtp_optimizer *opt = rtp_optimizer_new(f.ctx, f.g, hp);
   ASSERT_NE(opt, nullptr) << rtp_last_error();
   std::vector<float> losses = f.ref("ref.adam_losses", 5);
