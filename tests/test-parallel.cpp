@@ -3,7 +3,10 @@
 // process with batch N x B, within float rounding. Also: rtp's memory per rank.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -218,5 +221,129 @@ TEST_P(Equivalence, NRanksMatchOneProcess) {
 INSTANTIATE_TEST_SUITE_P(Strategies, Equivalence,
                          ::testing::Values(RTP_STRATEGY_DDP, RTP_STRATEGY_RTP),
                          [](const auto &info) { return std::string(rtp_strategy_name(info.param)); });
+
+}  // namespace
+
+namespace {
+
+size_t proc_bytes(const char *key) {
+  FILE *f = fopen("/proc/self/status", "r");
+  char line[256];
+  size_t kb = 0;
+  while (f && fgets(line, sizeof(line), f))
+    if (strncmp(line, key, strlen(key)) == 0) kb = strtoull(line + strlen(key) + 1, nullptr, 10);
+  if (f) fclose(f);
+  return kb * 1024;
+}
+
+size_t model_states(const rtp_mem_report &r) {
+  return r.bytes[RTP_ROLE_PARAM] + r.bytes[RTP_ROLE_GRAD] + r.bytes[RTP_ROLE_OPTIM];
+}
+
+// Model states of one process: parameters, gradients, Adam's two states.
+size_t one_process_states(gpt_config cfg, size_t *largest_block_of, int world) {
+  Model ref;
+  rtp_init_params ip = {gpt_arena_size(cfg, 1), nullptr, false};
+  ref.ctx = rtp_init(ip);
+  gpt_build(ref.ctx, &ref.m, cfg, 1);
+  ref.g = rtp_graph_new(ref.ctx, 8192);
+  rtp_graph_build(ref.g, ref.m.loss);
+  rtp_build_backward(ref.ctx, ref.g, ref.m.loss);
+  rtp_optimizer_new(ref.ctx, ref.g, rtp_adamw_default());
+  *largest_block_of = 0;
+  for (int i = 0; i < ref.m.n_params; i++) {  // block 0 is a largest one (rtp_comm_block)
+    const rtp_tensor *p = ref.m.params[i];
+    int64_t rows = p->ne[rtp_n_dims(p) - 1];
+    size_t block = (size_t)(rtp_nelements(p) / rows * ((rows + world - 1) / world)) * 4;
+    *largest_block_of = std::max(*largest_block_of, block);
+  }
+  rtp_mem_report r;
+  rtp_mem_report_get(ref.ctx, &r);
+  return model_states(r);
+}
+
+// One rank: parallelize with rtp, plan, make Adam; optionally run steps. Its report and
+// the resident memory before building and at the end.
+int rtp_rank_memory(gpt_config cfg, int batch, int rank, int world, int port, int steps,
+                    rtp_mem_report *rep, size_t *baseline, size_t *peak) {
+  rtp_comm_params cp = rtptest::params(rank, world, port);
+  rtp_comm *comm = nullptr;
+  if (rtp_comm_init(&cp, &comm)) return 40;
+  *baseline = proc_bytes("VmRSS:");
+  rtp_init_params meta_ip = {32 << 20, nullptr, true};
+  rtp_context *meta = rtp_init(meta_ip);
+  gpt m{};
+  rtp_graph *fwd = rtp_graph_new(meta, 8192);
+  if (gpt_build(meta, &m, cfg, batch) || rtp_graph_build(fwd, m.loss)) return 41;
+  rtp_init_params ip = {gpt_arena_size(cfg, batch), nullptr, false};
+  rtp_context *ctx = rtp_init(ip);
+  rtp_parallel_params pp = {RTP_STRATEGY_RTP, comm, 0, 0};
+  rtp_parallel *par = rtp_parallelize(ctx, fwd, m.loss, &pp);
+  if (!par || rtp_graph_plan(ctx, rtp_parallel_graph(par))) return 42;
+  rtp_optimizer *opt = rtp_parallel_optimizer(par, rtp_adamw_default());
+  if (!opt) return 43;
+  for (int i = 0; i < m.n_params; i++) {
+    rtp_tensor *t = rtp_parallel_tensor(par, m.params[i]);
+    for (int64_t j = 0; j < rtp_nelements(t); j++) ((float *)t->data)[j] = 0.01f * (float)(j % 7);
+  }
+  for (int s = 0; s < steps; s++)
+    if (rtp_graph_compute(rtp_parallel_graph(par), nullptr) || rtp_optimizer_step(opt, nullptr))
+      return 44;
+  rtp_mem_report_get(ctx, rep);
+  *peak = proc_bytes("VmHWM:");
+  rtp_free(ctx);
+  rtp_free(meta);
+  rtp_comm_free(comm);
+  return 0;
+}
+
+// rtp's model states per rank are at most a 1/N share of one process's (plus each
+// tensor's padding to 64 bytes), and the pool is two (block, gradient) pairs of the
+// largest block whatever the depth.
+TEST(Memory, RtpStatesAreOneNthPlusPool) {
+  for (int world : {2, 4})
+    for (int layers : {2, 6}) {
+      gpt_config cfg = {256, 16, 48, layers, 4};
+      size_t largest = 0, single = one_process_states(cfg, &largest, world);
+      int port = rtptest::free_port();
+      auto res = rtptest::run_procs(world, [&](int r) {
+        rtp_mem_report rep;
+        size_t base, peak;
+        int rc = rtp_rank_memory(cfg, 2, r, world, port, 0, &rep, &base, &peak);
+        if (rc) return rc;
+        size_t tensors = 3 * (4 + 12 * (size_t)layers + 3), pad = 64 * tensors;
+        if (model_states(rep) > single / world + pad) {
+          fprintf(stderr, "rank %d: states %zu > %zu / %d + %zu\n", r, model_states(rep),
+                  single, world, pad);
+          return 45;
+        }
+        size_t pool = 4 * ((largest + 63) / 64 * 64);
+        if (rep.bytes[RTP_ROLE_COMM] != pool) {
+          fprintf(stderr, "rank %d: pool %zu, want %zu\n", r, rep.bytes[RTP_ROLE_COMM], pool);
+          return 46;
+        }
+        return 0;
+      });
+      for (int r = 0; r < world; r++)
+        EXPECT_EQ(res[r].code, 0) << "world " << world << " layers " << layers << " rank " << r;
+    }
+}
+
+// The report can be trusted: a rank's peak resident memory after training steps is the
+// report's total plus what the process held before building, within 10%.
+TEST(MemorySlow, PeakResidentMatchesReport) {
+  const int world = 2;
+  int port = rtptest::free_port();
+  auto res = rtptest::run_procs(world, [&](int r) {
+    rtp_mem_report rep;
+    size_t base, peak;
+    int rc = rtp_rank_memory(gpt_config_small(), 8, r, world, port, 2, &rep, &base, &peak);
+    if (rc) return rc;
+    double want = (double)(rep.total + base);
+    printf("rank %d: peak %zu, report %zu + baseline %zu\n", r, peak, rep.total, base);
+    return std::fabs((double)peak - want) <= 0.1 * want ? 0 : 47;
+  }, 300);
+  for (int r = 0; r < world; r++) EXPECT_EQ(res[r].code, 0) << "rank " << r;
+}
 
 }  // namespace
