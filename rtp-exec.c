@@ -207,8 +207,12 @@ static void comm_post(struct graph_job *job, struct rtp_tensor *t) {
   if (t->op_params[0] == RTP__COMM_SENDRECV)
     rc = rtp_comm_sendrecv(comm, t->src[0]->data, rtp_nbytes(t->src[0]), t->op_params[1],
                            t->data, rtp_nbytes(t), t->op_params[2], &req);
-  else
+  else if (t->op_params[0] == RTP__COMM_ALLGATHER) {
+    int d = rtp_n_dims(t) - 1; /* blocks of the outermost dimension */
+    rc = rtp_comm_allgather(comm, t->data, (size_t)t->ne[d], t->nb[d], &req);
+  } else {
     rc = rtp_comm_allreduce(comm, t->data, (size_t)rtp_nelements(t), &req);
+  }
   if (rc) {
     job->comm_status = rc;
     return;

@@ -55,7 +55,11 @@ uint64_t rtp__get_param_u64(const struct rtp_tensor *t, int i);
 #define RTP_MAX_WORLD 64
 
 /* What a COMM node does (op_params[0]); op_params[4..5] hold the communicator. */
-enum { RTP__COMM_SENDRECV, RTP__COMM_ALLREDUCE };
+enum { RTP__COMM_SENDRECV, RTP__COMM_ALLREDUCE, RTP__COMM_ALLGATHER };
+/* a's memory: every rank's block of rows (rtp_comm_block over the outermost dimension)
+ * gathered in place. Internal: the fsdp pass gathers parameters with it. */
+struct rtp_tensor *rtp__allgather_rows(struct rtp_context *ctx, struct rtp_comm *comm,
+                                       struct rtp_tensor *a, struct rtp_tensor *after);
 
 /* View ops compute nothing: their data is their source's. */
 static inline bool rtp__is_view_op(enum rtp_op op) {

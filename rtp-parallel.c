@@ -30,6 +30,10 @@ struct rtp_parallel {
    * shared by every op; forward rotation uses the block slots. */
   struct rtp_tensor *pool_w[2], *pool_g[2];
   size_t pool_elems;
+  /* fsdp: the last node that read each slot, so the next write into it waits for it;
+   * and the previous op's compute, so the next op's gather is posted before it. */
+  struct rtp_tensor *w_reader[2], *g_reader[2], *prev_apply;
+  int n_gathers;
 };
 
 const char *rtp_strategy_name(enum rtp_strategy s) {
@@ -48,6 +52,11 @@ int rtp_strategy_parse(const char *name, enum rtp_strategy *out) {
 }
 
 /* ---- blocks of a parameter ------------------------------------------------------ */
+
+/* Whether each rank holds only its block of every parameter. */
+static bool sharded(const struct rtp_parallel *p) {
+  return p->world > 1 && (p->strategy == RTP_STRATEGY_RTP || p->strategy == RTP_STRATEGY_FSDP);
+}
 
 /* Parameters are split along their outermost dimension (PyTorch's first). */
 static int split_dim(const struct rtp_tensor *p) {
@@ -88,7 +97,7 @@ int rtp_parallel_block(const struct rtp_parallel *p, const struct rtp_tensor *pa
   if (!p || !param || !(param->flags & RTP_FLAG_PARAM) || index_in(p, param) < 0)
     return rtp__error(RTP_EINVAL, "rtp_parallel_block: not a parameter of the model");
   *dim = split_dim(param);
-  if (p->strategy == RTP_STRATEGY_RTP && p->world > 1) {
+  if (sharded(p)) {
     block_of(param, p->world, p->rank, first, len);
   } else {
     *first = 0;
@@ -105,7 +114,7 @@ struct rtp_optimizer *rtp_parallel_optimizer(const struct rtp_parallel *p,
   }
   struct rtp_optimizer *opt = rtp_optimizer_new(p->ctx, p->graph, params);
   /* Sharded gradients are disjoint shares of the whole: their norm needs every rank. */
-  if (opt && p->strategy == RTP_STRATEGY_RTP && p->world > 1) rtp__optimizer_set_comm(opt, p->comm);
+  if (opt && sharded(p)) rtp__optimizer_set_comm(opt, p->comm);
   return opt;
 }
 
@@ -120,7 +129,7 @@ static struct rtp_tensor *clone_leaf(struct rtp_parallel *p, const struct rtp_te
   int64_t ne[4];
   memcpy(ne, t->ne, sizeof(ne));
   bool param = t->flags & RTP_FLAG_PARAM;
-  if (param && p->strategy == RTP_STRATEGY_RTP && p->world > 1) {
+  if (param && sharded(p)) {
     int64_t first, len;
     block_of(t, p->world, p->rank, &first, &len);
     ne[split_dim(t)] = len;
@@ -156,6 +165,18 @@ static struct rtp_tensor *clone_node(struct rtp_parallel *p, const struct rtp_te
   }
   return c;
 }
+
+static struct rtp_tensor *fsdp_forward(struct rtp_parallel *p, const struct rtp_tensor *t,
+                                       const struct rtp_tensor *full, enum rot_kind kind,
+                                       struct rtp_tensor *x, struct rtp_tensor *own);
+static void fsdp_backward(struct rtp_parallel *p, enum rot_kind kind, int dim,
+                          const struct rtp_tensor *full, struct rtp_tensor *x,
+                          struct rtp_tensor *own, struct rtp_tensor *dy, struct rtp_tensor **dx,
+                          struct rtp_tensor **dp);
+static struct rtp_tensor *handle(struct rtp_parallel *p, const struct rtp_tensor *t,
+                                 const struct rtp_tensor *full, enum rot_kind kind,
+                                 struct rtp_tensor *x, struct rtp_tensor *own,
+                                 struct rtp_tensor *y);
 
 /* ---- rtp: the forward schedule -------------------------------------------------- */
 
@@ -224,7 +245,17 @@ static int rot_kind_of(const struct rtp_tensor *t, const struct rtp_tensor *para
   return RTP_OK;
 }
 
-/* y = op(param, x) on this rank: step k applies block (rank + k) % N, which arrived
+/* The slot that holds the block of step k >= 1 of the j-th rotated op, and the node that
+ * last reads it. */
+static struct rtp_tensor **rot_slot(struct rtp_parallel *p, int j, int k) {
+  return k == 1 ? &p->pool_g[j % 2] : &p->pool_w[k % 2];
+}
+
+static struct rtp_tensor **rot_reader(struct rtp_parallel *p, int j, int k) {
+  return k == 1 ? &p->g_reader[j % 2] : &p->w_reader[k % 2];
+}
+
+/* y = op(param, x) on this rank. rtp: step k applies block (rank + k) % N, which arrived
  * from rank + 1 during step k - 1; step 0 uses the owned block and never waits. */
 static struct rtp_tensor *rot_forward(struct rtp_parallel *p, const struct rtp_tensor *t,
                                       const struct rtp_tensor *full) {
@@ -233,46 +264,47 @@ static struct rtp_tensor *rot_forward(struct rtp_parallel *p, const struct rtp_t
     char s[128];
     rtp__shape_str(full, s, sizeof(s));
     rtp__ctx_error(p->ctx, RTP_EINVAL,
-                   "rtp strategy: parameter %s is used by %s, which rtp cannot split "
+                   "%s strategy: parameter %s is used by %s, which it cannot split "
                    "(mul_mat as the first operand, get_rows, or a broadcast add/mul)",
-                   s, rtp_op_name(t->op));
+                   rtp_strategy_name(p->strategy), s, rtp_op_name(t->op));
     return NULL;
   }
   int N = p->world, r = p->rank, left = (r + N - 1) % N, right = (r + 1) % N;
   struct rtp_tensor *own = mapped(p, full), *x = mapped(p, kind == ROT_ADD || kind == ROT_MUL
                                                                   ? t->src[0]
                                                                   : t->src[1]);
+  if (p->strategy == RTP_STRATEGY_FSDP) return fsdp_forward(p, t, full, kind, x, own);
   /* Order edges (RTP_SRC_ORDER) lay the steps out as: post the transfer of step k + 1,
-   * compute step k; the transfer into a slot waits for the step that last read it. */
+   * compute step k. The first hop (of the owned block) lands in a gradient slot, which
+   * forward leaves free, alternating by op, so it can be posted during the previous op's
+   * last step; later hops alternate between the block slots. A transfer into a slot also
+   * waits (src[3]) for whatever last read the slot. */
+  int j = p->n_gathers++;
   struct rtp_tensor *parts[RTP_MAX_WORLD] = {0}, *held = own, *prev = NULL;
+  struct rtp_tensor *last = p->prev_apply;
   for (int k = 0; k < N; k++) {
     int s = (r + k) % N;
-    struct rtp_tensor *rot = NULL;
-    if (k + 1 < N)
-      rot = rtp_sendrecv(p->ctx, p->comm, held, left,
-                         slot_as(p, p->pool_w[(k + 1) % 2], full, (s + 1) % N), right, prev);
+    struct rtp_tensor *next = NULL;
+    if (k + 1 < N) {
+      struct rtp_tensor *after = k == 0 ? (last ? last->src[RTP_SRC_ORDER] : NULL) : prev;
+      next = rtp_sendrecv(p->ctx, p->comm, held, left,
+                          slot_as(p, *rot_slot(p, j, k + 1), full, (s + 1) % N), right, after);
+      if (!next) return NULL;
+      next->src[RTP_SRC_ORDER] = *rot_reader(p, j, k + 1);
+      if (k == 0 && last) last->src[RTP_SRC_ORDER] = next; /* post it before that step */
+    }
     parts[s] = apply_block(p, kind, full, held, s, x);
     if (!parts[s]) return NULL;
-    parts[s]->src[RTP_SRC_ORDER] = rot ? rot : prev;
+    parts[s]->src[RTP_SRC_ORDER] = k == 0 ? (last ? NULL : next) : (next ? next : prev);
+    /* Step k reads its slot; it also waits for hop k, which sent from step k - 1's. */
+    if (k >= 1) *rot_reader(p, j, k) = parts[s];
+    if (k >= 2) *rot_reader(p, j, k - 1) = parts[s];
     prev = parts[s];
-    held = rot;
+    held = next;
   }
+  p->prev_apply = prev;
   struct rtp_tensor *y = assemble(p, kind, kind == ROT_MUL_MAT ? 0 : split_dim(full), parts);
-  if (!y) return NULL;
-  /* The handle autodiff sees: y itself, as an op of (x, owned block). */
-  struct rtp_tensor *h = rtp__new_node(p->ctx, RTP_OP_ROT, y->type, y->ne, x, own);
-  if (!h) return NULL;
-  memcpy(h->nb, y->nb, sizeof(h->nb));
-  h->src[2] = y;
-  h->view_src = y->view_src ? y->view_src : y;
-  h->view_offs = y->view_offs;
-  h->op_params[0] = kind;
-  h->op_params[1] = split_dim(full);
-  rtp__set_param_u64(h, 2, (uint64_t)(uintptr_t)p);
-  rtp__set_param_u64(h, 4, (uint64_t)(uintptr_t)full);
-  memcpy(h->name, t->name, sizeof(h->name));
-  h->flags = t->flags;
-  return h;
+  return y ? handle(p, t, full, kind, x, own, y) : NULL;
 }
 
 /* ---- rtp: the backward schedule ------------------------------------------------- */
@@ -340,6 +372,10 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
   int left = (r + N - 1) % N, right = (r + 1) % N;
   struct rtp_tensor *x = t->src[0], *own = t->src[1];
   dy = rtp_cont(ctx, dy);
+  if (p->strategy == RTP_STRATEGY_FSDP) {
+    fsdp_backward(p, kind, dim, full, x, own, dy, dx, dp);
+    return;
+  }
   /* Only ops whose input gradient needs the block fetch it again (mul_mat, mul). */
   bool need_w = dx && (kind == ROT_MUL_MAT || kind == ROT_MUL);
   struct rtp_tensor *parts[RTP_MAX_WORLD] = {0}, *dx_sum = NULL, *w = NULL;
@@ -388,6 +424,130 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
     *dx = dy;
 }
 
+/* ---- fsdp: gather a whole parameter for each op that reads it ---------------------- */
+
+/* Slot i of the pool seen as the whole parameter. */
+static struct rtp_tensor *whole_in(struct rtp_parallel *p, int i, const struct rtp_tensor *full) {
+  size_t nb[4] = {sizeof(float)};
+  for (int d = 1; d < 4; d++) nb[d] = nb[d - 1] * (size_t)full->ne[d - 1];
+  return rtp_view(p->ctx, p->pool_w[i], RTP_MAX_DIMS, full->ne, nb, 0);
+}
+
+/* The whole of `full` in a pool slot: this rank's block copied in, then all-gathered.
+ * The copy waits for the last reader of the slot. */
+static struct rtp_tensor *gather(struct rtp_parallel *p, const struct rtp_tensor *full,
+                                 struct rtp_tensor *own, int *slot) {
+  int i = *slot = p->n_gathers++ % 2;
+  struct rtp_tensor *w = whole_in(p, i, full);
+  int64_t first, len;
+  block_of(full, p->world, p->rank, &first, &len);
+  struct rtp_tensor *mine = slice(p->ctx, w, split_dim(full), first, len);
+  struct rtp_tensor *copy = rtp_sendrecv(p->ctx, p->comm, own, p->rank, mine, p->rank,
+                                         p->w_reader[i]);
+  struct rtp_tensor *all = rtp__allgather_rows(p->ctx, p->comm, w, copy);
+  return all ? rtp_reshape(p->ctx, all, RTP_MAX_DIMS, full->ne) : NULL;
+}
+
+/* The op itself, with the whole parameter w. */
+static struct rtp_tensor *apply_whole(struct rtp_parallel *p, enum rot_kind kind,
+                                      struct rtp_tensor *w, struct rtp_tensor *x) {
+  switch (kind) {
+    case ROT_MUL_MAT: return rtp_mul_mat(p->ctx, w, x);
+    case ROT_GET_ROWS: return rtp_get_rows(p->ctx, w, x);
+    case ROT_ADD: return rtp_add(p->ctx, x, w);
+    default: return rtp_mul(p->ctx, x, w);
+  }
+}
+
+/* The handle autodiff sees for an op on a distributed parameter: y, as an op of (x, the
+ * owned block), whose backward is the strategy's (rtp__rot_backward). */
+static struct rtp_tensor *handle(struct rtp_parallel *p, const struct rtp_tensor *t,
+                                 const struct rtp_tensor *full, enum rot_kind kind,
+                                 struct rtp_tensor *x, struct rtp_tensor *own,
+                                 struct rtp_tensor *y) {
+  struct rtp_tensor *h = rtp__new_node(p->ctx, RTP_OP_ROT, y->type, y->ne, x, own);
+  if (!h) return NULL;
+  memcpy(h->nb, y->nb, sizeof(h->nb));
+  h->src[2] = y;
+  h->view_src = y->view_src ? y->view_src : y;
+  h->view_offs = y->view_offs;
+  h->op_params[0] = kind;
+  h->op_params[1] = split_dim(full);
+  rtp__set_param_u64(h, 2, (uint64_t)(uintptr_t)p);
+  rtp__set_param_u64(h, 4, (uint64_t)(uintptr_t)full);
+  memcpy(h->name, t->name, sizeof(h->name));
+  h->flags = t->flags;
+  return h;
+}
+
+/* Forward: the gather of this op's parameter was posted before the previous op's
+ * compute (an order edge), so it runs during it. */
+static struct rtp_tensor *fsdp_forward(struct rtp_parallel *p, const struct rtp_tensor *t,
+                                       const struct rtp_tensor *full, enum rot_kind kind,
+                                       struct rtp_tensor *x, struct rtp_tensor *own) {
+  int slot;
+  struct rtp_tensor *w = gather(p, full, own, &slot);
+  if (!w) return NULL;
+  if (p->prev_apply && !p->prev_apply->src[RTP_SRC_ORDER]) p->prev_apply->src[RTP_SRC_ORDER] = w;
+  struct rtp_tensor *y = apply_whole(p, kind, w, x);
+  if (!y) return NULL;
+  p->w_reader[slot] = p->prev_apply = y;
+  return handle(p, t, full, kind, x, own, y);
+}
+
+/* Backward: gather again, compute dx and the whole parameter's gradient, then a ring
+ * reduce-scatter over blocks of rows: at step k rank r passes the partial sum of block
+ * r - k on to r + 1 and adds its own part to the partial of block r - k - 1 it receives,
+ * so after N - 1 steps it holds its own block summed over all ranks. */
+static void fsdp_backward(struct rtp_parallel *p, enum rot_kind kind, int dim,
+                          const struct rtp_tensor *full, struct rtp_tensor *x,
+                          struct rtp_tensor *own, struct rtp_tensor *dy, struct rtp_tensor **dx,
+                          struct rtp_tensor **dp) {
+  struct rtp_context *ctx = p->ctx;
+  int N = p->world, r = p->rank, slot;
+  struct rtp_tensor *w = gather(p, full, own, &slot), *gw = NULL;
+  switch (kind) {
+    case ROT_MUL_MAT: {
+      struct rtp_tensor *x2 = x, *d2 = dy;
+      if (rtp_n_dims(x) > 2) {
+        x2 = rtp_reshape_2d(ctx, rtp_cont(ctx, x), x->ne[0], rtp_nrows(x));
+        d2 = rtp_reshape_2d(ctx, dy, dy->ne[0], rtp_nrows(dy));
+      }
+      gw = rtp_mul_mat(ctx, rtp_transpose(ctx, x2), rtp_transpose(ctx, d2));
+      if (dx) *dx = rtp_mul_mat(ctx, rtp_transpose(ctx, w), dy);
+      break;
+    }
+    case ROT_GET_ROWS:
+      gw = rtp__op3(ctx, RTP_OP_GET_ROWS_BACK, full->ne, dy, x, NULL);
+      break;
+    case ROT_ADD:
+      gw = rtp_repeat_back(ctx, dy, w);
+      if (dx) *dx = dy;
+      break;
+    default:
+      gw = rtp_repeat_back(ctx, rtp_mul(ctx, dy, x), w);
+      if (dx) *dx = rtp_mul(ctx, dy, w);
+  }
+  if (!gw) return;
+  p->w_reader[slot] = dx && *dx ? *dx : gw;
+  struct rtp_tensor *acc = NULL, *prev = NULL;
+  for (int k = 1; k < N; k++) {
+    int b_send = ((r - k) % N + N) % N, b_recv = ((r - k - 1) % N + N) % N, i = k % 2;
+    int64_t f, len;
+    block_of(full, N, b_send, &f, &len);
+    struct rtp_tensor *send = acc ? acc : rtp_cont(ctx, slice(ctx, gw, dim, f, len));
+    struct rtp_tensor *after = p->g_reader[i] ? p->g_reader[i] : prev;
+    struct rtp_tensor *in = rtp_sendrecv(ctx, p->comm, send, (r + 1) % N,
+                                         slot_as(p, p->pool_g[i], full, b_recv), (r + N - 1) % N,
+                                         after);
+    block_of(full, N, b_recv, &f, &len);
+    acc = rtp_add(ctx, in, rtp_cont(ctx, slice(ctx, gw, dim, f, len)));
+    p->g_reader[i] = acc;
+    prev = in;
+  }
+  *dp = acc;
+}
+
 /* ---- the pass ------------------------------------------------------------------- */
 
 /* Which parameter, if any, node t reads (the first one). */
@@ -397,8 +557,11 @@ static const struct rtp_tensor *param_read(const struct rtp_tensor *t) {
   return NULL;
 }
 
+/* rtp: two block slots and two gradient slots, each for the largest block. fsdp: two
+ * slots for a whole parameter (one in use, one being gathered) and two gradient slots
+ * for the largest block (the reduce-scatter ring). */
 static int make_pool(struct rtp_parallel *p) {
-  size_t largest = 0;
+  size_t largest = 0, whole = 0;
   for (int i = 0; i < p->src->n_leafs; i++) {
     const struct rtp_tensor *t = p->src->leafs[i];
     if (!(t->flags & RTP_FLAG_PARAM)) continue;
@@ -406,10 +569,12 @@ static int make_pool(struct rtp_parallel *p) {
     block_of(t, p->world, 0, &first, &len); /* block 0 is a largest one */
     size_t n = (size_t)(rtp_nelements(t) / t->ne[split_dim(t)] * len);
     if (n > largest) largest = n;
+    if ((size_t)rtp_nelements(t) > whole) whole = (size_t)rtp_nelements(t);
   }
   p->pool_elems = largest;
+  size_t w_elems = p->strategy == RTP_STRATEGY_FSDP ? whole : largest;
   for (int i = 0; i < 2; i++) {
-    p->pool_w[i] = rtp_new_tensor_1d(p->ctx, RTP_TYPE_F32, (int64_t)largest);
+    p->pool_w[i] = rtp_new_tensor_1d(p->ctx, RTP_TYPE_F32, (int64_t)w_elems);
     p->pool_g[i] = rtp_new_tensor_1d(p->ctx, RTP_TYPE_F32, (int64_t)largest);
     for (int j = 0; j < 2; j++) {
       struct rtp_tensor *s = j ? p->pool_g[i] : p->pool_w[i];
@@ -424,7 +589,7 @@ static int make_pool(struct rtp_parallel *p) {
 
 static int clone_forward(struct rtp_parallel *p) {
   const struct rtp_graph *src = p->src;
-  bool rot = p->strategy == RTP_STRATEGY_RTP && p->world > 1;
+  bool rot = sharded(p);
   for (int i = 0; i < src->n_leafs; i++) {
     p->map[src->n_nodes + i] = clone_leaf(p, src->leafs[i]);
     if (!p->map[src->n_nodes + i]) return rtp_context_error(p->ctx, NULL);
@@ -537,8 +702,7 @@ struct rtp_parallel *rtp_parallelize(struct rtp_context *ctx, const struct rtp_g
     return NULL;
   }
   int world = pp->comm ? rtp_comm_size(pp->comm) : 1;
-  if (pp->strategy != RTP_STRATEGY_NONE && pp->strategy != RTP_STRATEGY_DDP &&
-      pp->strategy != RTP_STRATEGY_RTP) {
+  if (pp->strategy == RTP_STRATEGY_TP) {
     rtp__ctx_error(ctx, RTP_ENOSYS, "rtp_parallelize: strategy %s is not implemented yet",
                    rtp_strategy_name(pp->strategy));
     return NULL;
@@ -560,7 +724,7 @@ struct rtp_parallel *rtp_parallelize(struct rtp_context *ctx, const struct rtp_g
     return NULL;
   }
   int rc = world > 1 ? check_same_model(p) : RTP_OK;
-  if (!rc && p->strategy == RTP_STRATEGY_RTP && world > 1) rc = make_pool(p);
+  if (!rc && sharded(p)) rc = make_pool(p);
   if (!rc) rc = clone_forward(p);
   if (!rc && !(p->graph = rtp_graph_new(ctx, pp->graph_size > 0 ? pp->graph_size : 16384)))
     rc = rtp_context_error(ctx, NULL);

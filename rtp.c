@@ -809,3 +809,14 @@ struct rtp_tensor *rtp_allreduce(struct rtp_context *ctx, struct rtp_comm *comm,
   if (t) t->op_params[0] = RTP__COMM_ALLREDUCE;
   return t;
 }
+
+struct rtp_tensor *rtp__allgather_rows(struct rtp_context *ctx, struct rtp_comm *comm,
+                                       struct rtp_tensor *a, struct rtp_tensor *after) {
+  if (!inputs_ok(ctx, "allgather", a, NULL, false)) return NULL;
+  struct rtp_tensor *t = comm_node(ctx, "allgather", comm, a, after);
+  if (t) {
+    t->src[0] = a;
+    t->op_params[0] = RTP__COMM_ALLGATHER;
+  }
+  return t;
+}

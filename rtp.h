@@ -562,6 +562,9 @@ RTP_API struct rtp_tensor *rtp_allreduce(struct rtp_context *ctx, struct rtp_com
  *
  *   ddp  every rank holds every parameter; gradients are summed over ranks in buckets
  *        all-reduced while backward runs.
+ *   fsdp every rank owns one block of every parameter (as rtp); each op that reads a
+ *        parameter all-gathers it first (the next op's gather runs during this op) and
+ *        backward gathers it again, then reduce-scatters its gradient (ZeRO-3).
  *   rtp  every parameter is split into world-size blocks along its first (outermost)
  *        dimension; this rank owns one block, its gradient and its optimizer state.
  *        Blocks rotate around the ring during forward; during backward they rotate the
@@ -574,7 +577,7 @@ RTP_API struct rtp_tensor *rtp_allreduce(struct rtp_context *ctx, struct rtp_com
 enum rtp_strategy {
   RTP_STRATEGY_NONE = 0, /* one process */
   RTP_STRATEGY_DDP,
-  RTP_STRATEGY_FSDP, /* not implemented yet */
+  RTP_STRATEGY_FSDP,
   RTP_STRATEGY_TP,   /* not implemented yet */
   RTP_STRATEGY_RTP,
   RTP_STRATEGY_COUNT,

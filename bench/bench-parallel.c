@@ -49,15 +49,19 @@ static void die(const char *what) {
 }
 
 /* Bytes this rank sends per step: what its communication nodes move. */
-static double bytes_sent(const struct rtp_graph *g, int world) {
+static double bytes_sent(const struct rtp_graph *g, int world, int rank) {
   double b = 0;
   for (int i = 0; i < g->n_nodes; i++) {
     const struct rtp_tensor *t = g->nodes[i];
     if (t->op != RTP_OP_COMM) continue;
-    if (t->op_params[0] == RTP__COMM_SENDRECV)
-      b += (double)rtp_nbytes(t->src[0]);
-    else /* ring all-reduce: 2 (N - 1) / N of the buffer */
+    if (t->op_params[0] == RTP__COMM_SENDRECV) {
+      if (t->op_params[1] != rank) /* not a copy to itself */
+        b += (double)rtp_nbytes(t->src[0]);
+    } else if (t->op_params[0] == RTP__COMM_ALLGATHER) { /* ring: (N - 1) / N of it */
+      b += (double)(world - 1) / world * (double)rtp_nbytes(t);
+    } else { /* ring all-reduce: 2 (N - 1) / N of the buffer */
       b += 2.0 * (world - 1) / world * (double)rtp_nbytes(t);
+    }
   }
   return b;
 }
@@ -114,7 +118,7 @@ static struct result run_rank(const struct opts *o, enum rtp_strategy strategy,
   }
   qsort(times, (size_t)n, sizeof(double), cmp_double);
   res.step_s = times[n / 2];
-  res.sent = bytes_sent(g, comm ? rtp_comm_size(comm) : 1);
+  res.sent = bytes_sent(g, comm ? rtp_comm_size(comm) : 1, comm ? rtp_comm_rank(comm) : 0);
   res.peak = proc_bytes("VmHWM:");
   rtp_mem_report_get(ctx, &res.mem);
   /* Communication alone: the same bytes through one rotation of the largest message. */

@@ -219,7 +219,7 @@ TEST_P(Equivalence, NRanksMatchOneProcess) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Strategies, Equivalence,
-                         ::testing::Values(RTP_STRATEGY_DDP, RTP_STRATEGY_RTP),
+                         ::testing::Values(RTP_STRATEGY_DDP, RTP_STRATEGY_FSDP, RTP_STRATEGY_RTP),
                          [](const auto &info) { return std::string(rtp_strategy_name(info.param)); });
 
 }  // namespace
