@@ -158,9 +158,10 @@ int rtp_graph_plan(struct rtp_context *ctx, struct rtp_graph *g) {
      * was placed first, so it never shares memory with its inputs. */
     for (int j = 0; j <= i && rc == RTP_OK; j++)
       if (last[j] == i && is_planned(g->nodes[j]))
-        rc = fl_free(&fl, (struct block){offs[j], RTP_PAD(rtp_nbytes(g->nodes[j]) ?
-                                                                rtp_nbytes(g->nodes[j]) : 1,
-                                                            RTP_ALIGN)});
+        rc = fl_free(
+            &fl, (struct block){offs[j],
+                                RTP_PAD(rtp_nbytes(g->nodes[j]) ? rtp_nbytes(g->nodes[j]) : 1,
+                                        RTP_ALIGN)});
   }
   if (rc) goto done;
 
@@ -180,7 +181,8 @@ int rtp_graph_plan(struct rtp_context *ctx, struct rtp_graph *g) {
     if (is_planned(g->nodes[i])) g->nodes[i]->data = buf + offs[i];
   for (int i = 0; i < n; i++) {
     struct rtp_tensor *t = g->nodes[i];
-    if (t->view_src) t->data = t->view_src->data ? (char *)t->view_src->data + t->view_offs : NULL;
+    if (t->view_src)
+      t->data = t->view_src->data ? (char *)t->view_src->data + t->view_offs : NULL;
   }
   plan[0] = (size_t)(uintptr_t)work_buf;
   plan[1] = work;

@@ -168,7 +168,8 @@ static void k_repeat_back(const struct rtp_compute_params *p, struct rtp_tensor 
   if (t->ne[0] == a->ne[0] && t->ne[0] > 1) {
     int64_t c0, c1;
     split(t->ne[0], p, &c0, &c1);
-    for (int64_t r = 0; r < n_out; r++) memset((float *)row_ptr(t, r) + c0, 0, (size_t)(c1 - c0) * 4);
+    for (int64_t r = 0; r < n_out; r++)
+      memset((float *)row_ptr(t, r) + c0, 0, (size_t)(c1 - c0) * 4);
     for (int64_t r = 0; r < n_in; r++) {
       float *y = (float *)bcast_row_ptr(t, a->ne, r);
       const float *x = (const float *)row_ptr(a, r);
@@ -254,7 +255,8 @@ static void k_norm_back(const struct rtp_compute_params *p, struct rtp_tensor *t
       s_dyx += dy[i] * (x[i] - mean) * rstd;
     }
     float m_dy = (float)(s_dy / (double)n), m_dyx = (float)(s_dyx / (double)n);
-    for (int64_t i = 0; i < n; i++) dx[i] = rstd * (dy[i] - m_dy - (x[i] - mean) * rstd * m_dyx);
+    for (int64_t i = 0; i < n; i++)
+      dx[i] = rstd * (dy[i] - m_dy - (x[i] - mean) * rstd * m_dyx);
   }
 }
 
@@ -364,7 +366,8 @@ static void k_get_rows_back(const struct rtp_compute_params *p, struct rtp_tenso
   const int32_t *idx = t->src[1]->data;
   int64_t c0, c1;
   split(t->ne[0], p, &c0, &c1);
-  for (int64_t v = 0; v < t->ne[1]; v++) memset((float *)row_ptr(t, v) + c0, 0, (size_t)(c1 - c0) * 4);
+  for (int64_t v = 0; v < t->ne[1]; v++)
+    memset((float *)row_ptr(t, v) + c0, 0, (size_t)(c1 - c0) * 4);
   for (int64_t r = 0; r < rtp_nrows(dy); r++) {
     int64_t row = block_row(p, t, idx[r], t->ne[1]);
     if (row < 0) continue;
@@ -486,27 +489,66 @@ size_t rtp__op_work_size(const struct rtp_tensor *t) {
 
 void rtp__compute_forward(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   switch (t->op) {
-    case RTP_OP_DUP: k_dup(p, t); break;
+    case RTP_OP_DUP:
+      k_dup(p, t);
+      break;
     case RTP_OP_ADD:
     case RTP_OP_SUB:
-    case RTP_OP_MUL: k_binary(p, t); break;
-    case RTP_OP_SCALE: k_scale(p, t); break;
-    case RTP_OP_SUM: k_sum(p, t); break;
-    case RTP_OP_REPEAT: k_repeat(p, t); break;
-    case RTP_OP_REPEAT_BACK: k_repeat_back(p, t); break;
-    case RTP_OP_MUL_MAT: k_mul_mat(p, t); break;
-    case RTP_OP_NORM: k_norm(p, t); break;
-    case RTP_OP_NORM_BACK: k_norm_back(p, t); break;
-    case RTP_OP_GELU: k_gelu(p, t); break;
-    case RTP_OP_GELU_BACK: k_gelu_back(p, t); break;
-    case RTP_OP_SOFT_MAX: k_soft_max(p, t); break;
-    case RTP_OP_SOFT_MAX_BACK: k_soft_max_back(p, t); break;
-    case RTP_OP_GET_ROWS: k_get_rows(p, t); break;
-    case RTP_OP_GET_ROWS_BACK: k_get_rows_back(p, t); break;
-    case RTP_OP_CROSS_ENTROPY: k_cross_entropy(p, t); break;
-    case RTP_OP_CROSS_ENTROPY_BACK: k_cross_entropy_back(p, t); break;
-    case RTP_OP_ACC: k_acc(p, t); break;
-    case RTP_OP_CONCAT: k_concat(p, t); break;
-    default: break; /* views and leafs compute nothing */
+    case RTP_OP_MUL:
+      k_binary(p, t);
+      break;
+    case RTP_OP_SCALE:
+      k_scale(p, t);
+      break;
+    case RTP_OP_SUM:
+      k_sum(p, t);
+      break;
+    case RTP_OP_REPEAT:
+      k_repeat(p, t);
+      break;
+    case RTP_OP_REPEAT_BACK:
+      k_repeat_back(p, t);
+      break;
+    case RTP_OP_MUL_MAT:
+      k_mul_mat(p, t);
+      break;
+    case RTP_OP_NORM:
+      k_norm(p, t);
+      break;
+    case RTP_OP_NORM_BACK:
+      k_norm_back(p, t);
+      break;
+    case RTP_OP_GELU:
+      k_gelu(p, t);
+      break;
+    case RTP_OP_GELU_BACK:
+      k_gelu_back(p, t);
+      break;
+    case RTP_OP_SOFT_MAX:
+      k_soft_max(p, t);
+      break;
+    case RTP_OP_SOFT_MAX_BACK:
+      k_soft_max_back(p, t);
+      break;
+    case RTP_OP_GET_ROWS:
+      k_get_rows(p, t);
+      break;
+    case RTP_OP_GET_ROWS_BACK:
+      k_get_rows_back(p, t);
+      break;
+    case RTP_OP_CROSS_ENTROPY:
+      k_cross_entropy(p, t);
+      break;
+    case RTP_OP_CROSS_ENTROPY_BACK:
+      k_cross_entropy_back(p, t);
+      break;
+    case RTP_OP_ACC:
+      k_acc(p, t);
+      break;
+    case RTP_OP_CONCAT:
+      k_concat(p, t);
+      break;
+    default:
+      break; /* views and leafs compute nothing */
   }
 }

@@ -17,8 +17,8 @@ struct rtp_threadpool {
   struct worker *workers;
   pthread_mutex_t mu;
   pthread_cond_t wake, done;
-  int job_id;   /* bumped for each job; guarded by mu */
-  int n_busy;   /* workers still running the current job; guarded by mu */
+  int job_id; /* bumped for each job; guarded by mu */
+  int n_busy; /* workers still running the current job; guarded by mu */
   bool stop;
   rtp__job_fn fn;
   void *arg;
@@ -162,8 +162,8 @@ static void prof_print(void) {
   fprintf(stderr, "rtp profile (pid %d):\n", (int)getpid());
   for (int i = 0; i < RTP_OP_COUNT; i++)
     if (prof.op_n[i])
-      fprintf(stderr, "  %-20s %8ld nodes %10.1f ms\n", rtp_op_name((enum rtp_op)i), prof.op_n[i],
-              prof.op_s[i] * 1e3);
+      fprintf(stderr, "  %-20s %8ld nodes %10.1f ms\n", rtp_op_name((enum rtp_op)i),
+              prof.op_n[i], prof.op_s[i] * 1e3);
   fprintf(stderr, "  %-20s %19s %10.1f ms\n", "comm.wait", "", prof.wait_s * 1e3);
 }
 

@@ -94,7 +94,8 @@ static bool cblas_layout(int64_t rows, int64_t k, int64_t row, int64_t kst, bool
 }
 #endif
 
-/* C (m x n, row-major) = X . Y^T with X(i,k) = x[i*x_row + k*x_k], Y(j,k) = y[j*y_row + k*y_k]. */
+/* C (m x n, row-major) = X . Y^T with X(i,k) = x[i*x_row + k*x_k], Y(j,k) = y[j*y_row + k*y_k].
+ */
 void rtp__gemm(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_row, int64_t x_k,
                const float *y, int64_t y_row, int64_t y_k, float *c, int64_t ldc) {
   if (m == 0 || n == 0) return;

@@ -282,15 +282,18 @@ static void mark_needs_grad(struct graph_obj *go) {
 int rtp_build_backward(struct rtp_context *ctx, struct rtp_graph *g, struct rtp_tensor *loss) {
   if (!ctx || !g || !loss) return rtp__error(RTP_EINVAL, "rtp_build_backward: NULL argument");
   struct graph_obj *go = (struct graph_obj *)g;
-  if (g->plan) return rtp__error(RTP_ESTATE, "rtp_build_backward: the graph is already planned");
+  if (g->plan)
+    return rtp__error(RTP_ESTATE, "rtp_build_backward: the graph is already planned");
   if (!graph_has(go, loss) || loss->op == RTP_OP_NONE)
     return rtp__ctx_error(ctx, RTP_EINVAL, "rtp_build_backward: the loss is not a node of g");
   if (rtp_nelements(loss) != 1 || loss->type != RTP_TYPE_F32)
-    return rtp__ctx_error(ctx, RTP_ESHAPE, "rtp_build_backward: the loss must be an f32 scalar");
+    return rtp__ctx_error(ctx, RTP_ESHAPE,
+                          "rtp_build_backward: the loss must be an f32 scalar");
   mark_needs_grad(go);
   if (!(*mark_of(go, loss) & MARK_NEEDS_GRAD))
-    return rtp__ctx_error(ctx, RTP_EINVAL,
-                          "rtp_build_backward: the loss depends on no parameter (rtp_set_param)");
+    return rtp__ctx_error(
+        ctx, RTP_EINVAL,
+        "rtp_build_backward: the loss depends on no parameter (rtp_set_param)");
   loss->flags |= RTP_FLAG_LOSS | RTP_FLAG_OUTPUT;
   struct rtp_tensor *seed = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 1);
   if (!seed || (!seed->data && !rtp__tensor_alloc(ctx, seed, RTP_ROLE_INPUT)))

@@ -7,7 +7,7 @@
 #include <stdarg.h>
 
 #define RTP_ALIGN 64
-#define RTP_PAD(x, n) (((x) + (n) - 1) / (n) * (n))
+#define RTP_PAD(x, n) (((x) + (n)-1) / (n) * (n))
 
 /* Records msg as the calling thread's last error and returns status. */
 int rtp__error(int status, const char *fmt, ...) RTP_PRINTF(2, 3);
@@ -18,9 +18,9 @@ void rtp__log(int level, const char *fmt, ...) RTP_PRINTF(2, 3);
 #define RTP_LOG_INFO(...) rtp__log(2, __VA_ARGS__)
 
 /* Invariants of the library itself (never of user input): abort with file and line. */
-#define RTP_ASSERT(x)                                                        \
-  do {                                                                       \
-    if (!(x)) rtp__abort(__FILE__, __LINE__, #x);                            \
+#define RTP_ASSERT(x)                             \
+  do {                                            \
+    if (!(x)) rtp__abort(__FILE__, __LINE__, #x); \
   } while (0)
 #ifdef __cplusplus /* tests include this header to reach internal kernels */
 [[noreturn]] void rtp__abort(const char *file, int line, const char *what);
@@ -97,9 +97,9 @@ bool rtp__gemm_has_cblas(void);
 
 /* ---- rtp-cpu.c: kernels ---- */
 struct rtp_compute_params {
-  int ith, nth;  /* this thread's index and the number of threads */
-  void *work;    /* scratch of rtp__op_work_size bytes, shared by the threads */
-  int *status;   /* kernels report bad data (an index out of range) here */
+  int ith, nth; /* this thread's index and the number of threads */
+  void *work;   /* scratch of rtp__op_work_size bytes, shared by the threads */
+  int *status;  /* kernels report bad data (an index out of range) here */
   struct rtp_threadpool *tp;
 };
 /* Waits until every thread of the node has called it: for kernels with two phases.

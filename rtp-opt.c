@@ -9,9 +9,9 @@ struct rtp_optimizer {
   int64_t t; /* steps taken */
   int n;
   struct rtp_tensor **params, **m, **v;
-  float lr_t, bc1, bc2; /* this step's factors, set before the threads run */
-  float gscale;         /* clipping factor for this step's gradients */
-  float norm;           /* the last global gradient norm */
+  float lr_t, bc1, bc2;  /* this step's factors, set before the threads run */
+  float gscale;          /* clipping factor for this step's gradients */
+  float norm;            /* the last global gradient norm */
   struct rtp_comm *comm; /* set when each rank holds a different share of the gradients */
   double partial[RTP_MAX_THREADS];
 };
@@ -28,15 +28,16 @@ struct rtp_optimizer *rtp_optimizer_new(struct rtp_context *ctx, struct rtp_grap
   }
   if (!(hp.lr >= 0) || !(hp.beta1 >= 0 && hp.beta1 < 1) || !(hp.beta2 >= 0 && hp.beta2 < 1) ||
       !(hp.eps > 0) || !(hp.weight_decay >= 0) || !(hp.clip_norm >= 0)) {
-    rtp__ctx_error(ctx, RTP_EINVAL, "rtp_optimizer_new: need lr >= 0, 0 <= betas < 1, eps > 0, "
+    rtp__ctx_error(ctx, RTP_EINVAL,
+                   "rtp_optimizer_new: need lr >= 0, 0 <= betas < 1, eps > 0, "
                    "weight_decay >= 0, clip_norm >= 0");
     return NULL;
   }
   int n = 0;
   for (int i = 0; i < g->n_leafs; i++)
     if ((g->leafs[i]->flags & RTP_FLAG_PARAM) && g->leafs[i]->grad) n++;
-  struct rtp_optimizer *opt = rtp__ctx_alloc(ctx, sizeof(*opt) + 3 * (size_t)n * sizeof(void *),
-                                             "the optimizer");
+  struct rtp_optimizer *opt =
+      rtp__ctx_alloc(ctx, sizeof(*opt) + 3 * (size_t)n * sizeof(void *), "the optimizer");
   if (!opt) return NULL;
   *opt = (struct rtp_optimizer){.hp = hp, .n = n, .gscale = 1.0f};
   opt->params = (struct rtp_tensor **)(opt + 1);
@@ -46,8 +47,10 @@ struct rtp_optimizer *rtp_optimizer_new(struct rtp_context *ctx, struct rtp_grap
     struct rtp_tensor *p = g->leafs[i];
     if (!(p->flags & RTP_FLAG_PARAM) || !p->grad) continue;
     if (!rtp_is_contiguous(p) || !p->data || p->type != RTP_TYPE_F32) {
-      rtp__ctx_error(ctx, RTP_EINVAL, "rtp_optimizer_new: parameter '%s' must be contiguous f32 "
-                     "with data", p->name);
+      rtp__ctx_error(ctx, RTP_EINVAL,
+                     "rtp_optimizer_new: parameter '%s' must be contiguous f32 "
+                     "with data",
+                     p->name);
       return NULL;
     }
     opt->params[k] = p;

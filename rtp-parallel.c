@@ -81,7 +81,8 @@ static int index_in(const struct rtp_parallel *p, const struct rtp_tensor *t) {
   return -1;
 }
 
-struct rtp_tensor *rtp_parallel_tensor(const struct rtp_parallel *p, const struct rtp_tensor *t) {
+struct rtp_tensor *rtp_parallel_tensor(const struct rtp_parallel *p,
+                                       const struct rtp_tensor *t) {
   if (!p || !t) return NULL;
   if (t == p->loss) return p->global_loss;
   int i = index_in(p, t);
@@ -270,9 +271,8 @@ static struct rtp_tensor *rot_forward(struct rtp_parallel *p, const struct rtp_t
     return NULL;
   }
   int N = p->world, r = p->rank, left = (r + N - 1) % N, right = (r + 1) % N;
-  struct rtp_tensor *own = mapped(p, full), *x = mapped(p, kind == ROT_ADD || kind == ROT_MUL
-                                                                  ? t->src[0]
-                                                                  : t->src[1]);
+  struct rtp_tensor *own = mapped(p, full),
+                    *x = mapped(p, kind == ROT_ADD || kind == ROT_MUL ? t->src[0] : t->src[1]);
   if (p->strategy == RTP_STRATEGY_FSDP) return fsdp_forward(p, t, full, kind, x, own);
   /* Order edges (RTP_SRC_ORDER) lay the steps out as: post the transfer of step k + 1,
    * compute step k. The first hop (of the owned block) lands in a gradient slot, which
@@ -320,13 +320,11 @@ static struct rtp_tensor *dy_part(struct rtp_parallel *p, enum rot_kind kind, in
 
 /* This rank's contribution to the gradient of block s (shaped like w, not read). */
 static struct rtp_tensor *block_grad(struct rtp_parallel *p, enum rot_kind kind, int dim,
-                                     const struct rtp_tensor *full, struct rtp_tensor *w,
-                                     struct rtp_tensor *x, struct rtp_tensor *dys, int s) {
+                                     struct rtp_tensor *w, struct rtp_tensor *x,
+                                     struct rtp_tensor *dys, int64_t first, int64_t len) {
   struct rtp_context *ctx = p->ctx;
-  int64_t first, len;
-  block_of(full, p->world, s, &first, &len);
   switch (kind) {
-    case ROT_MUL_MAT: { /* dW_s = dy_s^T x, over all rows of the batch */
+    case ROT_MUL_MAT: {        /* dW_s = dy_s^T x, over all rows of the batch */
       if (rtp_n_dims(x) > 2) { /* GEMM reads 2-D strided slices in place; else flatten */
         x = rtp_reshape_2d(ctx, rtp_cont(ctx, x), x->ne[0], rtp_nrows(x));
         dys = rtp_reshape_2d(ctx, rtp_cont(ctx, dys), dys->ne[0], rtp_nrows(dys));
@@ -338,9 +336,9 @@ static struct rtp_tensor *block_grad(struct rtp_parallel *p, enum rot_kind kind,
     case ROT_ADD:
       return rtp_repeat_back(ctx, rtp_cont(ctx, dys), w);
     default:
-      return rtp_repeat_back(ctx, rtp_mul(ctx, rtp_cont(ctx, dys),
-                                          rtp_cont(ctx, slice(ctx, x, dim, first, len))),
-                             w);
+      return rtp_repeat_back(
+          ctx, rtp_mul(ctx, rtp_cont(ctx, dys), rtp_cont(ctx, slice(ctx, x, dim, first, len))),
+          w);
   }
 }
 
@@ -366,7 +364,8 @@ static struct rtp_tensor *block_dx(struct rtp_parallel *p, enum rot_kind kind,
 void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp_tensor *dy,
                        struct rtp_tensor **dx, struct rtp_tensor **dp) {
   struct rtp_parallel *p = (struct rtp_parallel *)(uintptr_t)rtp__get_param_u64(t, 2);
-  const struct rtp_tensor *full = (const struct rtp_tensor *)(uintptr_t)rtp__get_param_u64(t, 4);
+  const struct rtp_tensor *full =
+      (const struct rtp_tensor *)(uintptr_t)rtp__get_param_u64(t, 4);
   enum rot_kind kind = (enum rot_kind)t->op_params[0];
   int dim = t->op_params[1], N = p->world, r = p->rank;
   int left = (r + N - 1) % N, right = (r + 1) % N;
@@ -391,7 +390,9 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
     struct rtp_tensor *dys = dy_part(p, kind, dim, full, dy, s);
     /* The gradient's shape is block s's, whether or not the block itself is here. */
     struct rtp_tensor *shape = k == 0 ? own : slot_as(p, p->pool_g[0], full, s);
-    struct rtp_tensor *contrib = block_grad(p, kind, dim, full, shape, x, dys, s);
+    int64_t first, len;
+    block_of(full, N, s, &first, &len);
+    struct rtp_tensor *contrib = block_grad(p, kind, dim, shape, x, dys, first, len);
     if (!contrib) return;
     contrib->src[RTP_SRC_ORDER] = last_read;
     last_read = contrib;
@@ -410,8 +411,9 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
     }
     g = g_in ? rtp_add(ctx, g_in, contrib) : contrib;
     if (k > 0) /* the summed gradient of s goes on to the next holder */
-      g_in = rtp_sendrecv(ctx, p->comm, rtp_cont(ctx, g), right,
-                          slot_as(p, p->pool_g[(k - 1) % 2], full, (s + N - 1) % N), left, g_in);
+      g_in =
+          rtp_sendrecv(ctx, p->comm, rtp_cont(ctx, g), right,
+                       slot_as(p, p->pool_g[(k - 1) % 2], full, (s + N - 1) % N), left, g_in);
     w = next_w;
   }
   *dp = g;
@@ -427,7 +429,8 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
 /* ---- fsdp: gather a whole parameter for each op that reads it ---------------------- */
 
 /* Slot i of the pool seen as the whole parameter. */
-static struct rtp_tensor *whole_in(struct rtp_parallel *p, int i, const struct rtp_tensor *full) {
+static struct rtp_tensor *whole_in(struct rtp_parallel *p, int i,
+                                   const struct rtp_tensor *full) {
   size_t nb[4] = {sizeof(float)};
   for (int d = 1; d < 4; d++) nb[d] = nb[d - 1] * (size_t)full->ne[d - 1];
   return rtp_view(p->ctx, p->pool_w[i], RTP_MAX_DIMS, full->ne, nb, 0);
@@ -442,8 +445,8 @@ static struct rtp_tensor *gather(struct rtp_parallel *p, const struct rtp_tensor
   int64_t first, len;
   block_of(full, p->world, p->rank, &first, &len);
   struct rtp_tensor *mine = slice(p->ctx, w, split_dim(full), first, len);
-  struct rtp_tensor *copy = rtp_sendrecv(p->ctx, p->comm, own, p->rank, mine, p->rank,
-                                         p->w_reader[i]);
+  struct rtp_tensor *copy =
+      rtp_sendrecv(p->ctx, p->comm, own, p->rank, mine, p->rank, p->w_reader[i]);
   struct rtp_tensor *all = rtp__allgather_rows(p->ctx, p->comm, w, copy);
   return all ? rtp_reshape(p->ctx, all, RTP_MAX_DIMS, full->ne) : NULL;
 }
@@ -452,10 +455,14 @@ static struct rtp_tensor *gather(struct rtp_parallel *p, const struct rtp_tensor
 static struct rtp_tensor *apply_whole(struct rtp_parallel *p, enum rot_kind kind,
                                       struct rtp_tensor *w, struct rtp_tensor *x) {
   switch (kind) {
-    case ROT_MUL_MAT: return rtp_mul_mat(p->ctx, w, x);
-    case ROT_GET_ROWS: return rtp_get_rows(p->ctx, w, x);
-    case ROT_ADD: return rtp_add(p->ctx, x, w);
-    default: return rtp_mul(p->ctx, x, w);
+    case ROT_MUL_MAT:
+      return rtp_mul_mat(p->ctx, w, x);
+    case ROT_GET_ROWS:
+      return rtp_get_rows(p->ctx, w, x);
+    case ROT_ADD:
+      return rtp_add(p->ctx, x, w);
+    default:
+      return rtp_mul(p->ctx, x, w);
   }
 }
 
@@ -488,7 +495,8 @@ static struct rtp_tensor *fsdp_forward(struct rtp_parallel *p, const struct rtp_
   int slot;
   struct rtp_tensor *w = gather(p, full, own, &slot);
   if (!w) return NULL;
-  if (p->prev_apply && !p->prev_apply->src[RTP_SRC_ORDER]) p->prev_apply->src[RTP_SRC_ORDER] = w;
+  if (p->prev_apply && !p->prev_apply->src[RTP_SRC_ORDER])
+    p->prev_apply->src[RTP_SRC_ORDER] = w;
   struct rtp_tensor *y = apply_whole(p, kind, w, x);
   if (!y) return NULL;
   p->w_reader[slot] = p->prev_apply = y;
@@ -505,29 +513,10 @@ static void fsdp_backward(struct rtp_parallel *p, enum rot_kind kind, int dim,
                           struct rtp_tensor **dp) {
   struct rtp_context *ctx = p->ctx;
   int N = p->world, r = p->rank, slot;
-  struct rtp_tensor *w = gather(p, full, own, &slot), *gw = NULL;
-  switch (kind) {
-    case ROT_MUL_MAT: {
-      struct rtp_tensor *x2 = x, *d2 = dy;
-      if (rtp_n_dims(x) > 2) {
-        x2 = rtp_reshape_2d(ctx, rtp_cont(ctx, x), x->ne[0], rtp_nrows(x));
-        d2 = rtp_reshape_2d(ctx, dy, dy->ne[0], rtp_nrows(dy));
-      }
-      gw = rtp_mul_mat(ctx, rtp_transpose(ctx, x2), rtp_transpose(ctx, d2));
-      if (dx) *dx = rtp_mul_mat(ctx, rtp_transpose(ctx, w), dy);
-      break;
-    }
-    case ROT_GET_ROWS:
-      gw = rtp__op3(ctx, RTP_OP_GET_ROWS_BACK, full->ne, dy, x, NULL);
-      break;
-    case ROT_ADD:
-      gw = rtp_repeat_back(ctx, dy, w);
-      if (dx) *dx = dy;
-      break;
-    default:
-      gw = rtp_repeat_back(ctx, rtp_mul(ctx, dy, x), w);
-      if (dx) *dx = rtp_mul(ctx, dy, w);
-  }
+  struct rtp_tensor *w = gather(p, full, own, &slot);
+  /* The whole parameter is the one block [0, rows) of a world of one. */
+  struct rtp_tensor *gw = block_grad(p, kind, dim, w, x, dy, 0, full->ne[dim]);
+  if (dx) *dx = kind == ROT_ADD ? dy : block_dx(p, kind, w, dy);
   if (!gw) return;
   p->w_reader[slot] = dx && *dx ? *dx : gw;
   struct rtp_tensor *acc = NULL, *prev = NULL;
@@ -537,9 +526,9 @@ static void fsdp_backward(struct rtp_parallel *p, enum rot_kind kind, int dim,
     block_of(full, N, b_send, &f, &len);
     struct rtp_tensor *send = acc ? acc : rtp_cont(ctx, slice(ctx, gw, dim, f, len));
     struct rtp_tensor *after = p->g_reader[i] ? p->g_reader[i] : prev;
-    struct rtp_tensor *in = rtp_sendrecv(ctx, p->comm, send, (r + 1) % N,
-                                         slot_as(p, p->pool_g[i], full, b_recv), (r + N - 1) % N,
-                                         after);
+    struct rtp_tensor *in =
+        rtp_sendrecv(ctx, p->comm, send, (r + 1) % N, slot_as(p, p->pool_g[i], full, b_recv),
+                     (r + N - 1) % N, after);
     block_of(full, N, b_recv, &f, &len);
     acc = rtp_add(ctx, in, rtp_cont(ctx, slice(ctx, gw, dim, f, len)));
     p->g_reader[i] = acc;
@@ -599,8 +588,9 @@ static int clone_forward(struct rtp_parallel *p) {
     p->map[i] = param ? rot_forward(p, t, param) : clone_node(p, t);
     if (!p->map[i]) {
       int err = rtp_context_error(p->ctx, NULL);
-      return err ? err : rtp__ctx_error(p->ctx, RTP_EINVAL, "rtp_parallelize: cannot clone %s",
-                                        rtp_op_name(t->op));
+      return err ? err
+                 : rtp__ctx_error(p->ctx, RTP_EINVAL, "rtp_parallelize: cannot clone %s",
+                                  rtp_op_name(t->op));
     }
   }
   return RTP_OK;
@@ -617,7 +607,8 @@ static int scale_seed(struct rtp_parallel *p) {
 
 /* Moves node `t` (last in g) to just after position `at`. */
 static void graph_move_after(struct rtp_graph *g, int at, struct rtp_tensor *t) {
-  memmove(&g->nodes[at + 2], &g->nodes[at + 1], (size_t)(g->n_nodes - 1 - (at + 1)) * sizeof(t));
+  memmove(&g->nodes[at + 2], &g->nodes[at + 1],
+          (size_t)(g->n_nodes - 1 - (at + 1)) * sizeof(t));
   g->nodes[at + 1] = t;
 }
 
@@ -672,7 +663,8 @@ static int global_loss(struct rtp_parallel *p) {
   struct rtp_tensor *sum = rtp_allreduce(p->ctx, p->comm, copy, NULL);
   p->global_loss = rtp_set_name(rtp_scale(p->ctx, sum, 1.0f / (float)p->world), "loss.global");
   rtp_set_output(p->global_loss);
-  return p->global_loss ? rtp_graph_build(p->graph, p->global_loss) : rtp_context_error(p->ctx, NULL);
+  return p->global_loss ? rtp_graph_build(p->graph, p->global_loss)
+                        : rtp_context_error(p->ctx, NULL);
 }
 
 /* Ranks must have built the same model: rank 0's fingerprint of names and shapes is
@@ -689,8 +681,10 @@ static int check_same_model(struct rtp_parallel *p) {
   int rc = rtp_comm_broadcast(p->comm, &root, sizeof(root), 0, NULL);
   if (rc) return rc;
   if (root != h)
-    return rtp__error(RTP_EPEER, "rtp_parallelize: rank %d built a different model than "
-                      "rank 0 (parameter names or shapes differ)", p->rank);
+    return rtp__error(RTP_EPEER,
+                      "rtp_parallelize: rank %d built a different model than "
+                      "rank 0 (parameter names or shapes differ)",
+                      p->rank);
   return RTP_OK;
 }
 
@@ -716,9 +710,14 @@ struct rtp_parallel *rtp_parallelize(struct rtp_context *ctx, const struct rtp_g
   struct rtp_tensor **map = rtp__ctx_alloc(
       ctx, sizeof(*map) * (size_t)(fwd->n_nodes + fwd->n_leafs + 1), "the parallel map");
   if (!p || !map) return NULL;
-  *p = (struct rtp_parallel){.ctx = ctx, .comm = pp->comm, .strategy = pp->strategy,
-                             .rank = pp->comm ? rtp_comm_rank(pp->comm) : 0, .world = world,
-                             .src = fwd, .map = map, .loss = loss};
+  *p = (struct rtp_parallel){.ctx = ctx,
+                             .comm = pp->comm,
+                             .strategy = pp->strategy,
+                             .rank = pp->comm ? rtp_comm_rank(pp->comm) : 0,
+                             .world = world,
+                             .src = fwd,
+                             .map = map,
+                             .loss = loss};
   if (index_in(p, loss) < 0) {
     rtp__ctx_error(ctx, RTP_EINVAL, "rtp_parallelize: the loss is not a node of the graph");
     return NULL;

@@ -235,23 +235,22 @@ struct rtp_tensor *rtp_new_tensor(struct rtp_context *ctx, enum rtp_type type, i
   return new_tensor_impl(ctx, type, n_dims, ne, !ctx->no_alloc);
 }
 
-struct rtp_tensor *rtp_new_tensor_1d(struct rtp_context *ctx, enum rtp_type type,
-                                     int64_t ne0) {
+struct rtp_tensor *rtp_new_tensor_1d(struct rtp_context *ctx, enum rtp_type type, int64_t ne0) {
   return rtp_new_tensor(ctx, type, 1, (int64_t[]){ne0});
 }
 
-struct rtp_tensor *rtp_new_tensor_2d(struct rtp_context *ctx, enum rtp_type type,
-                                     int64_t ne0, int64_t ne1) {
+struct rtp_tensor *rtp_new_tensor_2d(struct rtp_context *ctx, enum rtp_type type, int64_t ne0,
+                                     int64_t ne1) {
   return rtp_new_tensor(ctx, type, 2, (int64_t[]){ne0, ne1});
 }
 
-struct rtp_tensor *rtp_new_tensor_3d(struct rtp_context *ctx, enum rtp_type type,
-                                     int64_t ne0, int64_t ne1, int64_t ne2) {
+struct rtp_tensor *rtp_new_tensor_3d(struct rtp_context *ctx, enum rtp_type type, int64_t ne0,
+                                     int64_t ne1, int64_t ne2) {
   return rtp_new_tensor(ctx, type, 3, (int64_t[]){ne0, ne1, ne2});
 }
 
-struct rtp_tensor *rtp_new_tensor_4d(struct rtp_context *ctx, enum rtp_type type,
-                                     int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3) {
+struct rtp_tensor *rtp_new_tensor_4d(struct rtp_context *ctx, enum rtp_type type, int64_t ne0,
+                                     int64_t ne1, int64_t ne2, int64_t ne3) {
   return rtp_new_tensor(ctx, type, 4, (int64_t[]){ne0, ne1, ne2, ne3});
 }
 
@@ -390,8 +389,7 @@ static bool can_broadcast(const struct rtp_tensor *b, const struct rtp_tensor *a
   return true;
 }
 
-static struct rtp_tensor *unary(struct rtp_context *ctx, enum rtp_op op,
-                                struct rtp_tensor *a) {
+static struct rtp_tensor *unary(struct rtp_context *ctx, enum rtp_op op, struct rtp_tensor *a) {
   const char *name = rtp_op_name(op);
   if (!inputs_ok(ctx, name, a, NULL, false)) return NULL;
   if (a->type != RTP_TYPE_F32) return op_error(ctx, name, RTP_ESHAPE, a, NULL, "needs f32");
@@ -400,8 +398,8 @@ static struct rtp_tensor *unary(struct rtp_context *ctx, enum rtp_op op,
   return rtp__new_node(ctx, op, RTP_TYPE_F32, a->ne, a, NULL);
 }
 
-static struct rtp_tensor *binary(struct rtp_context *ctx, enum rtp_op op,
-                                 struct rtp_tensor *a, struct rtp_tensor *b) {
+static struct rtp_tensor *binary(struct rtp_context *ctx, enum rtp_op op, struct rtp_tensor *a,
+                                 struct rtp_tensor *b) {
   const char *name = rtp_op_name(op);
   if (!inputs_ok(ctx, name, a, b, true)) return NULL;
   if (a->type != RTP_TYPE_F32 || b->type != RTP_TYPE_F32)
@@ -561,8 +559,8 @@ struct rtp_tensor *rtp_cross_entropy(struct rtp_context *ctx, struct rtp_tensor 
       rtp_nelements(targets) != rtp_nrows(logits))
     return op_error(ctx, "cross_entropy", RTP_ESHAPE, logits, targets,
                     "targets must be contiguous i32 with one entry per row of logits");
-  return rtp__new_node(ctx, RTP_OP_CROSS_ENTROPY, RTP_TYPE_F32, (int64_t[]){1, 1, 1, 1},
-                       logits, targets);
+  return rtp__new_node(ctx, RTP_OP_CROSS_ENTROPY, RTP_TYPE_F32, (int64_t[]){1, 1, 1, 1}, logits,
+                       targets);
 }
 
 struct rtp_tensor *rtp__get_rows_block(struct rtp_context *ctx, struct rtp_tensor *a,
@@ -709,8 +707,7 @@ struct rtp_tensor *rtp_view(struct rtp_context *ctx, struct rtp_tensor *a, int n
     if (ne[i] < 0) return op_error(ctx, "view", RTP_EINVAL, a, NULL, "negative size");
     full[i] = ne[i];
   }
-  for (int i = 0; i < 4; i++)
-    fnb[i] = i < n_dims ? nb[i] : fnb[i - 1] * (size_t)full[i - 1];
+  for (int i = 0; i < 4; i++) fnb[i] = i < n_dims ? nb[i] : fnb[i - 1] * (size_t)full[i - 1];
   return new_view(ctx, RTP_OP_VIEW, a, full, fnb, offset);
 }
 
@@ -726,8 +723,8 @@ struct rtp_tensor *rtp_view_rows(struct rtp_context *ctx, struct rtp_tensor *a, 
   return rtp_view(ctx, a, RTP_MAX_DIMS, ne, a->nb, (size_t)first * a->nb[d]);
 }
 
-struct rtp_tensor *rtp_permute(struct rtp_context *ctx, struct rtp_tensor *a, int ax0,
-                               int ax1, int ax2, int ax3) {
+struct rtp_tensor *rtp_permute(struct rtp_context *ctx, struct rtp_tensor *a, int ax0, int ax1,
+                               int ax2, int ax3) {
   if (!inputs_ok(ctx, "permute", a, NULL, false)) return NULL;
   int ax[4] = {ax0, ax1, ax2, ax3}, seen = 0;
   for (int i = 0; i < 4; i++) {

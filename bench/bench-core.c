@@ -81,15 +81,16 @@ static double run_direct(void *arg) {
   struct direct_gemm *d = arg;
   const struct shape *s = d->s;
   double t0 = now_s();
-  cblas_sgemm(CblasRowMajor, s->b_t ? CblasTrans : CblasNoTrans, s->a_t ? CblasNoTrans : CblasTrans,
-              (int)s->n, (int)s->m, (int)s->k, 1.0f, d->b, s->b_t ? (int)s->n : (int)s->k, d->a,
-              s->a_t ? (int)s->m : (int)s->k, 0.0f, d->c, (int)s->m);
+  cblas_sgemm(CblasRowMajor, s->b_t ? CblasTrans : CblasNoTrans,
+              s->a_t ? CblasNoTrans : CblasTrans, (int)s->n, (int)s->m, (int)s->k, 1.0f, d->b,
+              s->b_t ? (int)s->n : (int)s->k, d->a, s->a_t ? (int)s->m : (int)s->k, 0.0f, d->c,
+              (int)s->m);
   return now_s() - t0;
 }
 
 static double bench_gemm(const struct shape *s, int threads, int reps) {
-  struct rtp_init_params ip = {(size_t)(s->m * s->k + s->n * s->k + s->m * s->n) * 4 + (16 << 20),
-                               NULL, false};
+  struct rtp_init_params ip = {
+      (size_t)(s->m * s->k + s->n * s->k + s->m * s->n) * 4 + (16 << 20), NULL, false};
   struct rtp_context *ctx = rtp_init(ip);
   struct rtp_tensor *a = s->a_t ? rtp_new_tensor_2d(ctx, RTP_TYPE_F32, s->m, s->k)
                                 : rtp_new_tensor_2d(ctx, RTP_TYPE_F32, s->k, s->m);
@@ -97,8 +98,8 @@ static double bench_gemm(const struct shape *s, int threads, int reps) {
                                 : rtp_new_tensor_2d(ctx, RTP_TYPE_F32, s->k, s->n);
   fill(a->data, rtp_nelements(a), 1);
   fill(b->data, rtp_nelements(b), 2);
-  struct rtp_tensor *c = rtp_mul_mat(ctx, s->a_t ? rtp_transpose(ctx, a) : a,
-                                     s->b_t ? rtp_transpose(ctx, b) : b);
+  struct rtp_tensor *c =
+      rtp_mul_mat(ctx, s->a_t ? rtp_transpose(ctx, a) : a, s->b_t ? rtp_transpose(ctx, b) : b);
   rtp_set_output(c);
   struct rtp_graph *g = rtp_graph_new(ctx, 16);
   if (rtp_graph_build(g, c) || rtp_graph_plan(ctx, g)) {
@@ -114,10 +115,11 @@ static double bench_gemm(const struct shape *s, int threads, int reps) {
   openblas_set_num_threads(1);
   double t_fallback = threads == 1 ? time_best(run_fallback, &dg, 1) : 0;
   double flops = 2.0 * (double)s->m * (double)s->n * (double)s->k;
-  printf("{\"bench\":\"gemm\",\"shape\":\"%s\",\"m\":%lld,\"n\":%lld,\"k\":%lld,\"threads\":%d,"
-         "\"lib_gflops\":%.2f,\"cblas_gflops\":%.2f,\"ratio\":%.3f",
-         s->name, (long long)s->m, (long long)s->n, (long long)s->k, threads,
-         flops / t_lib * 1e-9, flops / t_direct * 1e-9, t_direct / t_lib);
+  printf(
+      "{\"bench\":\"gemm\",\"shape\":\"%s\",\"m\":%lld,\"n\":%lld,\"k\":%lld,\"threads\":%d,"
+      "\"lib_gflops\":%.2f,\"cblas_gflops\":%.2f,\"ratio\":%.3f",
+      s->name, (long long)s->m, (long long)s->n, (long long)s->k, threads, flops / t_lib * 1e-9,
+      flops / t_direct * 1e-9, t_direct / t_lib);
   if (t_fallback > 0) printf(",\"fallback_gflops\":%.2f", flops / t_fallback * 1e-9);
   printf("}\n");
   fflush(stdout);
@@ -156,12 +158,13 @@ static void bench_step(struct gpt_config cfg, int batch, int threads, int steps,
   struct rtp_mem_report r;
   rtp_mem_report_get(ctx, &r);
   double tokens = (double)cfg.seq_len * batch, flops = gpt_step_flops(cfg, batch);
-  printf("{\"bench\":\"step\",\"model\":\"small\",\"batch\":%d,\"threads\":%d,\"ms\":%.1f,"
-         "\"tokens_per_s\":%.0f,\"gflops\":%.2f,\"gemm_gflops\":%.2f,\"fraction_of_gemm\":%.3f,"
-         "\"params\":%lld,\"activation_bytes\":%zu,\"activation_sum\":%zu}\n",
-         batch, threads, best * 1e3, tokens / best, flops / best * 1e-9, gemm_rate * 1e-9,
-         flops / best / gemm_rate, (long long)gpt_n_params(cfg), r.bytes[RTP_ROLE_ACTIVATION],
-         r.activation_sum);
+  printf(
+      "{\"bench\":\"step\",\"model\":\"small\",\"batch\":%d,\"threads\":%d,\"ms\":%.1f,"
+      "\"tokens_per_s\":%.0f,\"gflops\":%.2f,\"gemm_gflops\":%.2f,\"fraction_of_gemm\":%.3f,"
+      "\"params\":%lld,\"activation_bytes\":%zu,\"activation_sum\":%zu}\n",
+      batch, threads, best * 1e3, tokens / best, flops / best * 1e-9, gemm_rate * 1e-9,
+      flops / best / gemm_rate, (long long)gpt_n_params(cfg), r.bytes[RTP_ROLE_ACTIVATION],
+      r.activation_sum);
   fflush(stdout);
   rtp_threadpool_free(tp);
   rtp_free(ctx);
@@ -180,7 +183,8 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--steps") && i + 1 < argc)
       steps = atoi(argv[++i]);
     else {
-      fprintf(stderr, "usage: bench-core [--batch B] [--threads \"1 2\"] [--reps R] [--steps S]\n");
+      fprintf(stderr,
+              "usage: bench-core [--batch B] [--threads \"1 2\"] [--reps R] [--steps S]\n");
       return 2;
     }
   }
@@ -188,11 +192,11 @@ int main(int argc, char **argv) {
   int64_t d = cfg.d_model, V = cfg.vocab, N = (int64_t)cfg.seq_len * batch;
   /* Forward: y = x W^T. Backward: dx = dy W (W viewed transposed), dW = dy^T x. */
   const struct shape shapes[] = {
-      {"c_attn.fwd", 3 * d, N, d, false, false},     {"c_attn.dx", d, N, 3 * d, true, false},
-      {"c_attn.dw", d, 3 * d, N, true, true},        {"c_proj.fwd", d, N, d, false, false},
-      {"c_fc.fwd", 4 * d, N, d, false, false},       {"c_fc.dx", d, N, 4 * d, true, false},
-      {"c_fc.dw", d, 4 * d, N, true, true},          {"mlp.c_proj.fwd", d, N, 4 * d, false, false},
-      {"mlp.c_proj.dw", 4 * d, d, N, true, true},    {"lm_head.fwd", V, N, d, false, false},
+      {"c_attn.fwd", 3 * d, N, d, false, false},  {"c_attn.dx", d, N, 3 * d, true, false},
+      {"c_attn.dw", d, 3 * d, N, true, true},     {"c_proj.fwd", d, N, d, false, false},
+      {"c_fc.fwd", 4 * d, N, d, false, false},    {"c_fc.dx", d, N, 4 * d, true, false},
+      {"c_fc.dw", d, 4 * d, N, true, true},       {"mlp.c_proj.fwd", d, N, 4 * d, false, false},
+      {"mlp.c_proj.dw", 4 * d, d, N, true, true}, {"lm_head.fwd", V, N, d, false, false},
   };
   int n_shapes = (int)(sizeof(shapes) / sizeof(shapes[0]));
   char buf[64];

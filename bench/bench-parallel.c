@@ -38,7 +38,8 @@ static size_t proc_bytes(const char *key) {
   char line[256];
   size_t kb = 0;
   while (f && fgets(line, sizeof(line), f))
-    if (strncmp(line, key, strlen(key)) == 0) kb = (size_t)strtoull(line + strlen(key) + 1, NULL, 10);
+    if (strncmp(line, key, strlen(key)) == 0)
+      kb = (size_t)strtoull(line + strlen(key) + 1, NULL, 10);
   if (f) fclose(f);
   return kb * 1024;
 }
@@ -102,9 +103,11 @@ static struct result run_rank(const struct opts *o, enum rtp_strategy strategy,
   for (int i = 0; i < m.n_params; i++) { /* values do not matter for speed, only finiteness */
     struct rtp_tensor *t = rtp_parallel_tensor(par, m.params[i]);
     float *d = t->data;
-    for (int64_t j = 0; j < rtp_nelements(t); j++) d[j] = 0.02f * (float)((j * 7919) % 101 - 50) / 50;
+    for (int64_t j = 0; j < rtp_nelements(t); j++)
+      d[j] = 0.02f * (float)((j * 7919) % 101 - 50) / 50;
   }
-  struct rtp_tensor *idx = rtp_parallel_tensor(par, m.idx), *tgt = rtp_parallel_tensor(par, m.targets);
+  struct rtp_tensor *idx = rtp_parallel_tensor(par, m.idx),
+                    *tgt = rtp_parallel_tensor(par, m.targets);
   for (int64_t j = 0; j < rtp_nelements(idx); j++) {
     ((int32_t *)idx->data)[j] = (int32_t)((j * 31) % 256);
     ((int32_t *)tgt->data)[j] = (int32_t)((j * 17 + 3) % 256);
@@ -150,16 +153,18 @@ static void print_result(const struct opts *o, const char *strategy, int world,
     hidden = (compute_s + r->comm_s - r->step_s) / r->comm_s;
     hidden = hidden < 0 ? 0 : hidden > 1 ? 1 : hidden;
   }
-  size_t states = r->mem.bytes[RTP_ROLE_PARAM] + r->mem.bytes[RTP_ROLE_GRAD] + r->mem.bytes[RTP_ROLE_OPTIM];
-  printf("{\"bench\":\"parallel\",\"model\":\"%s\",\"strategy\":\"%s\",\"ranks\":%d,\"batch\":%d,"
-         "\"threads\":%d,\"step_ms\":%.1f,\"tokens_per_s\":%.0f,\"params\":%zu,\"grads\":%zu,"
-         "\"optim\":%zu,\"model_states\":%zu,\"activations\":%zu,\"comm\":%zu,\"arena_total\":%zu,"
-         "\"bytes_sent_per_step\":%.0f,\"comm_only_ms\":%.1f,\"compute_only_ms\":%.1f,"
-         "\"comm_hidden\":%.2f,\"peak_rss\":%zu,\"baseline_rss\":%zu}\n",
-         o->model, strategy, world, o->batch, o->threads, r->step_s * 1e3, tokens / r->step_s,
-         r->mem.bytes[RTP_ROLE_PARAM], r->mem.bytes[RTP_ROLE_GRAD], r->mem.bytes[RTP_ROLE_OPTIM],
-         states, r->mem.bytes[RTP_ROLE_ACTIVATION], r->mem.bytes[RTP_ROLE_COMM], r->mem.total,
-         r->sent, r->comm_s * 1e3, compute_s * 1e3, hidden, r->peak, r->baseline);
+  size_t states =
+      r->mem.bytes[RTP_ROLE_PARAM] + r->mem.bytes[RTP_ROLE_GRAD] + r->mem.bytes[RTP_ROLE_OPTIM];
+  printf(
+      "{\"bench\":\"parallel\",\"model\":\"%s\",\"strategy\":\"%s\",\"ranks\":%d,\"batch\":%d,"
+      "\"threads\":%d,\"step_ms\":%.1f,\"tokens_per_s\":%.0f,\"params\":%zu,\"grads\":%zu,"
+      "\"optim\":%zu,\"model_states\":%zu,\"activations\":%zu,\"comm\":%zu,\"arena_total\":%zu,"
+      "\"bytes_sent_per_step\":%.0f,\"comm_only_ms\":%.1f,\"compute_only_ms\":%.1f,"
+      "\"comm_hidden\":%.2f,\"peak_rss\":%zu,\"baseline_rss\":%zu}\n",
+      o->model, strategy, world, o->batch, o->threads, r->step_s * 1e3, tokens / r->step_s,
+      r->mem.bytes[RTP_ROLE_PARAM], r->mem.bytes[RTP_ROLE_GRAD], r->mem.bytes[RTP_ROLE_OPTIM],
+      states, r->mem.bytes[RTP_ROLE_ACTIVATION], r->mem.bytes[RTP_ROLE_COMM], r->mem.total,
+      r->sent, r->comm_s * 1e3, compute_s * 1e3, hidden, r->peak, r->baseline);
   fflush(stdout);
 }
 
@@ -199,17 +204,28 @@ int main(int argc, char **argv) {
     if (!v) goto usage;
     if (!strcmp(a, "--model")) {
       o.model = v;
-      if (!strcmp(v, "small")) o.cfg = gpt_config_small();
-      else if (!strcmp(v, "medium")) o.cfg = gpt_config_medium();
-      else if (!strcmp(v, "tiny")) o.cfg = (struct gpt_config){256, 64, 128, 2, 4};
-      else goto usage;
-    } else if (!strcmp(a, "--ranks")) o.ranks = atoi(v);
-    else if (!strcmp(a, "--batch")) o.batch = atoi(v);
-    else if (!strcmp(a, "--threads")) o.threads = atoi(v);
-    else if (!strcmp(a, "--steps")) o.steps = atoi(v);
-    else if (!strcmp(a, "--master-port")) o.port = atoi(v);
-    else if (!strcmp(a, "--strategies")) snprintf(o.strategies, sizeof(o.strategies), "%s", v);
-    else goto usage;
+      if (!strcmp(v, "small"))
+        o.cfg = gpt_config_small();
+      else if (!strcmp(v, "medium"))
+        o.cfg = gpt_config_medium();
+      else if (!strcmp(v, "tiny"))
+        o.cfg = (struct gpt_config){256, 64, 128, 2, 4};
+      else
+        goto usage;
+    } else if (!strcmp(a, "--ranks"))
+      o.ranks = atoi(v);
+    else if (!strcmp(a, "--batch"))
+      o.batch = atoi(v);
+    else if (!strcmp(a, "--threads"))
+      o.threads = atoi(v);
+    else if (!strcmp(a, "--steps"))
+      o.steps = atoi(v);
+    else if (!strcmp(a, "--master-port"))
+      o.port = atoi(v);
+    else if (!strcmp(a, "--strategies"))
+      snprintf(o.strategies, sizeof(o.strategies), "%s", v);
+    else
+      goto usage;
     i++;
   }
   if (o.ranks < 1 || o.ranks > RTP_MAX_WORLD || o.batch < 1 || o.steps < 1) goto usage;
@@ -226,7 +242,8 @@ int main(int argc, char **argv) {
   }
   return bad;
 usage:
-  fprintf(stderr, "usage: bench-parallel [--model tiny|small|medium] [--ranks N] [--batch B] "
-                  "[--threads T] [--steps S] [--strategies \"ddp rtp\"] [--master-port P]\n");
+  fprintf(stderr,
+          "usage: bench-parallel [--model tiny|small|medium] [--ranks N] [--batch B] "
+          "[--threads T] [--steps S] [--strategies \"ddp rtp\"] [--master-port P]\n");
   return 2;
 }

@@ -16,7 +16,9 @@ struct Built {
   rtp_context *ctx = nullptr;
   gpt m{};
   rtp_graph *g = nullptr;
-  ~Built() { rtp_free(ctx); }
+  ~Built() {
+    rtp_free(ctx);
+  }
 };
 
 void build(Built &b, gpt_config cfg, int batch) {
@@ -35,7 +37,9 @@ bool is_view(const rtp_tensor *t) {
          t->op == RTP_OP_TRANSPOSE;
 }
 
-const rtp_tensor *base(const rtp_tensor *t) { return t->view_src ? t->view_src : t; }
+const rtp_tensor *base(const rtp_tensor *t) {
+  return t->view_src ? t->view_src : t;
+}
 
 TEST(Planner, LiveTensorsNeverOverlap) {
   gpt_config cfg = {256, 32, 64, 2, 4};

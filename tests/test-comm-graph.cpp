@@ -57,8 +57,10 @@ int rank_main(int rank, int world, int port) {
 TEST(CommGraph, RotateAndAllReduce) {
   for (int world : {1, 2, 3}) {
     int port = rtptest::free_port();
-    auto res = rtptest::run_procs(world, [&](int r) { return rank_main(r, world, port); }, 60);
-    for (int r = 0; r < world; r++) EXPECT_EQ(res[r].code, 0) << "world " << world << " rank " << r;
+    auto res = rtptest::run_procs(
+        world, [&](int r) { return rank_main(r, world, port); }, 60);
+    for (int r = 0; r < world; r++)
+      EXPECT_EQ(res[r].code, 0) << "world " << world << " rank " << r;
   }
 }
 

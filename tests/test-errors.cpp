@@ -67,7 +67,8 @@ TEST(Errors, EveryBuilderChecksItsInputs) {
       {"repeat", [&] { return rtp_repeat(ctx, wrong, f); }},
       {"layer_norm", [&] { return rtp_layer_norm(ctx, f, wrong, nullptr, 1e-5f); }},
       {"mul_mat", [&] { return rtp_mul_mat(ctx, f, wrong); }},
-      {"mul_mat", [&] { return rtp_mul_mat(ctx, rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 2, 5), p3); }},
+      {"mul_mat",
+       [&] { return rtp_mul_mat(ctx, rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 2, 5), p3); }},
   };
   for (const Case &c : cases) {
     EXPECT_EQ(c.build(), nullptr) << c.name;
@@ -109,7 +110,7 @@ TEST(Errors, GraphMisuse) {
   EXPECT_NE(std::string(rtp_last_error()).find("graph full"), std::string::npos);
   rtp_graph *g = rtp_graph_new(ctx, 16);
   ASSERT_EQ(rtp_graph_build(g, y), 0);
-  EXPECT_EQ(rtp_graph_compute(g, nullptr), RTP_ESTATE);  // not planned
+  EXPECT_EQ(rtp_graph_compute(g, nullptr), RTP_ESTATE);                // not planned
   EXPECT_EQ(rtp_build_backward(ctx, g, rtp_sum(ctx, y)), RTP_EINVAL);  // loss not in g
   rtp_tensor *l = rtp_sum(ctx, y);
   ASSERT_EQ(rtp_graph_build(g, l), 0);

@@ -38,14 +38,16 @@ void check(GemmFn fn, int64_t m, int64_t n, int64_t k, bool xt, bool yt) {
 }
 
 void check_all(GemmFn fn) {
-  const int64_t sizes[][3] = {{1, 1, 1},  {3, 5, 7},    {4, 16, 256}, {17, 33, 257},
+  const int64_t sizes[][3] = {{1, 1, 1},  {3, 5, 7},    {4, 16, 256},  {17, 33, 257},
                               {64, 1, 9}, {1, 70, 300}, {130, 129, 3}, {5, 4, 0}};
   for (auto &s : sizes)
     for (bool xt : {false, true})
       for (bool yt : {false, true}) check(fn, s[0], s[1], s[2], xt, yt);
 }
 
-TEST(Gemm, Fallback) { check_all(rtp__gemm_fallback); }
+TEST(Gemm, Fallback) {
+  check_all(rtp__gemm_fallback);
+}
 
 TEST(Gemm, Dispatch) {
   check_all(rtp__gemm);

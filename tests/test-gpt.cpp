@@ -47,7 +47,8 @@ struct Fixture {
     ASSERT_NE(ctx, nullptr);
     ASSERT_EQ(gpt_build(ctx, &m, cfg, batch), 0) << rtp_last_error();
     for (int i = 0; i < m.n_params; i++)
-      ASSERT_EQ(rtp_safetensors_read(st, m.params[i]->name, m.params[i]), 0) << rtp_last_error();
+      ASSERT_EQ(rtp_safetensors_read(st, m.params[i]->name, m.params[i]), 0)
+          << rtp_last_error();
     ASSERT_EQ(rtp_safetensors_read(st, "input.idx", m.idx), 0) << rtp_last_error();
     ASSERT_EQ(rtp_safetensors_read(st, "input.targets", m.targets), 0) << rtp_last_error();
     g = rtp_graph_new(ctx, 4096);

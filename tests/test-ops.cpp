@@ -16,9 +16,9 @@ using Build = std::function<rtp_tensor *(rtp_context *, std::vector<rtp_tensor *
 
 struct Input {
   std::vector<int64_t> ne;
-  bool param = true;     // differentiated
-  bool positive = false; // values in (0.5, 1.5) instead of (-1, 1)
-  int index_range = 0;   // > 0: an i32 input of indices in [0, index_range)
+  bool param = true;      // differentiated
+  bool positive = false;  // values in (0.5, 1.5) instead of (-1, 1)
+  int index_range = 0;    // > 0: an i32 input of indices in [0, index_range)
 };
 
 // Builds f(inputs), then loss = sum(f * R) with a fixed random R, and compares every
@@ -65,7 +65,8 @@ void check_grad(const std::string &what, const std::vector<Input> &inputs, const
   for (size_t k = 0; k < xs.size(); k++) {
     if (!(xs[k]->flags & RTP_FLAG_PARAM)) continue;
     ASSERT_NE(xs[k]->grad, nullptr) << "input " << k << " got no gradient";
-    grads[k].assign((float *)xs[k]->grad->data, (float *)xs[k]->grad->data + rtp_nelements(xs[k]));
+    grads[k].assign((float *)xs[k]->grad->data,
+                    (float *)xs[k]->grad->data + rtp_nelements(xs[k]));
   }
   int checked = 0;
   for (size_t k = 0; k < xs.size(); k++) {
@@ -84,8 +85,7 @@ void check_grad(const std::string &what, const std::vector<Input> &inputs, const
       double num = (lp - lm) / (2.0 * h);
       double err = std::fabs(num - ana[i]);
       ASSERT_LE(err, tol * (1.0 + std::fabs(num)))
-          << "input " << k << " element " << i << ": numeric " << num << " analytic "
-          << ana[i];
+          << "input " << k << " element " << i << ": numeric " << num << " analytic " << ana[i];
       checked++;
     }
   }
@@ -104,7 +104,8 @@ TEST_P(OpGrad, Elementwise) {
   check_grad("add", {{s}, {s}}, [](rtp_context *c, auto &x) { return rtp_add(c, x[0], x[1]); });
   check_grad("add row", {{s}, {row}},
              [](rtp_context *c, auto &x) { return rtp_add(c, x[0], x[1]); });
-  check_grad("sub", {{s}, {row}}, [](rtp_context *c, auto &x) { return rtp_sub(c, x[0], x[1]); });
+  check_grad("sub", {{s}, {row}},
+             [](rtp_context *c, auto &x) { return rtp_sub(c, x[0], x[1]); });
   check_grad("mul", {{s}, {s}}, [](rtp_context *c, auto &x) { return rtp_mul(c, x[0], x[1]); });
   check_grad("mul row", {{s}, {row}},
              [](rtp_context *c, auto &x) { return rtp_mul(c, x[0], x[1]); });
@@ -139,24 +140,20 @@ TEST_P(OpGrad, Activations) {
   check_grad("layer_norm", {{s}, {{s[0]}}, {{s[0]}}}, [](rtp_context *c, auto &x) {
     return rtp_layer_norm(c, x[0], x[1], x[2], 1e-5f);
   });
-  check_grad("soft_max", {{s}}, [](rtp_context *c, auto &x) {
-    return rtp_soft_max(c, x[0], 0.7f, false);
-  });
+  check_grad("soft_max", {{s}},
+             [](rtp_context *c, auto &x) { return rtp_soft_max(c, x[0], 0.7f, false); });
   if (s[0] >= (s.size() > 1 ? s[1] : 1))
-    check_grad("soft_max causal", {{s}}, [](rtp_context *c, auto &x) {
-      return rtp_soft_max(c, x[0], 1.3f, true);
-    });
+    check_grad("soft_max causal", {{s}},
+               [](rtp_context *c, auto &x) { return rtp_soft_max(c, x[0], 1.3f, true); });
 }
 
 TEST_P(OpGrad, Views) {
   Shape s = GetParam();
   while (s.size() < 3) s.push_back(1);
-  check_grad("transpose", {{s}}, [](rtp_context *c, auto &x) {
-    return rtp_transpose(c, x[0]);
-  });
-  check_grad("permute", {{s}}, [](rtp_context *c, auto &x) {
-    return rtp_permute(c, x[0], 2, 0, 1, 3);
-  });
+  check_grad("transpose", {{s}},
+             [](rtp_context *c, auto &x) { return rtp_transpose(c, x[0]); });
+  check_grad("permute", {{s}},
+             [](rtp_context *c, auto &x) { return rtp_permute(c, x[0], 2, 0, 1, 3); });
   check_grad("reshape", {{s}}, [](rtp_context *c, auto &x) {
     return rtp_reshape_2d(c, x[0], x[0]->ne[0] * x[0]->ne[1], x[0]->ne[2] * x[0]->ne[3]);
   });
@@ -171,9 +168,8 @@ TEST_P(OpGrad, Views) {
       return rtp_view(c, x[0], 4, ne, x[0]->nb, sizeof(float));
     });
   for (int dim = 0; dim < 3; dim++)
-    check_grad("concat dim " + std::to_string(dim), {{s}, {s}}, [dim](rtp_context *c, auto &x) {
-      return rtp_concat(c, x[0], x[1], dim);
-    });
+    check_grad("concat dim " + std::to_string(dim), {{s}, {s}},
+               [dim](rtp_context *c, auto &x) { return rtp_concat(c, x[0], x[1], dim); });
   if (s[0] > 2)
     check_grad("acc", {{s}, {{s[0] - 2, s[1]}}}, [](rtp_context *c, auto &x) {
       return rtp_acc(c, x[0], x[1], x[0]->nb[1], x[0]->nb[2], x[0]->nb[3], 2 * sizeof(float));
@@ -191,42 +187,50 @@ TEST(OpGradMatMul, Shapes) {
     check_grad("mul_mat odd", {{{7, 1}}, {{7, 9}}}, mm, threads);
     check_grad("mul_mat batched", {{{4, 3, 2, 3}}, {{4, 5, 2, 3}}}, mm, threads);
     check_grad("mul_mat shared a", {{{4, 3}}, {{4, 5, 2}}}, mm, threads);
-    check_grad("mul_mat a^T", {{{3, 5}}, {{5, 4}}}, [](rtp_context *c, auto &x) {
-      return rtp_mul_mat(c, rtp_transpose(c, x[0]), x[1]);
-    }, threads);
-    check_grad("mul_mat b^T", {{{5, 3}}, {{4, 5, 2}}}, [](rtp_context *c, auto &x) {
-      return rtp_mul_mat(c, x[0], rtp_transpose(c, x[1]));
-    }, threads);
-    check_grad("mul_mat both^T batched", {{{3, 5, 2}}, {{4, 5, 2}}}, [](rtp_context *c, auto &x) {
-      return rtp_mul_mat(c, rtp_transpose(c, x[0]), rtp_transpose(c, x[1]));
-    }, threads);
+    check_grad(
+        "mul_mat a^T", {{{3, 5}}, {{5, 4}}},
+        [](rtp_context *c, auto &x) { return rtp_mul_mat(c, rtp_transpose(c, x[0]), x[1]); },
+        threads);
+    check_grad(
+        "mul_mat b^T", {{{5, 3}}, {{4, 5, 2}}},
+        [](rtp_context *c, auto &x) { return rtp_mul_mat(c, x[0], rtp_transpose(c, x[1])); },
+        threads);
+    check_grad(
+        "mul_mat both^T batched", {{{3, 5, 2}}, {{4, 5, 2}}},
+        [](rtp_context *c, auto &x) {
+          return rtp_mul_mat(c, rtp_transpose(c, x[0]), rtp_transpose(c, x[1]));
+        },
+        threads);
   }
 }
 
 TEST(OpGradIndex, GetRowsAndCrossEntropy) {
   for (int threads : {1, 2}) {
-    check_grad("get_rows", {{{5, 7}}, {{4, 3}, false, false, 7}}, [](rtp_context *c, auto &x) {
-      return rtp_get_rows(c, x[0], x[1]);
-    }, threads);
-    check_grad("cross_entropy", {{{9, 4, 3}}, {{4, 3}, false, false, 9}},
-               [](rtp_context *c, auto &x) { return rtp_cross_entropy(c, x[0], x[1]); },
-               threads);
+    check_grad(
+        "get_rows", {{{5, 7}}, {{4, 3}, false, false, 7}},
+        [](rtp_context *c, auto &x) { return rtp_get_rows(c, x[0], x[1]); }, threads);
+    check_grad(
+        "cross_entropy", {{{9, 4, 3}}, {{4, 3}, false, false, 9}},
+        [](rtp_context *c, auto &x) { return rtp_cross_entropy(c, x[0], x[1]); }, threads);
   }
 }
 
 // The composition the GPT uses: heads as permuted views of one projection.
 TEST(OpGradComposite, AttentionHeads) {
   const int64_t hd = 2, H = 2, T = 3, B = 2, d = hd * H;
-  check_grad("attention", {{{3 * d, T * B}}}, [](rtp_context *c, auto &x) {
-    size_t f = sizeof(float), nb[4] = {f, hd * f, 3 * d * f, 3 * d * T * f};
-    int64_t ne[4] = {hd, H, T, B};
-    rtp_tensor *h[3];
-    for (int i = 0; i < 3; i++)
-      h[i] = rtp_permute(c, rtp_view(c, x[0], 4, ne, nb, (size_t)i * d * f), 0, 2, 1, 3);
-    rtp_tensor *att = rtp_soft_max(c, rtp_mul_mat(c, h[1], h[0]), 0.7f, true);
-    rtp_tensor *out = rtp_mul_mat(c, rtp_transpose(c, h[2]), att);
-    return rtp_cont(c, rtp_permute(c, out, 0, 2, 1, 3));
-  }, 2);
+  check_grad(
+      "attention", {{{3 * d, T * B}}},
+      [](rtp_context *c, auto &x) {
+        size_t f = sizeof(float), nb[4] = {f, hd * f, 3 * d * f, 3 * d * T * f};
+        int64_t ne[4] = {hd, H, T, B};
+        rtp_tensor *h[3];
+        for (int i = 0; i < 3; i++)
+          h[i] = rtp_permute(c, rtp_view(c, x[0], 4, ne, nb, (size_t)i * d * f), 0, 2, 1, 3);
+        rtp_tensor *att = rtp_soft_max(c, rtp_mul_mat(c, h[1], h[0]), 0.7f, true);
+        rtp_tensor *out = rtp_mul_mat(c, rtp_transpose(c, h[2]), att);
+        return rtp_cont(c, rtp_permute(c, out, 0, 2, 1, 3));
+      },
+      2);
 }
 
 // ---- forward values against direct formulas ----------------------------------------

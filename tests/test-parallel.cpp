@@ -44,7 +44,9 @@ struct Model {
   rtp_context *ctx = nullptr;
   gpt m{};
   rtp_graph *g = nullptr;
-  ~Model() { rtp_free(ctx); }
+  ~Model() {
+    rtp_free(ctx);
+  }
 };
 
 // The one-process reference: batch world x B, K Adam steps from the initial values
@@ -78,7 +80,8 @@ bool reference(int world, std::vector<float> &losses, std::vector<float> &norms,
       for (int i = 0; i < ref.m.n_params; i++) {
         const rtp_tensor *gr = ref.m.params[i]->grad;
         float mx = 0;
-        for (int64_t j = 0; j < rtp_nelements(gr); j++) mx = std::fmax(mx, std::fabs(((float *)gr->data)[j]));
+        for (int64_t j = 0; j < rtp_nelements(gr); j++)
+          mx = std::fmax(mx, std::fabs(((float *)gr->data)[j]));
         std::vector<bool> mv(rtp_nelements(gr));
         for (int64_t j = 0; j < rtp_nelements(gr); j++)
           mv[j] = std::fabs(((float *)gr->data)[j]) > 1e-3f * mx;
@@ -212,15 +215,19 @@ TEST_P(Equivalence, NRanksMatchOneProcess) {
   for (int world : {1, 2, 3, 4}) {
     int port = rtptest::free_port();
     rtp_strategy s = GetParam();
-    auto res = rtptest::run_procs(world, [&](int r) { return rank_main(s, r, world, port); }, 120);
+    auto res = rtptest::run_procs(
+        world, [&](int r) { return rank_main(s, r, world, port); }, 120);
     for (int r = 0; r < world; r++)
       EXPECT_EQ(res[r].code, 0) << rtp_strategy_name(s) << " world " << world << " rank " << r;
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Strategies, Equivalence,
-                         ::testing::Values(RTP_STRATEGY_DDP, RTP_STRATEGY_FSDP, RTP_STRATEGY_RTP),
-                         [](const auto &info) { return std::string(rtp_strategy_name(info.param)); });
+                         ::testing::Values(RTP_STRATEGY_DDP, RTP_STRATEGY_FSDP,
+                                           RTP_STRATEGY_RTP),
+                         [](const auto &info) {
+                           return std::string(rtp_strategy_name(info.param));
+                         });
 
 }  // namespace
 
@@ -231,7 +238,8 @@ size_t proc_bytes(const char *key) {
   char line[256];
   size_t kb = 0;
   while (f && fgets(line, sizeof(line), f))
-    if (strncmp(line, key, strlen(key)) == 0) kb = strtoull(line + strlen(key) + 1, nullptr, 10);
+    if (strncmp(line, key, strlen(key)) == 0)
+      kb = strtoull(line + strlen(key) + 1, nullptr, 10);
   if (f) fclose(f);
   return kb * 1024;
 }
@@ -284,7 +292,8 @@ int rtp_rank_memory(gpt_config cfg, int batch, int rank, int world, int port, in
   if (!opt) return 43;
   for (int i = 0; i < m.n_params; i++) {
     rtp_tensor *t = rtp_parallel_tensor(par, m.params[i]);
-    for (int64_t j = 0; j < rtp_nelements(t); j++) ((float *)t->data)[j] = 0.01f * (float)(j % 7);
+    for (int64_t j = 0; j < rtp_nelements(t); j++)
+      ((float *)t->data)[j] = 0.01f * (float)(j % 7);
   }
   for (int s = 0; s < steps; s++)
     if (rtp_graph_compute(rtp_parallel_graph(par), nullptr) || rtp_optimizer_step(opt, nullptr))
@@ -334,15 +343,18 @@ TEST(Memory, RtpStatesAreOneNthPlusPool) {
 TEST(MemorySlow, PeakResidentMatchesReport) {
   const int world = 2;
   int port = rtptest::free_port();
-  auto res = rtptest::run_procs(world, [&](int r) {
-    rtp_mem_report rep;
-    size_t base, peak;
-    int rc = rtp_rank_memory(gpt_config_small(), 8, r, world, port, 2, &rep, &base, &peak);
-    if (rc) return rc;
-    double want = (double)(rep.total + base);
-    printf("rank %d: peak %zu, report %zu + baseline %zu\n", r, peak, rep.total, base);
-    return std::fabs((double)peak - want) <= 0.1 * want ? 0 : 47;
-  }, 300);
+  auto res = rtptest::run_procs(
+      world,
+      [&](int r) {
+        rtp_mem_report rep;
+        size_t base, peak;
+        int rc = rtp_rank_memory(gpt_config_small(), 8, r, world, port, 2, &rep, &base, &peak);
+        if (rc) return rc;
+        double want = (double)(rep.total + base);
+        printf("rank %d: peak %zu, report %zu + baseline %zu\n", r, peak, rep.total, base);
+        return std::fabs((double)peak - want) <= 0.1 * want ? 0 : 47;
+      },
+      300);
   for (int r = 0; r < world; r++) EXPECT_EQ(res[r].code, 0) << "rank " << r;
 }
 
