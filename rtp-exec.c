@@ -3,6 +3,7 @@
  * workers sleep, so an idle pool leaves the cores to others (the transport thread). */
 #include "rtp-impl.h"
 
+#include <limits.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
@@ -182,7 +183,9 @@ struct graph_job {
   int status;                   /* set by kernels that meet bad data */
   const struct rtp_tensor *bad; /* the first node that did */
   int comm_status;              /* a failed transfer stops the graph */
-  bool stop;
+  int stop_at; /* atomic: the node after which every thread stops (INT_MAX: none). Thread 0
+                * may set it for node i + 1 while others still look after node i's barrier,
+                * so it names the node rather than being a flag. */
 };
 
 /* The communication node whose result t is (through any chain of views), or NULL. */
@@ -246,20 +249,20 @@ static void compute_job(const struct rtp_compute_params *base, void *arg) {
       rtp__compute_forward(&p, t);
     }
     if (p.ith == 0) {
-      if (job->status && !job->bad) job->bad = t;
+      if (__atomic_load_n(&job->status, __ATOMIC_RELAXED) && !job->bad) job->bad = t;
       for (int j = i + 1; j < g->n_nodes; j++)
         if (!rtp__is_view_op(g->nodes[j]->op)) {
           wait_inputs(job, g->nodes[j]);
           break;
         }
-      job->stop = job->comm_status != 0;
+      if (job->comm_status) __atomic_store_n(&job->stop_at, i, __ATOMIC_RELAXED);
     }
     rtp__barrier(&p);
     if (profile) { /* waits for the next node's transfers are counted apart */
       prof.op_s[t->op] += prof_now() - t0 - (prof.wait_s - wait0);
       prof.op_n[t->op]++;
     }
-    if (job->stop) break;
+    if (__atomic_load_n(&job->stop_at, __ATOMIC_RELAXED) <= i) break;
   }
   if (p.ith == 0) /* nothing stays in flight once compute returns */
     for (int i = 0; i < g->n_nodes; i++)
@@ -280,7 +283,7 @@ int rtp_graph_compute(struct rtp_graph *g, struct rtp_threadpool *tp) {
   if (!g->plan) return rtp__error(RTP_ESTATE, "rtp_graph_compute: call rtp_graph_plan first");
   int rc = check_ready(g);
   if (rc) return rc;
-  struct graph_job job = {.g = g, .work = rtp__graph_work(g)};
+  struct graph_job job = {.g = g, .work = rtp__graph_work(g), .stop_at = INT_MAX};
   rtp__threadpool_run(tp, compute_job, &job);
   if (job.comm_status) return job.comm_status; /* the transport set the message */
   if (job.status) {

@@ -2,6 +2,7 @@
  * kernel that compilers vectorise. Callers split the rows between threads. */
 #include "rtp-impl.h"
 
+#include <pthread.h>
 #include <string.h>
 
 #ifdef RTP_USE_CBLAS
@@ -116,9 +117,14 @@ fallback:
   rtp__gemm_fallback(m, n, k, x, x_row, x_k, y, y_row, y_k, c, ldc);
 }
 
-void rtp__gemm_init(void) {
+static void gemm_init_once(void) {
 #if defined(RTP_USE_CBLAS) && defined(OPENBLAS_VERSION)
   /* rtp's threads split the work; OpenBLAS threads inside them would oversubscribe. */
   openblas_set_num_threads(1);
 #endif
+}
+
+void rtp__gemm_init(void) {
+  static pthread_once_t once = PTHREAD_ONCE_INIT;
+  pthread_once(&once, gemm_init_once);
 }

@@ -1558,10 +1558,15 @@ static void reader_step(struct rc_link *l) {
 
 static void tune_socket(uv_tcp_t *t) {
   uv_tcp_nodelay(t, 1);
-  int sz = 4 << 20;
-  uv_send_buffer_size((uv_handle_t *)t, &sz);
-  sz = 4 << 20;
-  uv_recv_buffer_size((uv_handle_t *)t, &sz);
+  /* Linux's buffer autotuning does at least as well as fixed sizes on loopback and
+     Ethernet; RTP_SOCKET_BUFFER=bytes fixes them (e.g. for a long fat network). */
+  const char *e = getenv("RTP_SOCKET_BUFFER");
+  int sz = e ? atoi(e) : 0;
+  if (sz > 0) {
+    uv_send_buffer_size((uv_handle_t *)t, &sz);
+    sz = atoi(e);
+    uv_recv_buffer_size((uv_handle_t *)t, &sz);
+  }
 }
 
 static void on_connection(uv_stream_t *server, int status) {

@@ -106,6 +106,7 @@ struct rtp_tensor_obj {
 };
 
 struct rtp_context *rtp_init(struct rtp_init_params p) {
+  rtp__gemm_init();
   struct rtp_context *ctx = calloc(1, sizeof(*ctx));
   if (!ctx) {
     rtp__error(RTP_ENOMEM, "rtp_init: cannot allocate the context");

@@ -485,7 +485,8 @@ struct rtp_comm_req;
 
 /* Joins the job (blocks until every rank is connected or timeout_ms passes). */
 RTP_API int rtp_comm_init(const struct rtp_comm_params *p, struct rtp_comm **out);
-/* Says goodbye to every peer and frees everything; pending requests fail. */
+/* Says goodbye to every peer and frees everything. Wait for every request first: the
+ * requests still pending are failed and freed with the communicator. */
 RTP_API void rtp_comm_free(struct rtp_comm *c);
 RTP_API int rtp_comm_rank(const struct rtp_comm *c);
 RTP_API int rtp_comm_size(const struct rtp_comm *c);
