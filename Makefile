@@ -33,7 +33,8 @@ test-tsan: deps
 	cd $(BUILD)-tsan && ctest --output-on-failure -j $(JOBS) -L tsan
 
 run: build
-	./$(BUILD)/examples/train-gpt --config tiny --steps 300 --batch 16 --sample 64
+	./$(BUILD)/tools/rtp-run -n 2 -- ./$(BUILD)/examples/train-gpt --config tiny --strategy rtp \
+	  --steps 300 --batch 8 --sample 64
 
 bench: build
 	./$(BUILD)/bench/bench-core

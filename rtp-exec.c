@@ -168,11 +168,21 @@ static void prof_print(void) {
   fprintf(stderr, "  %-20s %19s %10.1f ms\n", "comm.wait", "", prof.wait_s * 1e3);
 }
 
+/* A forked child reports only its own time. */
+static void prof_reset(void) {
+  memset(prof.op_s, 0, sizeof(prof.op_s));
+  memset(prof.op_n, 0, sizeof(prof.op_n));
+  prof.wait_s = 0;
+}
+
 static bool prof_enabled(void) {
   if (prof.on < 0) {
     const char *v = getenv("RTP_PROFILE");
     prof.on = v && *v && strcmp(v, "0") != 0;
-    if (prof.on) atexit(prof_print);
+    if (prof.on) {
+      atexit(prof_print);
+      pthread_atfork(NULL, NULL, prof_reset);
+    }
   }
   return prof.on;
 }

@@ -167,25 +167,22 @@ static float normal(uint64_t *s) {
   return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
 }
 
-static void fill(struct rtp_tensor *t, uint64_t *s, float std, float constant) {
-  float *p = t->data;
-  for (int64_t i = 0; i < rtp_nelements(t); i++) p[i] = std > 0 ? std * normal(s) : constant;
+/* Parameter i's values from its own stream, so that a rank can initialise any parameter
+ * alone (each fills a full buffer and keeps its block) and every world size, and every
+ * order of initialisation, gives the same model. */
+void gpt_init_tensor(const struct gpt *m, int i, uint64_t seed, float *data) {
+  const char *n = m->params[i]->name;
+  size_t len = strlen(n);
+  bool bias = len > 5 && strcmp(n + len - 5, ".bias") == 0;
+  bool ln = strstr(n, "ln_") != NULL;
+  float resid = 0.02f / sqrtf(2.0f * (float)m->cfg.n_layer);
+  float std = bias || ln ? 0.0f : strstr(n, "c_proj") ? resid : 0.02f;
+  float constant = ln && !bias ? 1.0f : 0.0f;
+  uint64_t key = (uint64_t)i, s = seed ^ next_u64(&key);
+  for (int64_t j = 0; j < rtp_nelements(m->params[i]); j++)
+    data[j] = std > 0 ? std * normal(&s) : constant;
 }
 
 void gpt_init_weights(struct gpt *m, uint64_t seed) {
-  uint64_t s = seed;
-  float resid = 0.02f / sqrtf(2.0f * (float)m->cfg.n_layer);
-  for (int i = 0; i < m->n_params; i++) {
-    struct rtp_tensor *t = m->params[i];
-    const char *n = t->name;
-    size_t len = strlen(n);
-    bool bias = len > 5 && strcmp(n + len - 5, ".bias") == 0;
-    bool ln = strstr(n, "ln_") != NULL;
-    if (bias)
-      fill(t, &s, 0, 0.0f);
-    else if (ln)
-      fill(t, &s, 0, 1.0f);
-    else
-      fill(t, &s, strstr(n, "c_proj") ? resid : 0.02f, 0.0f);
-  }
+  for (int i = 0; i < m->n_params; i++) gpt_init_tensor(m, i, seed, m->params[i]->data);
 }

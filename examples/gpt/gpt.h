@@ -24,27 +24,27 @@ struct gpt_config gpt_config_medium(void); /* T=256 d=768 L=12 H=12 */
 
 /* One transformer block's parameters; shapes are nn.Linear's [out, in], so ne = {in, out}. */
 struct gpt_block {
-  struct rtp_tensor *ln_1_w, *ln_1_b;     /* {d} */
-  struct rtp_tensor *c_attn_w, *c_attn_b; /* {d, 3d}, {3d} */
+  struct rtp_tensor *ln_1_w, *ln_1_b;           /* {d} */
+  struct rtp_tensor *c_attn_w, *c_attn_b;       /* {d, 3d}, {3d} */
   struct rtp_tensor *attn_proj_w, *attn_proj_b; /* {d, d}, {d} */
-  struct rtp_tensor *ln_2_w, *ln_2_b;     /* {d} */
-  struct rtp_tensor *c_fc_w, *c_fc_b;     /* {d, 4d}, {4d} */
-  struct rtp_tensor *mlp_proj_w, *mlp_proj_b; /* {4d, d}, {d} */
+  struct rtp_tensor *ln_2_w, *ln_2_b;           /* {d} */
+  struct rtp_tensor *c_fc_w, *c_fc_b;           /* {d, 4d}, {4d} */
+  struct rtp_tensor *mlp_proj_w, *mlp_proj_b;   /* {4d, d}, {d} */
 };
 
 struct gpt {
   struct gpt_config cfg;
-  int batch;                    /* B sequences per step */
-  struct rtp_tensor *wte;       /* {d, V} */
-  struct rtp_tensor *wpe;       /* {d, T} */
+  int batch;              /* B sequences per step */
+  struct rtp_tensor *wte; /* {d, V} */
+  struct rtp_tensor *wpe; /* {d, T} */
   struct gpt_block blocks[GPT_MAX_LAYERS];
-  struct rtp_tensor *ln_f_w, *ln_f_b; /* {d} */
-  struct rtp_tensor *lm_head;   /* {d, V} */
-  struct rtp_tensor *idx;       /* i32 {T, B}: input tokens */
-  struct rtp_tensor *targets;   /* i32 {T, B}: next tokens */
-  struct rtp_tensor *logits;    /* {V, T*B} */
-  struct rtp_tensor *loss;      /* scalar: mean cross-entropy */
-  int n_params;                 /* tensors */
+  struct rtp_tensor *ln_f_w, *ln_f_b;                 /* {d} */
+  struct rtp_tensor *lm_head;                         /* {d, V} */
+  struct rtp_tensor *idx;                             /* i32 {T, B}: input tokens */
+  struct rtp_tensor *targets;                         /* i32 {T, B}: next tokens */
+  struct rtp_tensor *logits;                          /* {V, T*B} */
+  struct rtp_tensor *loss;                            /* scalar: mean cross-entropy */
+  int n_params;                                       /* tensors */
   struct rtp_tensor *params[5 + 12 * GPT_MAX_LAYERS]; /* in creation order */
 };
 
@@ -57,8 +57,12 @@ size_t gpt_arena_size(struct gpt_config cfg, int batch);
 /* Creates the parameters and inputs in ctx and records the forward pass to the loss. */
 int gpt_build(struct rtp_context *ctx, struct gpt *m, struct gpt_config cfg, int batch);
 /* GPT-2 initialisation from seed: N(0, 0.02), residual projections N(0, 0.02/sqrt(2L)),
- * biases 0, LayerNorm weights 1. */
+ * biases 0, LayerNorm weights 1. Every parameter has its own stream of (seed, index). */
 void gpt_init_weights(struct gpt *m, uint64_t seed);
+/* The initial values of the whole parameter m->params[i] into data (its element count):
+ * what gpt_init_weights puts there, for models whose parameters have no memory of their
+ * own (built with no_alloc and sharded by rtp_parallelize). */
+void gpt_init_tensor(const struct gpt *m, int i, uint64_t seed, float *data);
 /* Model FLOPs of one training step (forward + backward): 6 x params x tokens + attention. */
 double gpt_step_flops(struct gpt_config cfg, int batch);
 

@@ -5,12 +5,15 @@
  *     train-gpt --data input.txt --export model.safetensors
  *     train-gpt --init model.safetensors --eval-only --data test.txt
  *     train-gpt --init model.safetensors --sample 200 --prompt "12+34="
+ *     rtp-run -n 2 -- train-gpt --config tiny --strategy rtp --batch 4
  *
- * One process for now. The program is split so that a parallel strategy slots in without
- * touching the rest: data (sample_batch defines the global batch of world x B windows and
- * the rank's share of it), model setup (trainer_init: build, differentiate, plan, the
- * place where a strategy's graph pass goes), the step (train_step: where the loss would be
- * averaged over ranks), evaluation, logging and files each have their own short functions.
+ * One process or N ranks (rtp-run, Slurm or MPI environment variables), one code path:
+ * the model is built once for one device in a no_alloc context, and rtp_parallelize turns
+ * it into this rank's training graph (strategy none for one process). Data: sample_batch
+ * defines the global batch of world x B windows and the rank's share of it, so N ranks
+ * with batch B train exactly like one process with batch N x B. Evaluation, accuracy and
+ * sampling are forward passes with transfers in them: every rank runs them at the same
+ * moments on the same inputs, and rank 0 alone prints.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -65,9 +68,10 @@ static int flag_table(struct options *o, struct flag *f) {
       {"--steps", ARG_INT, &o->steps, "N", "optimizer steps (default 200; 0: only --init)"},
       {"--lr", ARG_FLOAT, &o->lr, "X", "Adam learning rate (tiny 1e-3, else 3e-4)"},
       {"--seed", ARG_I64, &o->seed, "N", "seed of the weights, batches and sampling (1337)"},
-      {"--threads", ARG_INT, &o->threads, "N", "compute threads (default: all cores)"},
+      {"--threads", ARG_INT, &o->threads, "N",
+       "compute threads per rank (default: the cores / local ranks)"},
       {"--strategy", ARG_STR, &o->strategy, "S",
-       "rtp | ddp | fsdp | tp (one process: all equal)"},
+       "rtp | ddp | fsdp | tp, on N ranks (tp: not yet; one process: all equal)"},
       {"--data", ARG_STR, &o->data, "FILE",
        "bytes as tokens, last 10% held out (default: built-in sums)"},
       {"--metrics", ARG_STR, &o->metrics, "FILE", "write one JSON object per step (JSONL)"},
@@ -192,9 +196,6 @@ static int check_options(const struct options *o) {
   struct rtp_comm_params p;
   if (rtp_comm_params_from_env(&p) != RTP_OK)
     return usage_error("bad rank environment: %s", rtp_last_error());
-  if (p.world_size > 1)
-    return usage_error("--strategy %s on %d ranks is not yet supported: run one process",
-                       o->strategy, p.world_size);
   if (o->batch < 1) return usage_error("--batch must be at least 1");
   if (o->prompt && !*o->prompt) return usage_error("--prompt must not be empty");
   return 0;
@@ -393,12 +394,18 @@ static void sample_batch(const struct dataset *d, uint64_t seed, int64_t step, i
 /* ---- the model and its graphs ---------------------------------------------------------- */
 
 struct trainer {
-  struct rtp_context *ctx;
+  struct rtp_context *meta; /* the one-device model: no_alloc, parameters hold no data */
+  struct rtp_context *ctx;  /* this rank's parameters, states, graphs and activations */
   struct rtp_threadpool *tp;
-  struct gpt m;
-  struct rtp_graph *train; /* forward, backward; NULL with --eval-only */
+  struct rtp_comm *comm; /* NULL for one process */
+  struct rtp_parallel *par;
+  struct gpt m; /* the one-device model (in meta): sizes, parameter names and shapes */
+  struct rtp_tensor *idx, *targets, *logits; /* this rank's */
+  struct rtp_tensor *loss;                   /* the mean over the global batch */
+  struct rtp_graph *train; /* forward, backward, transfers; not planned with --eval-only */
   struct rtp_graph *eval;  /* the forward to the logits alone */
   struct rtp_optimizer *opt;
+  enum rtp_strategy strategy;
   int world, rank;
 };
 
@@ -406,65 +413,152 @@ static int graph_size(struct gpt_config c) {
   return 512 + 256 * c.n_layer;
 }
 
+/* rtp and fsdp turn each op on a parameter into a few nodes per rank, forward and back
+ * (rtp on 4 ranks: about 2.3 times the one-device graph). */
+static int parallel_graph_size(struct gpt_config c, int world) {
+  return graph_size(c) * (1 + world);
+}
+
+/* The rank's graphs and their tensor headers come on top of what gpt_arena_size counts. */
+static size_t arena_size(struct gpt_config c, int batch, int world) {
+  return gpt_arena_size(c, batch) + (size_t)parallel_graph_size(c, world) * 1024 + (1u << 20);
+}
+
+/* Threads per rank: by default the cores shared among the ranks on this host. */
+static int thread_count(const struct options *o) {
+  if (o->threads) return o->threads;
+  const char *env = getenv("RTP_LOCAL_WORLD_SIZE");
+  long ranks = env ? strtol(env, NULL, 10) : 1;
+  if (ranks <= 1) return 0; /* all cores */
+  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  return cores > ranks ? (int)(cores / ranks) : 1;
+}
+
+/* Joins the job when the environment names more than one rank (rtp-run, Slurm, MPI). */
+static int join_job(struct trainer *tr) {
+  struct rtp_comm_params p;
+  int rc = rtp_comm_params_from_env(&p);
+  if (rc) return fail(rc, "the rank environment");
+  tr->world = p.world_size;
+  tr->rank = p.rank;
+  if (p.world_size == 1) return RTP_OK;
+  rc = rtp_comm_init(&p, &tr->comm);
+  return rc ? fail(rc, "rank %d of %d: joining the job", p.rank, p.world_size) : RTP_OK;
+}
+
+/* The model once, as for one device, then this rank's training graph for the strategy. */
+static int parallelize(struct trainer *tr, struct gpt_config c, const struct options *o) {
+  size_t meta_bytes = (size_t)graph_size(c) * 2048 + (8u << 20);
+  tr->meta = rtp_init((struct rtp_init_params){meta_bytes, NULL, true});
+  tr->ctx = rtp_init((struct rtp_init_params){arena_size(c, o->batch, tr->world), NULL, false});
+  if (!tr->meta || !tr->ctx) return fail(RTP_ENOMEM, "creating the arena");
+  struct rtp_graph *fwd = rtp_graph_new(tr->meta, graph_size(c));
+  if (!fwd || gpt_build(tr->meta, &tr->m, c, o->batch) || rtp_graph_build(fwd, tr->m.loss))
+    return fail(RTP_EINVAL, "building the model");
+  tr->strategy = RTP_STRATEGY_NONE; /* one process: every strategy is this one */
+  if (tr->world > 1 && rtp_strategy_parse(o->strategy, &tr->strategy))
+    return fail(RTP_EINVAL, "--strategy");
+  struct rtp_parallel_params pp = {tr->strategy, tr->comm, 0,
+                                   parallel_graph_size(c, tr->world)};
+  tr->par = rtp_parallelize(tr->ctx, fwd, tr->m.loss, &pp);
+  int rc = tr->par ? RTP_OK : rtp_context_error(tr->ctx, NULL);
+  if (rc == RTP_ENOSYS) {
+    fprintf(stderr, "train-gpt: --strategy %s on %d ranks is not yet supported\n", o->strategy,
+            tr->world);
+    return EXIT_USAGE;
+  }
+  if (!tr->par)
+    return fail(rc ? rc : RTP_EINVAL, "--strategy %s on %d ranks", o->strategy, tr->world);
+  tr->idx = rtp_parallel_tensor(tr->par, tr->m.idx);
+  tr->targets = rtp_parallel_tensor(tr->par, tr->m.targets);
+  tr->logits = rtp_parallel_tensor(tr->par, tr->m.logits);
+  tr->loss = rtp_parallel_tensor(tr->par, tr->m.loss);
+  tr->train = rtp_parallel_graph(tr->par);
+  return RTP_OK;
+}
+
 /*
  * Evaluation reuses the training graph's forward nodes instead of building a second model:
  * the eval graph is those same nodes up to the logits (a prefix of the training graph, in
- * the same order), already placed by the training plan, so planning it adds no activation
- * memory and computing it runs the forward alone, without the backward. It is correct
- * because the nodes keep their training placement, where each one stays live until its
- * last forward reader has run. The cost is that evaluation uses the training batch shape.
+ * the same order, transfers included), already placed by the training plan, so planning
+ * it adds no activation memory and computing it runs the forward alone, without the
+ * backward. It is correct because the nodes keep their training placement, where each one
+ * stays live until its last forward reader has run. The cost is that evaluation uses the
+ * training batch shape. With --eval-only the training graph is never planned: the eval
+ * plan places the forward alone.
  */
 static int build_graphs(struct trainer *tr, bool train) {
-  struct gpt_config c = tr->m.cfg;
-  if (train) {
-    tr->train = rtp_graph_new(tr->ctx, graph_size(c));
-    if (!tr->train || rtp_graph_build(tr->train, tr->m.loss) ||
-        rtp_build_backward(tr->ctx, tr->train, tr->m.loss) ||
-        rtp_graph_plan(tr->ctx, tr->train))
-      return fail(RTP_EINVAL, "building the training graph");
-  }
-  tr->eval = rtp_graph_new(tr->ctx, graph_size(c) / 2);
-  if (!tr->eval || rtp_graph_build(tr->eval, tr->m.logits) || rtp_graph_plan(tr->ctx, tr->eval))
+  if (train && rtp_graph_plan(tr->ctx, tr->train))
+    return fail(RTP_EINVAL, "planning the training graph");
+  tr->eval = rtp_graph_new(tr->ctx, tr->train->n_nodes);
+  if (!tr->eval || rtp_graph_build(tr->eval, tr->logits) || rtp_graph_plan(tr->ctx, tr->eval))
     return fail(RTP_EINVAL, "building the evaluation graph");
   return RTP_OK;
 }
 
-/* The eval graph adds its node table and a plan to what gpt_arena_size counts. */
-static size_t arena_size(struct gpt_config c, int batch) {
-  return gpt_arena_size(c, batch) + (size_t)graph_size(c) * 64 + (1u << 20);
-}
-
 static int trainer_init(struct trainer *tr, struct gpt_config c, const struct options *o) {
   *tr = (struct trainer){.world = 1, .rank = 0};
-  tr->ctx = rtp_init((struct rtp_init_params){arena_size(c, o->batch), NULL, false});
-  if (!tr->ctx) return fail(RTP_ENOMEM, "creating the arena");
-  tr->tp = rtp_threadpool_new(o->threads);
-  if (!tr->tp) return fail(RTP_ENOMEM, "starting %d threads", o->threads);
-  if (gpt_build(tr->ctx, &tr->m, c, o->batch)) return fail(RTP_EINVAL, "building the model");
-  int rc = build_graphs(tr, !o->eval_only);
+  int rc = join_job(tr);
+  if (!rc) rc = parallelize(tr, c, o);
+  if (!rc) rc = build_graphs(tr, !o->eval_only);
   if (rc) return rc;
-  gpt_init_weights(&tr->m, (uint64_t)o->seed);
+  tr->tp = rtp_threadpool_new(thread_count(o));
+  if (!tr->tp) return fail(RTP_ENOMEM, "starting %d threads", thread_count(o));
   if (o->eval_only) return RTP_OK;
   struct rtp_adamw_params hp = rtp_adamw_default();
   hp.lr = o->lr;
-  tr->opt = rtp_optimizer_new(tr->ctx, tr->train, hp);
+  tr->opt = rtp_parallel_optimizer(tr->par, hp);
   return tr->opt ? RTP_OK : fail(RTP_ENOMEM, "creating the optimizer");
 }
 
 static void trainer_free(struct trainer *tr) {
   rtp_threadpool_free(tr->tp);
   rtp_free(tr->ctx);
+  rtp_free(tr->meta);
+  rtp_comm_free(tr->comm);
 }
 
-/* One optimizer step on this rank's share of the global batch; *loss is its mean. */
+/* The rows of parameter i this rank holds ([first, first + len) of the outermost
+ * dimension, one contiguous run) and the elements in one row. */
+static void param_block(const struct trainer *tr, int i, int64_t *first, int64_t *row) {
+  const struct rtp_tensor *p = tr->m.params[i];
+  int64_t len;
+  int dim;
+  rtp_parallel_block(tr->par, p, first, &len, &dim);
+  *row = rtp_nelements(p) / p->ne[dim];
+}
+
+static size_t largest_param_bytes(const struct gpt *m) {
+  size_t n = 0;
+  for (int i = 0; i < m->n_params; i++)
+    if ((size_t)rtp_nelements(m->params[i]) > n) n = (size_t)rtp_nelements(m->params[i]);
+  return n * sizeof(float);
+}
+
+/* Every rank computes each whole parameter from its own stream and keeps its block, so
+ * every world size and strategy starts from the same model. */
+static int init_weights(struct trainer *tr, uint64_t seed) {
+  float *full = malloc(largest_param_bytes(&tr->m));
+  if (!full) return fail(RTP_ENOMEM, "initialising the weights");
+  for (int i = 0; i < tr->m.n_params; i++) {
+    struct rtp_tensor *mine = rtp_parallel_tensor(tr->par, tr->m.params[i]);
+    int64_t first, row;
+    param_block(tr, i, &first, &row);
+    gpt_init_tensor(&tr->m, i, seed, full);
+    memcpy(mine->data, full + first * row, rtp_nbytes(mine));
+  }
+  free(full);
+  return RTP_OK;
+}
+
+/* One optimizer step on this rank's share of the global batch; *loss is the global mean. */
 static int train_step(struct trainer *tr, const struct dataset *d, uint64_t seed, int64_t step,
                       float *loss) {
-  struct gpt *m = &tr->m;
-  sample_batch(d, seed, step, tr->world, tr->rank, m->batch, m->cfg.seq_len, m->idx->data,
-               m->targets->data);
+  sample_batch(d, seed, step, tr->world, tr->rank, tr->m.batch, tr->m.cfg.seq_len,
+               tr->idx->data, tr->targets->data);
   int rc = rtp_graph_compute(tr->train, tr->tp);
   if (rc) return fail(rc, "step %" PRId64 ": forward and backward", step + 1);
-  *loss = rtp_get_f32_1d(m->loss, 0);
+  *loss = rtp_get_f32_1d(tr->loss, 0);
   rc = rtp_optimizer_step(tr->opt, tr->tp);
   return rc ? fail(rc, "step %" PRId64 ": optimizer", step + 1) : RTP_OK;
 }
@@ -472,10 +566,10 @@ static int train_step(struct trainer *tr, const struct dataset *d, uint64_t seed
 /* ---- evaluation ------------------------------------------------------------------------ */
 
 /* Sum over the T positions of row b of -log softmax(logits)[target]. */
-static double row_loss(const struct gpt *m, int b) {
-  int V = m->cfg.vocab, T = m->cfg.seq_len;
-  const float *logits = m->logits->data;
-  const int32_t *tgt = m->targets->data;
+static double row_loss(const struct trainer *tr, int b) {
+  int V = tr->m.cfg.vocab, T = tr->m.cfg.seq_len;
+  const float *logits = tr->logits->data;
+  const int32_t *tgt = tr->targets->data;
   double sum = 0;
   for (int t = 0; t < T; t++) {
     const float *l = logits + ((size_t)b * T + t) * V;
@@ -489,9 +583,9 @@ static double row_loss(const struct gpt *m, int b) {
 }
 
 /* Fills row b of the inputs with the window of T + 1 bytes at w (zeros if w is NULL). */
-static void set_window(struct gpt *m, int b, const uint8_t *w) {
-  int T = m->cfg.seq_len;
-  int32_t *idx = m->idx->data, *tgt = m->targets->data;
+static void set_window(struct trainer *tr, int b, const uint8_t *w) {
+  int T = tr->m.cfg.seq_len;
+  int32_t *idx = tr->idx->data, *tgt = tr->targets->data;
   for (int t = 0; t < T; t++) {
     idx[b * T + t] = w ? w[t] : 0;
     tgt[b * T + t] = w ? w[t + 1] : 0;
@@ -505,24 +599,23 @@ static int64_t count_windows(const struct dataset *d, int T) {
 /* Mean next-byte loss over the held-out windows [split + i*T, split + i*T + T], i < n,
  * computed B windows at a time (unused rows of the last batch are ignored). */
 static int evaluate(struct trainer *tr, const struct dataset *d, int64_t n, double *loss) {
-  struct gpt *m = &tr->m;
-  int B = m->batch, T = m->cfg.seq_len;
+  int B = tr->m.batch, T = tr->m.cfg.seq_len;
   double sum = 0;
   for (int64_t first = 0; first < n; first += B) {
     for (int b = 0; b < B; b++)
-      set_window(m, b, first + b < n ? d->bytes + d->split + (size_t)(first + b) * T : NULL);
+      set_window(tr, b, first + b < n ? d->bytes + d->split + (size_t)(first + b) * T : NULL);
     int rc = rtp_graph_compute(tr->eval, tr->tp);
     if (rc) return fail(rc, "evaluation");
-    for (int b = 0; b < B && first + b < n; b++) sum += row_loss(m, b);
+    for (int b = 0; b < B && first + b < n; b++) sum += row_loss(tr, b);
   }
   *loss = sum / ((double)n * T);
   return RTP_OK;
 }
 
 /* The next byte after position t of row b: greedy, or sampled at the temperature. */
-static int pick_byte(const struct gpt *m, int b, int t, float temperature, uint64_t *rng) {
-  int V = m->cfg.vocab;
-  const float *l = (const float *)m->logits->data + ((size_t)b * m->cfg.seq_len + t) * V;
+static int pick_byte(const struct trainer *tr, int b, int t, float temperature, uint64_t *rng) {
+  int V = tr->m.cfg.vocab;
+  const float *l = (const float *)tr->logits->data + ((size_t)b * tr->m.cfg.seq_len + t) * V;
   int best = 0;
   for (int v = 1; v < V; v++) best = l[v] > l[best] ? v : best;
   if (temperature <= 0) return best;
@@ -562,27 +655,39 @@ static int held_out_problems(const struct dataset *d, struct problem *p, int max
 
 #define DECODE_ROWS 64 /* problems decoded at once, at most one per batch row */
 
+/* Rank 0's n bytes at buf, on every rank. Decoding feeds each pick back as the next input:
+ * every rank must run the next forward (whose transfers pair the ranks up) on the same
+ * inputs and stop at the same step, whatever the last bits of its own logits. */
+static int share_picks(struct trainer *tr, void *buf, size_t n) {
+  int rc = tr->comm ? rtp_comm_broadcast(tr->comm, buf, n, 0, NULL) : RTP_OK;
+  return rc ? fail(rc, "sharing rank 0's picks") : RTP_OK;
+}
+
 /* Greedy answers to a batch of problems, each in its own row, one byte per forward. */
 static int solve_batch(struct trainer *tr, const struct problem *p, int n, int *right) {
-  struct gpt *m = &tr->m;
-  int T = m->cfg.seq_len;
+  int T = tr->m.cfg.seq_len;
   char got[DECODE_ROWS][TASK_MAX_LINE] = {{0}};
   int len[DECODE_ROWS] = {0};
-  for (int b = 0; b < m->batch; b++) set_window(m, b, NULL);
-  int32_t *idx = m->idx->data;
+  for (int b = 0; b < tr->m.batch; b++) set_window(tr, b, NULL);
+  int32_t *idx = tr->idx->data;
   for (int b = 0; b < n; b++)
     for (int t = 0; t < p[b].prompt_len; t++) idx[b * T + t] = (uint8_t)p[b].prompt[t];
   for (int k = 0; k < TASK_MAX_LINE - 1; k++) {
     int rc = rtp_graph_compute(tr->eval, tr->tp);
     if (rc) return fail(rc, "decoding");
-    bool busy = false;
+    bool live[DECODE_ROWS], busy = false;
     for (int b = 0; b < n; b++) {
       int pos = p[b].prompt_len + len[b];
-      if ((len[b] && got[b][len[b] - 1] == '\n') || pos >= T) continue;
-      got[b][len[b]++] = (char)pick_byte(m, b, pos - 1, 0, NULL);
-      idx[b * T + pos] = (uint8_t)got[b][len[b] - 1];
-      busy = true;
+      live[b] = !(len[b] && got[b][len[b] - 1] == '\n') && pos < T;
+      if (live[b]) idx[b * T + pos] = pick_byte(tr, b, pos - 1, 0, NULL);
     }
+    if ((rc = share_picks(tr, idx, rtp_nbytes(tr->idx)))) return rc;
+    for (int b = 0; b < n; b++)
+      if (live[b]) {
+        got[b][len[b]] = (char)idx[b * T + p[b].prompt_len + len[b]];
+        len[b]++;
+        busy = true;
+      }
     if (!busy) break;
   }
   for (int b = 0; b < n; b++) *right += strcmp(got[b], p[b].answer) == 0;
@@ -621,11 +726,20 @@ static int eval_all(struct trainer *tr, const struct dataset *d, int max_windows
 
 /* ---- generation ------------------------------------------------------------------------- */
 
-/* Prints the prompt and n generated bytes; the context is the last T bytes so far. */
+static void print_sample(const uint8_t *text, size_t len, int n, float temperature) {
+  printf("--- sample (%d bytes, %s) ---\n", n, temperature > 0 ? "sampled" : "greedy");
+  for (size_t i = 0; i < len; i++)
+    if (text[i] == '\n' || (text[i] >= 32 && text[i] < 127))
+      putchar(text[i]);
+    else
+      printf("\\x%02x", text[i]);
+  printf("\n---\n");
+}
+
+/* Rank 0 prints the prompt and n generated bytes; the context is the last T bytes so far. */
 static int sample_text(struct trainer *tr, const uint8_t *prompt, size_t plen, int n,
                        float temperature, uint64_t seed) {
-  struct gpt *m = &tr->m;
-  int T = m->cfg.seq_len;
+  int T = tr->m.cfg.seq_len;
   uint8_t *text = malloc(plen + (size_t)n);
   if (!text) return fail(RTP_ENOMEM, "sampling");
   memcpy(text, prompt, plen);
@@ -633,21 +747,17 @@ static int sample_text(struct trainer *tr, const uint8_t *prompt, size_t plen, i
   int rc = RTP_OK;
   for (size_t len = plen; len < plen + (size_t)n && !rc; len++) {
     size_t w = len < (size_t)T ? len : (size_t)T;
-    for (int b = 0; b < m->batch; b++) set_window(m, b, NULL);
-    for (size_t t = 0; t < w; t++) ((int32_t *)m->idx->data)[t] = text[len - w + t];
+    for (int b = 0; b < tr->m.batch; b++) set_window(tr, b, NULL);
+    for (size_t t = 0; t < w; t++) ((int32_t *)tr->idx->data)[t] = text[len - w + t];
     rc = rtp_graph_compute(tr->eval, tr->tp);
-    if (rc) fail(rc, "sampling");
-    text[len] = (uint8_t)pick_byte(m, 0, (int)w - 1, temperature, &rng);
+    if (rc) {
+      fail(rc, "sampling");
+      break;
+    }
+    text[len] = (uint8_t)pick_byte(tr, 0, (int)w - 1, temperature, &rng);
+    rc = share_picks(tr, &text[len], 1);
   }
-  if (!rc) {
-    printf("--- sample (%d bytes, %s) ---\n", n, temperature > 0 ? "sampled" : "greedy");
-    for (size_t i = 0; i < plen + (size_t)n; i++)
-      if (text[i] == '\n' || (text[i] >= 32 && text[i] < 127))
-        putchar(text[i]);
-      else
-        printf("\\x%02x", text[i]);
-    printf("\n---\n");
-  }
+  if (!rc && tr->rank == 0) print_sample(text, plen + (size_t)n, n, temperature);
   free(text);
   return rc;
 }
@@ -667,17 +777,35 @@ static int run_sample(struct trainer *tr, const struct dataset *d, const struct 
 /* ---- files --------------------------------------------------------------------------------
  */
 
+/* Each rank reads only its block of every parameter. */
 static int load_init(struct trainer *tr, struct rtp_safetensors *st, const char *path) {
   for (int i = 0; i < tr->m.n_params; i++) {
-    int rc = rtp_safetensors_read(st, tr->m.params[i]->name, tr->m.params[i]);
+    int64_t first, row;
+    param_block(tr, i, &first, &row);
+    int rc = rtp_safetensors_read_rows(st, tr->m.params[i]->name, first,
+                                       rtp_parallel_tensor(tr->par, tr->m.params[i]));
     if (rc) return fail(rc, "--init %s", path);
   }
   return RTP_OK;
 }
 
+/* Parameter i whole into full, on every rank: each puts in its block, and an all-gather
+ * of rows (the partition of the blocks) brings the others'. ddp replicates parameters, so
+ * its ranks already hold all of it; the other strategies shard every parameter. */
+static int gather_param(struct trainer *tr, int i, float *full) {
+  const struct rtp_tensor *p = tr->m.params[i], *mine = rtp_parallel_tensor(tr->par, p);
+  int64_t first, row;
+  param_block(tr, i, &first, &row);
+  memcpy(full + first * row, mine->data, rtp_nbytes(mine));
+  if (tr->world == 1 || tr->strategy == RTP_STRATEGY_DDP) return RTP_OK;
+  int rc = rtp_comm_allgather(tr->comm, full, (size_t)(rtp_nelements(p) / row),
+                              (size_t)row * sizeof(float), NULL);
+  return rc ? fail(rc, "gathering %s", p->name) : RTP_OK;
+}
+
 /* One consolidated file with nanoGPT's names and [out, in] shapes, plus the sizes. */
-static int export_model(struct trainer *tr, const char *path, int64_t steps) {
-  struct gpt_config c = tr->m.cfg;
+static int save_model(const char *path, struct gpt_config c, struct rtp_tensor **t, int n,
+                      int64_t steps) {
   char v[6][24];
   snprintf(v[0], sizeof(v[0]), "%d", c.vocab);
   snprintf(v[1], sizeof(v[1]), "%d", c.seq_len);
@@ -687,8 +815,49 @@ static int export_model(struct trainer *tr, const char *path, int64_t steps) {
   snprintf(v[5], sizeof(v[5]), "%" PRId64, steps);
   const char *meta[] = {"format",  "pt", "vocab",  v[0], "seq_len", v[1], "d_model", v[2],
                         "n_layer", v[3], "n_head", v[4], "step",    v[5], NULL};
-  int rc = rtp_safetensors_save(path, tr->m.params, tr->m.n_params, meta);
+  int rc = rtp_safetensors_save(path, t, n, meta);
   return rc ? fail(rc, "--export %s", path) : RTP_OK;
+}
+
+/* Every rank waits for rank 0's file and leaves with its verdict, so none exits early. */
+static int export_verdict(struct trainer *tr, int rc, const char *path) {
+  int32_t verdict = rc;
+  if (!tr->comm) return rc;
+  int brc = rtp_comm_broadcast(tr->comm, &verdict, sizeof(verdict), 0, NULL);
+  if (brc) return fail(brc, "--export %s: waiting for rank 0", path);
+  if (verdict && !rc) fprintf(stderr, "train-gpt: rank 0 could not write --export %s\n", path);
+  return rc ? rc : verdict;
+}
+
+/* Rank 0 gathers the whole model into a context of its own and writes it; the other
+ * ranks take part in the gathers with room for one parameter. */
+static int export_model(struct trainer *tr, const char *path, int64_t steps) {
+  struct rtp_tensor *full[5 + 12 * GPT_MAX_LAYERS];
+  size_t bytes = (size_t)gpt_n_params(tr->m.cfg) * sizeof(float) +
+                 (size_t)tr->m.n_params * 1024 + (1u << 20);
+  struct rtp_context *ctx =
+      tr->rank == 0 ? rtp_init((struct rtp_init_params){bytes, NULL, false}) : NULL;
+  float *scratch = tr->rank == 0 ? NULL : malloc(largest_param_bytes(&tr->m));
+  int rc = ctx || scratch ? RTP_OK : fail(RTP_ENOMEM, "--export %s", path);
+  for (int i = 0; i < tr->m.n_params && !rc; i++) {
+    const struct rtp_tensor *p = tr->m.params[i];
+    float *dst = scratch;
+    if (ctx) {
+      full[i] =
+          rtp_set_name(rtp_new_tensor(ctx, RTP_TYPE_F32, rtp_n_dims(p), p->ne), "%s", p->name);
+      if (!full[i]) {
+        rc = fail(RTP_ENOMEM, "--export %s", path);
+        break;
+      }
+      dst = full[i]->data;
+    }
+    rc = gather_param(tr, i, dst);
+  }
+  if (!rc && ctx) rc = save_model(path, tr->m.cfg, full, tr->m.n_params, steps);
+  rc = export_verdict(tr, rc, path);
+  rtp_free(ctx);
+  free(scratch);
+  return rc;
 }
 
 /* ---- progress and metrics ------------------------------------------------------------------
@@ -795,9 +964,9 @@ static int run_training(struct trainer *tr, const struct dataset *d, const struc
     s.eval = log ? &e : NULL;
     s.eta_s = (now_s() - start) / (double)s.step * (double)(o->steps - s.step);
     if (metrics) write_metrics(metrics, tr, &s);
-    if (log) print_progress(tr, &s, tty);
+    if (log && tr->rank == 0) print_progress(tr, &s, tty);
   }
-  printf("trained %d steps in %.1f s\n", o->steps, now_s() - start);
+  if (tr->rank == 0) printf("trained %d steps in %.1f s\n", o->steps, now_s() - start);
   return RTP_OK;
 }
 
@@ -805,7 +974,7 @@ static int run_training(struct trainer *tr, const struct dataset *d, const struc
 static int run_eval_only(struct trainer *tr, const struct dataset *d, const struct options *o) {
   struct eval_stats e;
   int rc = eval_all(tr, d, 0, d->builtin ? o->eval_problems : 0, &e);
-  if (rc) return rc;
+  if (rc || tr->rank) return rc;
   printf("{\"eval_loss\": %.9g, \"windows\": %" PRId64, e.loss, e.windows);
   if (e.problems) printf(", \"accuracy\": %.6g, \"problems\": %d", e.acc, e.problems);
   printf("}\n");
@@ -826,6 +995,31 @@ static int open_inputs(struct options *o, struct rtp_safetensors **init, struct 
   return check_data(d, c->seq_len, o->eval_only, o->data ? o->data : "the built-in task");
 }
 
+/* Rank 0 writes FILE, rank k FILE.rank<k>. */
+static int open_metrics(const struct trainer *tr, const char *path, FILE **f) {
+  char name[4096];
+  if (tr->rank == 0)
+    snprintf(name, sizeof(name), "%s", path);
+  else
+    snprintf(name, sizeof(name), "%s.rank%d", path, tr->rank);
+  if ((*f = fopen(name, "w"))) return RTP_OK;
+  fprintf(stderr, "train-gpt: --metrics %s: %s\n", name, strerror(errno));
+  return RTP_EIO;
+}
+
+static void print_model(const struct trainer *tr, const struct options *o) {
+  struct gpt_config c = tr->m.cfg;
+  char ranks[64] = "";
+  if (tr->world > 1)
+    snprintf(ranks, sizeof(ranks), " x %d ranks (%s)", tr->world,
+             rtp_strategy_name(tr->strategy));
+  printf(
+      "model: %d layers, d_model %d, %d heads, seq_len %d, %.2fM parameters; batch %d%s, "
+      "lr %g, %s data\n",
+      c.n_layer, c.d_model, c.n_head, c.seq_len, gpt_n_params(c) / 1e6, o->batch, ranks, o->lr,
+      o->data ? o->data : "built-in addition");
+}
+
 static int run(struct options *o) {
   struct rtp_safetensors *init = NULL;
   struct gpt_config cfg;
@@ -834,17 +1028,10 @@ static int run(struct options *o) {
   FILE *metrics = NULL;
   int rc = open_inputs(o, &init, &cfg, &data);
   if (!rc) rc = trainer_init(&tr, cfg, o);
-  if (!rc && init) rc = load_init(&tr, init, o->init);
-  if (!rc && o->metrics && !(metrics = fopen(o->metrics, "w"))) {
-    fprintf(stderr, "train-gpt: --metrics %s: %s\n", o->metrics, strerror(errno));
-    rc = RTP_EIO;
-  }
+  if (!rc) rc = init ? load_init(&tr, init, o->init) : init_weights(&tr, (uint64_t)o->seed);
+  if (!rc && o->metrics) rc = open_metrics(&tr, o->metrics, &metrics);
   if (!rc && !o->eval_only && o->steps > 0) {
-    printf(
-        "model: %d layers, d_model %d, %d heads, seq_len %d, %.2fM parameters; batch %d, "
-        "lr %g, %s data\n",
-        cfg.n_layer, cfg.d_model, cfg.n_head, cfg.seq_len, gpt_n_params(cfg) / 1e6, o->batch,
-        o->lr, o->data ? o->data : "built-in addition");
+    if (tr.rank == 0) print_model(&tr, o);
     rc = run_training(&tr, &data, o, metrics);
   }
   if (!rc && o->eval_only) rc = run_eval_only(&tr, &data, o);
