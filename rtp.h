@@ -61,18 +61,18 @@ extern "C" {
 
 /* ---- status ------------------------------------------------------------------ */
 
-#define RTP_STATUS_MAP(XX)                                                   \
-  XX(OK, 0, "success")                                                       \
-  XX(ENOMEM, -1, "out of memory (arena or system)")                          \
-  XX(EINVAL, -2, "invalid argument")                                         \
-  XX(ESHAPE, -3, "shape or type mismatch")                                   \
-  XX(EIO, -4, "input/output error")                                          \
-  XX(EFORMAT, -5, "malformed file or frame")                                 \
-  XX(ECOMM, -6, "communication failure")                                     \
-  XX(ETIMEDOUT, -7, "timed out")                                             \
-  XX(EPEER, -8, "peer failed or disagreed")                                  \
-  XX(EAUTH, -9, "authentication failed")                                     \
-  XX(ENOSYS, -10, "not supported by this build")                             \
+#define RTP_STATUS_MAP(XX)                          \
+  XX(OK, 0, "success")                              \
+  XX(ENOMEM, -1, "out of memory (arena or system)") \
+  XX(EINVAL, -2, "invalid argument")                \
+  XX(ESHAPE, -3, "shape or type mismatch")          \
+  XX(EIO, -4, "input/output error")                 \
+  XX(EFORMAT, -5, "malformed file or frame")        \
+  XX(ECOMM, -6, "communication failure")            \
+  XX(ETIMEDOUT, -7, "timed out")                    \
+  XX(EPEER, -8, "peer failed or disagreed")         \
+  XX(EAUTH, -9, "authentication failed")            \
+  XX(ENOSYS, -10, "not supported by this build")    \
   XX(ESTATE, -11, "operation not valid in this state")
 
 enum rtp_status {
@@ -98,41 +98,41 @@ enum rtp_type {
   RTP_TYPE_COUNT,
 };
 
-#define RTP_OP_MAP(XX)                                                       \
-  XX(NONE, "none")                                                           \
-  XX(DUP, "dup")                     /* contiguous copy of any view */       \
-  XX(ADD, "add")                     /* a + b, b broadcast */                \
-  XX(SUB, "sub")                     /* a - b, b broadcast */                \
-  XX(MUL, "mul")                     /* a * b, b broadcast */                \
-  XX(SCALE, "scale")                 /* a * s */                             \
-  XX(SUM, "sum")                     /* sum of all elements */               \
-  XX(REPEAT, "repeat")               /* broadcast a to b's shape */          \
-  XX(REPEAT_BACK, "repeat_back")     /* sum a down to b's shape */           \
-  XX(MUL_MAT, "mul_mat")             /* b . a^T per batch */                 \
-  XX(NORM, "norm")                   /* (x - mean) / std over ne[0] */       \
-  XX(NORM_BACK, "norm_back")                                                 \
-  XX(GELU, "gelu")                   /* tanh approximation */                \
-  XX(GELU_BACK, "gelu_back")                                                 \
-  XX(SOFT_MAX, "soft_max")           /* scaled, optionally causal */         \
-  XX(SOFT_MAX_BACK, "soft_max_back")                                         \
-  XX(GET_ROWS, "get_rows")           /* embedding lookup */                  \
-  XX(GET_ROWS_BACK, "get_rows_back") /* scatter-add of rows */               \
-  XX(CROSS_ENTROPY, "cross_entropy") /* mean loss from logits */             \
-  XX(CROSS_ENTROPY_BACK, "cross_entropy_back")                               \
-  XX(ACC, "acc")                     /* a with b added into a view */        \
-  XX(CONCAT, "concat")                                                       \
-  XX(RESHAPE, "reshape")                                                     \
-  XX(VIEW, "view")                                                           \
-  XX(PERMUTE, "permute")                                                     \
-  XX(TRANSPOSE, "transpose")                                                 \
-  XX(COMM, "comm")                   /* posted to a communicator */          \
-  XX(ROT, "rot")                     /* an op on a rotated parameter */
+#define RTP_OP_MAP(XX)                                             \
+  XX(NONE, "none")                                                 \
+  XX(DUP, "dup")                 /* contiguous copy of any view */ \
+  XX(ADD, "add")                 /* a + b, b broadcast */          \
+  XX(SUB, "sub")                 /* a - b, b broadcast */          \
+  XX(MUL, "mul")                 /* a * b, b broadcast */          \
+  XX(SCALE, "scale")             /* a * s */                       \
+  XX(SUM, "sum")                 /* sum of all elements */         \
+  XX(REPEAT, "repeat")           /* broadcast a to b's shape */    \
+  XX(REPEAT_BACK, "repeat_back") /* sum a down to b's shape */     \
+  XX(MUL_MAT, "mul_mat")         /* b . a^T per batch */           \
+  XX(NORM, "norm")               /* (x - mean) / std over ne[0] */ \
+  XX(NORM_BACK, "norm_back")                                       \
+  XX(GELU, "gelu") /* tanh approximation */                        \
+  XX(GELU_BACK, "gelu_back")                                       \
+  XX(SOFT_MAX, "soft_max") /* scaled, optionally causal */         \
+  XX(SOFT_MAX_BACK, "soft_max_back")                               \
+  XX(GET_ROWS, "get_rows")           /* embedding lookup */        \
+  XX(GET_ROWS_BACK, "get_rows_back") /* scatter-add of rows */     \
+  XX(CROSS_ENTROPY, "cross_entropy") /* mean loss from logits */   \
+  XX(CROSS_ENTROPY_BACK, "cross_entropy_back")                     \
+  XX(ACC, "acc") /* a with b added into a view */                  \
+  XX(CONCAT, "concat")                                             \
+  XX(RESHAPE, "reshape")                                           \
+  XX(VIEW, "view")                                                 \
+  XX(PERMUTE, "permute")                                           \
+  XX(TRANSPOSE, "transpose")                                       \
+  XX(COMM, "comm") /* posted to a communicator */                  \
+  XX(ROT, "rot")   /* an op on a rotated parameter */
 
 enum rtp_op {
 #define RTP_XX(name, text) RTP_OP_##name,
   RTP_OP_MAP(RTP_XX)
 #undef RTP_XX
-  RTP_OP_COUNT,
+      RTP_OP_COUNT,
 };
 
 /* What a tensor's memory is for; the memory report counts bytes by role. */
@@ -163,7 +163,7 @@ RTP_API size_t rtp_type_size(enum rtp_type type);
 struct rtp_tensor {
   enum rtp_type type;
   enum rtp_role role;
-  int32_t flags; /* enum rtp_flag bits */
+  int32_t flags;            /* enum rtp_flag bits */
   int64_t ne[RTP_MAX_DIMS]; /* elements per dimension; unused ones are 1 */
   size_t nb[RTP_MAX_DIMS];  /* byte strides: nb[0] = type size for a contiguous
                                tensor, nb[i] = nb[i-1] * ne[i-1] */
@@ -258,8 +258,7 @@ RTP_API struct rtp_tensor *rtp_repeat_back(struct rtp_context *ctx, struct rtp_t
 RTP_API struct rtp_tensor *rtp_mul_mat(struct rtp_context *ctx, struct rtp_tensor *a,
                                        struct rtp_tensor *b);
 /* Normalise each row (ne[0]) to zero mean and unit variance. */
-RTP_API struct rtp_tensor *rtp_norm(struct rtp_context *ctx, struct rtp_tensor *a,
-                                    float eps);
+RTP_API struct rtp_tensor *rtp_norm(struct rtp_context *ctx, struct rtp_tensor *a, float eps);
 /* norm(a) * w + b with w, b of shape {ne[0]} (either may be NULL). */
 RTP_API struct rtp_tensor *rtp_layer_norm(struct rtp_context *ctx, struct rtp_tensor *a,
                                           struct rtp_tensor *w, struct rtp_tensor *b,
@@ -272,8 +271,7 @@ RTP_API struct rtp_tensor *rtp_soft_max(struct rtp_context *ctx, struct rtp_tens
 RTP_API struct rtp_tensor *rtp_get_rows(struct rtp_context *ctx, struct rtp_tensor *a,
                                         struct rtp_tensor *idx);
 /* Mean over rows of -log softmax(logits)[target]; logits {V, n...}, targets I32 {n...}. */
-RTP_API struct rtp_tensor *rtp_cross_entropy(struct rtp_context *ctx,
-                                             struct rtp_tensor *logits,
+RTP_API struct rtp_tensor *rtp_cross_entropy(struct rtp_context *ctx, struct rtp_tensor *logits,
                                              struct rtp_tensor *targets);
 /* a, with b added into the view of a given by strides nb1..nb3 and byte offset. */
 RTP_API struct rtp_tensor *rtp_acc(struct rtp_context *ctx, struct rtp_tensor *a,
@@ -292,15 +290,14 @@ RTP_API struct rtp_tensor *rtp_reshape_3d(struct rtp_context *ctx, struct rtp_te
 RTP_API struct rtp_tensor *rtp_reshape_4d(struct rtp_context *ctx, struct rtp_tensor *a,
                                           int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3);
 /* A view with its own shape and strides, offset bytes into a. */
-RTP_API struct rtp_tensor *rtp_view(struct rtp_context *ctx, struct rtp_tensor *a,
-                                    int n_dims, const int64_t *ne, const size_t *nb,
-                                    size_t offset);
+RTP_API struct rtp_tensor *rtp_view(struct rtp_context *ctx, struct rtp_tensor *a, int n_dims,
+                                    const int64_t *ne, const size_t *nb, size_t offset);
 /* Rows [first, first + n) along the outermost used dimension: a block of a tensor. */
 RTP_API struct rtp_tensor *rtp_view_rows(struct rtp_context *ctx, struct rtp_tensor *a,
                                          int64_t first, int64_t n);
 /* Dimension i of a becomes dimension axes[i] of the result. */
-RTP_API struct rtp_tensor *rtp_permute(struct rtp_context *ctx, struct rtp_tensor *a,
-                                       int ax0, int ax1, int ax2, int ax3);
+RTP_API struct rtp_tensor *rtp_permute(struct rtp_context *ctx, struct rtp_tensor *a, int ax0,
+                                       int ax1, int ax2, int ax3);
 RTP_API struct rtp_tensor *rtp_transpose(struct rtp_context *ctx, struct rtp_tensor *a);
 
 /* ---- graphs --------------------------------------------------------------------- */
@@ -579,7 +576,7 @@ enum rtp_strategy {
   RTP_STRATEGY_NONE = 0, /* one process */
   RTP_STRATEGY_DDP,
   RTP_STRATEGY_FSDP,
-  RTP_STRATEGY_TP,   /* not implemented yet */
+  RTP_STRATEGY_TP, /* not implemented yet */
   RTP_STRATEGY_RTP,
   RTP_STRATEGY_COUNT,
 };
