@@ -554,6 +554,14 @@ static int make_pool(struct rtp_parallel *p) {
   for (int i = 0; i < p->src->n_leafs; i++) {
     const struct rtp_tensor *t = p->src->leafs[i];
     if (!(t->flags & RTP_FLAG_PARAM)) continue;
+    if (t->ne[split_dim(t)] < p->world) {
+      char s[128];
+      rtp__shape_str(t, s, sizeof(s));
+      return rtp__ctx_error(p->ctx, RTP_EINVAL,
+                            "%s strategy: parameter %s has fewer rows (outermost dimension) "
+                            "than the %d ranks to split it between",
+                            rtp_strategy_name(p->strategy), s, p->world);
+    }
     int64_t first, len;
     block_of(t, p->world, 0, &first, &len); /* block 0 is a largest one */
     size_t n = (size_t)(rtp_nelements(t) / t->ne[split_dim(t)] * len);

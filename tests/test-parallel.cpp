@@ -366,3 +366,59 @@ TEST(MemorySlow, PeakResidentMatchesReport) {
 }
 
 }  // namespace
+
+namespace {
+
+// A parameter with fewer rows than ranks cannot be split: a clear error, on every rank.
+TEST(ParallelErrors, TooFewRowsToSplit) {
+  const int world = 3;
+  int port = rtptest::free_port();
+  auto res = rtptest::run_procs(world, [&](int r) {
+    rtp_comm_params cp = rtptest::params(r, world, port);
+    rtp_comm *comm = nullptr;
+    if (rtp_comm_init(&cp, &comm)) return 50;
+    rtp_init_params mip = {1 << 20, nullptr, true};
+    rtp_context *meta = rtp_init(mip);
+    rtp_tensor *w = rtp_set_name(rtp_new_tensor_2d(meta, RTP_TYPE_F32, 4, 2), "w");
+    rtp_tensor *x = rtp_new_tensor_2d(meta, RTP_TYPE_F32, 4, 5);
+    rtp_set_param(w);
+    rtp_tensor *loss = rtp_sum(meta, rtp_mul_mat(meta, w, x));
+    rtp_graph *g = rtp_graph_new(meta, 64);
+    rtp_graph_build(g, loss);
+    rtp_init_params ip = {1 << 20, nullptr, false};
+    rtp_context *ctx = rtp_init(ip);
+    int code = 0;
+    for (rtp_strategy s : {RTP_STRATEGY_RTP, RTP_STRATEGY_FSDP}) {
+      rtp_parallel_params pp = {s, comm, 0, 0};
+      if (rtp_parallelize(ctx, g, loss, &pp) != nullptr) code = 51;
+      const char *msg = nullptr;
+      rtp_context_error(ctx, &msg);
+      if (!strstr(msg, "fewer rows") || !strstr(msg, "'w'")) code = 52;
+    }
+    rtp_free(ctx);
+    rtp_free(meta);
+    rtp_comm_free(comm);
+    return code;
+  });
+  for (int r = 0; r < world; r++) EXPECT_EQ(res[r].code, 0) << "rank " << r;
+}
+
+// tp is not implemented: a clear error, not a wrong model.
+TEST(ParallelErrors, TpNotYet) {
+  rtp_init_params mip = {1 << 20, nullptr, true};
+  rtp_context *meta = rtp_init(mip);
+  rtp_tensor *w = rtp_new_tensor_2d(meta, RTP_TYPE_F32, 4, 2);
+  rtp_set_param(w);
+  rtp_tensor *loss = rtp_sum(meta, w);
+  rtp_graph *g = rtp_graph_new(meta, 16);
+  rtp_graph_build(g, loss);
+  rtp_init_params ip = {1 << 20, nullptr, false};
+  rtp_context *ctx = rtp_init(ip);
+  rtp_parallel_params pp = {RTP_STRATEGY_TP, nullptr, 0, 0};
+  EXPECT_EQ(rtp_parallelize(ctx, g, loss, &pp), nullptr);
+  EXPECT_EQ(rtp_context_error(ctx, nullptr), RTP_ENOSYS);
+  rtp_free(ctx);
+  rtp_free(meta);
+}
+
+}  // namespace
