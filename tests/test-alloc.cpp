@@ -140,3 +140,26 @@ TEST(Planner, ComputeDoesNotAllocate) {
 }
 
 }  // namespace
+
+namespace {
+
+// Tensors can be found again by name and iterated in creation order.
+TEST(Context, FindAndIterateTensors) {
+  rtp_init_params ip = {1 << 20, nullptr, false};
+  rtp_context *ctx = rtp_init(ip);
+  rtp_tensor *a = rtp_set_name(rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 3), "a");
+  rtp_tensor *b = rtp_set_name(rtp_new_tensor_2d(ctx, RTP_TYPE_I32, 2, 2), "layer.%d.b", 7);
+  rtp_tensor *c = rtp_gelu(ctx, a);
+  EXPECT_EQ(rtp_get_tensor(ctx, "a"), a);
+  EXPECT_EQ(rtp_get_tensor(ctx, "layer.7.b"), b);
+  EXPECT_EQ(rtp_get_tensor(ctx, "missing"), nullptr);
+  EXPECT_EQ(rtp_tensor_at(ctx, 0), a);
+  EXPECT_EQ(rtp_tensor_at(ctx, 1), b);
+  EXPECT_EQ(rtp_tensor_at(ctx, 2), c);
+  EXPECT_EQ(rtp_tensor_at(ctx, 3), nullptr);
+  EXPECT_EQ(b->data != nullptr, true);  // leafs get memory, op results wait for the planner
+  EXPECT_EQ(c->data, nullptr);
+  rtp_free(ctx);
+}
+
+}  // namespace
