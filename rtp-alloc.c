@@ -130,6 +130,39 @@ static void compute_last_use(const struct rtp_graph *g, int *last, int *first_re
   }
 }
 
+/* The source whose memory node t can write its result into, if that source dies at t:
+ * the ops that read each element (or row) of it before writing the same element (or
+ * row) of the result. -1 for the others. */
+static int inplace_src(const struct rtp_tensor *t) {
+  switch (t->op) {
+    case RTP_OP_ADD:
+    case RTP_OP_SUB:
+    case RTP_OP_MUL:
+    case RTP_OP_SCALE:
+    case RTP_OP_GELU:
+    case RTP_OP_GELU_BACK:
+    case RTP_OP_NORM_BACK:
+    case RTP_OP_SOFT_MAX_BACK:
+      return 0;
+    case RTP_OP_ACC: /* the base */
+      return 1;
+    default:
+      return -1;
+  }
+}
+
+/* Index of the source node whose memory node i (at step i) takes over, or -1. */
+static int donor(const struct rtp_graph *g, int i, const int *last) {
+  const struct rtp_tensor *t = g->nodes[i];
+  int k = inplace_src(t);
+  const struct rtp_tensor *s = k >= 0 ? t->src[k] : NULL;
+  if (!s || s->view_src || !is_planned(s) || s->type != t->type ||
+      rtp_nbytes(s) != rtp_nbytes(t) || !rtp_is_contiguous(s))
+    return -1;
+  int j = node_index(s);
+  return j >= 0 && last[j] == i ? j : -1;
+}
+
 int rtp_graph_plan(struct rtp_context *ctx, struct rtp_graph *g) {
   if (!ctx || !g) return rtp__error(RTP_EINVAL, "rtp_graph_plan: NULL argument");
   if (g->plan) return rtp__error(RTP_ESTATE, "rtp_graph_plan: the graph is already planned");
@@ -149,13 +182,16 @@ int rtp_graph_plan(struct rtp_context *ctx, struct rtp_graph *g) {
   size_t sum = 0;
   for (int i = 0; i < n && rc == RTP_OK; i++) {
     struct rtp_tensor *t = g->nodes[i];
-    if (is_planned(t)) {
-      size_t size = RTP_PAD(rtp_nbytes(t) ? rtp_nbytes(t) : 1, RTP_ALIGN);
-      offs[i] = fl_alloc(&fl, size);
-      sum += size;
+    int d = is_planned(t) ? donor(g, i, last) : -1;
+    if (is_planned(t)) sum += RTP_PAD(rtp_nbytes(t) ? rtp_nbytes(t) : 1, RTP_ALIGN);
+    if (d >= 0) { /* in place: the source's memory becomes the result's */
+      offs[i] = offs[d];
+      last[d] = -1;
+    } else if (is_planned(t)) {
+      offs[i] = fl_alloc(&fl, RTP_PAD(rtp_nbytes(t) ? rtp_nbytes(t) : 1, RTP_ALIGN));
     }
     /* Tensors whose last reader is node i are dead once it has run. Node i's own output
-     * was placed first, so it never shares memory with its inputs. */
+     * was placed first, so it shares memory with an input only where it took it over. */
     for (int j = 0; j <= i && rc == RTP_OK; j++)
       if (last[j] == i && is_planned(g->nodes[j]))
         rc = fl_free(

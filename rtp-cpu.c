@@ -429,10 +429,10 @@ static void k_acc(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   const int64_t ne0 = b->ne[0];
   size_t bytes = rtp_nbytes(t), c0 = bytes * p->ith / p->nth / 4 * 4;
   size_t c1 = p->ith == p->nth - 1 ? bytes : bytes * (p->ith + 1) / p->nth / 4 * 4;
-  if (base)
-    memcpy(DATA(t) + c0, DATA(base) + c0, c1 - c0);
-  else
+  if (!base)
     memset(DATA(t) + c0, 0, c1 - c0);
+  else if (base->data != t->data) /* else the planner put t in base's memory */
+    memcpy(DATA(t) + c0, DATA(base) + c0, c1 - c0);
   rtp__barrier(p);
   size_t nb1 = rtp__get_param_u64(t, 0), nb2 = rtp__get_param_u64(t, 2);
   size_t nb3 = rtp__get_param_u64(t, 4), offs = rtp__get_param_u64(t, 6);
