@@ -239,7 +239,7 @@ static void backward_node(struct backward *bw, struct rtp_tensor *t) {
       struct rtp_tensor *dx = NULL, *dp = NULL;
       rtp__rot_backward(ctx, t, dy, needs_grad(bw, a) ? &dx : NULL, &dp);
       if (dx) add_grad(bw, a, dx);
-      add_grad(bw, b, dp);
+      if (dp) add_grad(bw, b, dp); /* tp's handles have no parameter source */
       break;
     }
     default:

@@ -77,6 +77,10 @@ struct rtp_tensor *rtp__get_rows_back_block(struct rtp_context *ctx, struct rtp_
 
 /* ---- rtp-opt.c ---- */
 void rtp__optimizer_set_comm(struct rtp_optimizer *opt, struct rtp_comm *comm);
+/* param's weight in the all-reduced sum of squares (default 1): 1/N for a gradient that
+ * every rank holds whole (tp's replicated parameters), so it is counted once. */
+void rtp__optimizer_set_norm_weight(struct rtp_optimizer *opt, const struct rtp_tensor *param,
+                                    float w);
 
 /* ---- rtp-parallel.c ---- */
 /* The backward schedule of a ROT node (an op on a rotated parameter block). */

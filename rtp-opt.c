@@ -13,6 +13,7 @@ struct rtp_optimizer {
   float gscale;          /* clipping factor for this step's gradients */
   float norm;            /* the last global gradient norm */
   struct rtp_comm *comm; /* set when each rank holds a different share of the gradients */
+  float *norm_w;         /* per parameter: its share of the global norm (1/N if replicated) */
   double partial[RTP_MAX_THREADS];
 };
 
@@ -36,13 +37,15 @@ struct rtp_optimizer *rtp_optimizer_new(struct rtp_context *ctx, struct rtp_grap
   int n = 0;
   for (int i = 0; i < g->n_leafs; i++)
     if ((g->leafs[i]->flags & RTP_FLAG_PARAM) && g->leafs[i]->grad) n++;
-  struct rtp_optimizer *opt =
-      rtp__ctx_alloc(ctx, sizeof(*opt) + 3 * (size_t)n * sizeof(void *), "the optimizer");
+  struct rtp_optimizer *opt = rtp__ctx_alloc(
+      ctx, sizeof(*opt) + 3 * (size_t)n * sizeof(void *) + (size_t)n * sizeof(float),
+      "the optimizer");
   if (!opt) return NULL;
   *opt = (struct rtp_optimizer){.hp = hp, .n = n, .gscale = 1.0f};
   opt->params = (struct rtp_tensor **)(opt + 1);
   opt->m = opt->params + n;
   opt->v = opt->m + n;
+  opt->norm_w = (float *)(opt->v + n);
   for (int i = 0, k = 0; i < g->n_leafs; i++) {
     struct rtp_tensor *p = g->leafs[i];
     if (!(p->flags & RTP_FLAG_PARAM) || !p->grad) continue;
@@ -54,6 +57,7 @@ struct rtp_optimizer *rtp_optimizer_new(struct rtp_context *ctx, struct rtp_grap
       return NULL;
     }
     opt->params[k] = p;
+    opt->norm_w[k] = 1.0f;
     opt->m[k] = rtp_new_tensor(ctx, RTP_TYPE_F32, RTP_MAX_DIMS, p->ne);
     opt->v[k] = rtp_new_tensor(ctx, RTP_TYPE_F32, RTP_MAX_DIMS, p->ne);
     if (!opt->m[k] || !opt->v[k]) return NULL;
@@ -96,8 +100,10 @@ static void sumsq_job(const struct rtp_compute_params *p, void *arg) {
   for (int k = 0; k < opt->n; k++) {
     int64_t n = rtp_nelements(opt->params[k]);
     const float *g = opt->params[k]->grad->data;
+    double sk = 0;
     for (int64_t i = n * p->ith / p->nth; i < n * (p->ith + 1) / p->nth; i++)
-      s += (double)g[i] * g[i];
+      sk += (double)g[i] * g[i];
+    s += opt->norm_w[k] * sk;
   }
   opt->partial[p->ith] = s;
 }
@@ -118,6 +124,12 @@ static int grad_norm(struct rtp_optimizer *opt, struct rtp_threadpool *tp) {
 
 void rtp__optimizer_set_comm(struct rtp_optimizer *opt, struct rtp_comm *comm) {
   opt->comm = comm;
+}
+
+void rtp__optimizer_set_norm_weight(struct rtp_optimizer *opt, const struct rtp_tensor *param,
+                                    float w) {
+  for (int k = 0; k < opt->n; k++)
+    if (opt->params[k] == param) opt->norm_w[k] = w;
 }
 
 float rtp_optimizer_grad_norm(const struct rtp_optimizer *opt) {
@@ -145,4 +157,22 @@ void rtp_optimizer_set_lr(struct rtp_optimizer *opt, float lr) {
 
 int64_t rtp_optimizer_steps(const struct rtp_optimizer *opt) {
   return opt ? opt->t : 0;
+}
+
+int rtp_optimizer_count(const struct rtp_optimizer *opt) {
+  return opt ? opt->n : 0;
+}
+
+int rtp_optimizer_state(const struct rtp_optimizer *opt, int i, struct rtp_tensor **param,
+                        struct rtp_tensor **m, struct rtp_tensor **v) {
+  if (!opt || i < 0 || i >= opt->n)
+    return rtp__error(RTP_EINVAL, "rtp_optimizer_state: no parameter %d", i);
+  if (param) *param = opt->params[i];
+  if (m) *m = opt->m[i];
+  if (v) *v = opt->v[i];
+  return RTP_OK;
+}
+
+void rtp_optimizer_set_steps(struct rtp_optimizer *opt, int64_t steps) {
+  if (opt && steps >= 0) opt->t = steps;
 }

@@ -1,7 +1,9 @@
 /* rtp-parallel.c - passes that turn a one-device forward graph into one rank's training
  * graph: ddp (every rank holds everything; gradients all-reduced in buckets during
- * backward) and rtp (each rank owns one block of every parameter; blocks rotate around
- * the ring, forward one way and with their gradients the other way back).
+ * backward), fsdp (blocks gathered per op), rtp (each rank owns one block of every
+ * parameter; blocks rotate around the ring, forward one way and with their gradients the
+ * other way back) and tp (Megatron's column- and row-parallel layers, marked on the
+ * parameters with rtp_set_tp; the nodes between them are rebuilt for the rank's part).
  *
  * The model is built once, for one device, in a context that may give parameters no
  * memory (no_alloc). The pass clones its forward graph into the rank's context node by
@@ -11,11 +13,14 @@
  * blocks are fetched again rather than kept, which is what keeps memory at 1/N. */
 #include "rtp-impl.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* What a ROT node applies its parameter block with (op_params[0]). */
-enum rot_kind { ROT_MUL_MAT, ROT_GET_ROWS, ROT_ADD, ROT_MUL };
+/* What a ROT node applies its parameter block with (op_params[0]); tp's handles are the
+ * identity forward with an all-reduce of the gradient (ENTER, Megatron's f) and the
+ * all-reduce forward with the identity gradient (REDUCE, Megatron's g). */
+enum rot_kind { ROT_MUL_MAT, ROT_GET_ROWS, ROT_ADD, ROT_MUL, ROT_TP_ENTER, ROT_TP_REDUCE };
 
 struct rtp_parallel {
   struct rtp_context *ctx;
@@ -34,6 +39,7 @@ struct rtp_parallel {
    * and the previous op's compute, so the next op's gather is posted before it. */
   struct rtp_tensor *w_reader[2], *g_reader[2], *prev_apply;
   int n_gathers;
+  int *groups; /* tp: groups of the split dimension of each src node's rank tensor */
 };
 
 const char *rtp_strategy_name(enum rtp_strategy s) {
@@ -71,6 +77,48 @@ static void block_of(const struct rtp_tensor *full, int world, int s, int64_t *f
   *len = (int64_t)l;
 }
 
+/* Whether the tp pass applies (with one rank it is the one-device graph). */
+static bool tp_on(const struct rtp_parallel *p) {
+  return p->world > 1 && p->strategy == RTP_STRATEGY_TP;
+}
+
+static enum rtp_tp_role tp_role(const struct rtp_tensor *t) {
+  bool marked = t->op == RTP_OP_NONE && (t->flags & RTP_FLAG_PARAM);
+  return marked ? (enum rtp_tp_role)t->op_params[0] : RTP_TP_REPLICATED;
+}
+
+int rtp_set_tp(struct rtp_tensor *param, enum rtp_tp_role role, int groups) {
+  if (!param || param->op != RTP_OP_NONE || !(param->flags & RTP_FLAG_PARAM))
+    return rtp__error(RTP_EINVAL, "rtp_set_tp: not a parameter (call rtp_set_param first)");
+  if ((unsigned)role > RTP_TP_ROW || groups < 1 || (role == RTP_TP_ROW && groups != 1))
+    return rtp__error(RTP_EINVAL, "rtp_set_tp: bad role %d or groups %d for '%s'", (int)role,
+                      groups, param->name);
+  param->op_params[0] = (int32_t)role;
+  param->op_params[1] = role == RTP_TP_COLUMN ? groups : 1;
+  return RTP_OK;
+}
+
+/* What a rank holds of a parameter: along dim, in each of `groups` equal parts, the
+ * rows [first, first + len) of the part. */
+struct shard {
+  int dim, groups;
+  int64_t first, len;
+};
+
+static struct shard shard_of(const struct rtp_parallel *p, const struct rtp_tensor *t) {
+  struct shard s = {split_dim(t), 1, 0, t->ne[split_dim(t)]};
+  enum rtp_tp_role role = tp_on(p) ? tp_role(t) : RTP_TP_REPLICATED;
+  if (role != RTP_TP_REPLICATED) {
+    s.dim = role == RTP_TP_ROW ? 0 : s.dim;
+    s.groups = t->op_params[1];
+    s.len = t->ne[s.dim] / s.groups / p->world;
+    s.first = p->rank * s.len;
+  } else if (sharded(p)) {
+    block_of(t, p->world, p->rank, &s.first, &s.len);
+  }
+  return s;
+}
+
 /* ---- the map from one-device tensors to this rank's ------------------------------ */
 
 static int index_in(const struct rtp_parallel *p, const struct rtp_tensor *t) {
@@ -97,13 +145,34 @@ int rtp_parallel_block(const struct rtp_parallel *p, const struct rtp_tensor *pa
                        int64_t *first, int64_t *len, int *dim) {
   if (!p || !param || !(param->flags & RTP_FLAG_PARAM) || index_in(p, param) < 0)
     return rtp__error(RTP_EINVAL, "rtp_parallel_block: not a parameter of the model");
-  *dim = split_dim(param);
-  if (sharded(p)) {
-    block_of(param, p->world, p->rank, first, len);
-  } else {
-    *first = 0;
-    *len = param->ne[*dim];
+  struct shard s = shard_of(p, param);
+  if (s.groups > 1)
+    return rtp__error(RTP_EINVAL,
+                      "rtp_parallel_block: this rank holds %d row ranges of '%s' "
+                      "(use rtp_parallel_shard_copy)",
+                      s.groups, param->name);
+  *dim = s.dim;
+  *first = s.first;
+  *len = s.len;
+  return RTP_OK;
+}
+
+int rtp_parallel_shard_copy(const struct rtp_parallel *p, const struct rtp_tensor *param,
+                            const float *full, float *mine) {
+  if (!p || !param || !full || !mine || !(param->flags & RTP_FLAG_PARAM) ||
+      param->type != RTP_TYPE_F32 || index_in(p, param) < 0)
+    return rtp__error(RTP_EINVAL, "rtp_parallel_shard_copy: not an f32 parameter of the model");
+  struct shard s = shard_of(p, param);
+  int64_t inner = 1, outer = 1, part = param->ne[s.dim] / s.groups;
+  for (int d = 0; d < RTP_MAX_DIMS; d++) {
+    if (d < s.dim) inner *= param->ne[d];
+    if (d > s.dim) outer *= param->ne[d];
   }
+  for (int64_t o = 0; o < outer; o++)
+    for (int g = 0; g < s.groups; g++)
+      memcpy(mine + (o * s.groups + g) * s.len * inner,
+             full + (o * param->ne[s.dim] + g * part + s.first) * inner,
+             (size_t)(s.len * inner) * sizeof(float));
   return RTP_OK;
 }
 
@@ -115,7 +184,13 @@ struct rtp_optimizer *rtp_parallel_optimizer(const struct rtp_parallel *p,
   }
   struct rtp_optimizer *opt = rtp_optimizer_new(p->ctx, p->graph, params);
   /* Sharded gradients are disjoint shares of the whole: their norm needs every rank. */
-  if (opt && sharded(p)) rtp__optimizer_set_comm(opt, p->comm);
+  if (opt && (sharded(p) || tp_on(p))) rtp__optimizer_set_comm(opt, p->comm);
+  /* tp's replicated gradients are whole on every rank: each rank counts 1/N of them. */
+  for (int i = 0; opt && tp_on(p) && i < p->src->n_leafs; i++) {
+    const struct rtp_tensor *t = p->src->leafs[i];
+    if ((t->flags & RTP_FLAG_PARAM) && tp_role(t) == RTP_TP_REPLICATED)
+      rtp__optimizer_set_norm_weight(opt, p->map[p->src->n_nodes + i], 1.0f / (float)p->world);
+  }
   return opt;
 }
 
@@ -130,10 +205,9 @@ static struct rtp_tensor *clone_leaf(struct rtp_parallel *p, const struct rtp_te
   int64_t ne[4];
   memcpy(ne, t->ne, sizeof(ne));
   bool param = t->flags & RTP_FLAG_PARAM;
-  if (param && sharded(p)) {
-    int64_t first, len;
-    block_of(t, p->world, p->rank, &first, &len);
-    ne[split_dim(t)] = len;
+  if (param) {
+    struct shard s = shard_of(p, t);
+    ne[s.dim] = s.len * s.groups;
   }
   struct rtp_tensor *c = rtp_new_tensor(p->ctx, t->type, RTP_MAX_DIMS, ne);
   if (!c) return NULL;
@@ -174,6 +248,8 @@ static void fsdp_backward(struct rtp_parallel *p, enum rot_kind kind, int dim,
                           const struct rtp_tensor *full, struct rtp_tensor *x,
                           struct rtp_tensor *own, struct rtp_tensor *dy, struct rtp_tensor **dx,
                           struct rtp_tensor **dp);
+static void tp_backward(struct rtp_context *ctx, struct rtp_parallel *p, struct rtp_tensor *t,
+                        struct rtp_tensor *dy, struct rtp_tensor **dx, struct rtp_tensor **dp);
 static struct rtp_tensor *handle(struct rtp_parallel *p, const struct rtp_tensor *t,
                                  const struct rtp_tensor *full, enum rot_kind kind,
                                  struct rtp_tensor *x, struct rtp_tensor *own,
@@ -371,6 +447,10 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
   int left = (r + N - 1) % N, right = (r + 1) % N;
   struct rtp_tensor *x = t->src[0], *own = t->src[1];
   dy = rtp_cont(ctx, dy);
+  if (p->strategy == RTP_STRATEGY_TP) {
+    tp_backward(ctx, p, t, dy, dx, dp);
+    return;
+  }
   if (p->strategy == RTP_STRATEGY_FSDP) {
     fsdp_backward(p, kind, dim, full, x, own, dy, dx, dp);
     return;
@@ -537,6 +617,267 @@ static void fsdp_backward(struct rtp_parallel *p, enum rot_kind kind, int dim,
   *dp = acc;
 }
 
+/* ---- tp: column- and row-parallel layers (Megatron) ------------------------------ */
+
+/* Marked parameters must split evenly: groups x N blocks along their dimension. */
+static int tp_check_params(struct rtp_parallel *p) {
+  for (int i = 0; i < p->src->n_leafs; i++) {
+    const struct rtp_tensor *t = p->src->leafs[i];
+    enum rtp_tp_role role = tp_role(t);
+    if (role == RTP_TP_REPLICATED) continue;
+    int dim = role == RTP_TP_ROW ? 0 : split_dim(t), groups = t->op_params[1];
+    if (role > RTP_TP_ROW || groups < 1 || t->ne[dim] % ((int64_t)groups * p->world)) {
+      char s[128];
+      rtp__shape_str(t, s, sizeof(s));
+      return rtp__ctx_error(p->ctx, RTP_EINVAL,
+                            "tp strategy: parameter %s: dimension %d (%lld, in %d groups) "
+                            "does not split evenly between %d ranks",
+                            s, dim, (long long)t->ne[dim], groups, p->world);
+    }
+  }
+  return RTP_OK;
+}
+
+/* The parameters checked, and the groups of every node's split dimension. */
+static int tp_prepare(struct rtp_parallel *p) {
+  p->groups = rtp__ctx_alloc(p->ctx, sizeof(int) * (size_t)p->src->n_nodes, "tp groups");
+  return p->groups ? tp_check_params(p) : rtp_context_error(p->ctx, NULL);
+}
+
+/* The dimension along which this rank's tensor is a part of the one-device one, or -1. */
+static int split_of(const struct rtp_tensor *full, const struct rtp_tensor *mine) {
+  for (int d = 0; d < RTP_MAX_DIMS; d++)
+    if (full->ne[d] != mine->ne[d]) return d;
+  return -1;
+}
+
+/* Groups of the split dimension of a one-device tensor's rank tensor. */
+static int groups_of(struct rtp_parallel *p, const struct rtp_tensor *t) {
+  if (t->op == RTP_OP_NONE) return tp_role(t) == RTP_TP_COLUMN ? t->op_params[1] : 1;
+  int i = index_in(p, t);
+  return i >= 0 && i < p->src->n_nodes ? p->groups[i] : 1;
+}
+
+static struct rtp_tensor *tp_error(struct rtp_parallel *p, const struct rtp_tensor *t,
+                                   const char *why) {
+  char s[128];
+  rtp__shape_str(t, s, sizeof(s));
+  rtp__ctx_error(p->ctx, RTP_EINVAL, "tp strategy: %s %s: %s", rtp_op_name(t->op), s, why);
+  return NULL;
+}
+
+/* A handle that autodiff sees as an op of src0 (and src1), whose data is y's and whose
+ * backward is tp_backward. */
+static struct rtp_tensor *tp_handle(struct rtp_parallel *p, enum rot_kind kind,
+                                    struct rtp_tensor *src0, struct rtp_tensor *src1,
+                                    struct rtp_tensor *y) {
+  struct rtp_tensor *h = rtp__new_node(p->ctx, RTP_OP_ROT, y->type, y->ne, src0, src1);
+  if (!h) return NULL;
+  memcpy(h->nb, y->nb, sizeof(h->nb));
+  h->src[2] = y;
+  h->view_src = y->view_src ? y->view_src : y;
+  h->view_offs = y->view_src ? y->view_offs : 0;
+  if (h->view_src->data) h->data = (char *)h->view_src->data + h->view_offs;
+  h->op_params[0] = kind;
+  rtp__set_param_u64(h, 2, (uint64_t)(uintptr_t)p);
+  return h;
+}
+
+/* f: identity forward; backward sums the input gradient, of which each rank computed the
+ * part its block of output rows contributes. The handle is the column layer's only
+ * reader, so its gradient is a fresh node that the all-reduce may sum in place. */
+static void tp_backward(struct rtp_context *ctx, struct rtp_parallel *p, struct rtp_tensor *t,
+                        struct rtp_tensor *dy, struct rtp_tensor **dx, struct rtp_tensor **dp) {
+  if (t->op_params[0] == ROT_TP_REDUCE) /* g: every rank's dy is already the whole one */
+    *dp = dy;
+  else if (dx)
+    *dx = rtp_allreduce(ctx, p->comm, dy, NULL);
+}
+
+/* y = W x with this rank's rows of W: x is whole (replicated), y is this rank's part. */
+static struct rtp_tensor *tp_column(struct rtp_parallel *p, int i, const struct rtp_tensor *t) {
+  struct rtp_tensor *x = mapped(p, t->src[1]);
+  if (split_of(t->src[1], x) >= 0)
+    return tp_error(p, t, "the input of a column-parallel layer must be whole on every rank");
+  struct rtp_tensor *f = tp_handle(p, ROT_TP_ENTER, x, NULL, x);
+  p->groups[i] = t->src[0]->op_params[1];
+  return f ? rtp_mul_mat(p->ctx, mapped(p, t->src[0]), f) : NULL;
+}
+
+/* y = W x with this rank's columns of W and its part of x: a partial sum, all-reduced.
+ * The handle reads the sum (src[0], so readers wait for it) and passes the gradient
+ * straight to the partial product (src[1]). */
+static struct rtp_tensor *tp_row(struct rtp_parallel *p, const struct rtp_tensor *t) {
+  struct rtp_tensor *w = mapped(p, t->src[0]), *x = mapped(p, t->src[1]);
+  if (split_of(t->src[1], x) != 0 || x->ne[0] != w->ne[0])
+    return tp_error(p, t,
+                    "the input of a row-parallel layer must be split along ne[0] like its "
+                    "weight (by a column-parallel layer before it)");
+  struct rtp_tensor *y = rtp_mul_mat(p->ctx, w, x);
+  struct rtp_tensor *sum = y ? rtp_allreduce(p->ctx, p->comm, y, NULL) : NULL;
+  return sum ? tp_handle(p, ROT_TP_REDUCE, sum, y, sum) : NULL;
+}
+
+/*
+ * A view of a tensor split along dim ds (contiguous, in G equal groups), restricted to
+ * this rank's part. The view's dimensions that step within ds, from the smallest stride
+ * up, must tile exactly one group (e.g. q's {hd, H} of fused {3d}); the outermost of them
+ * (the heads) is split between the ranks, which selects this rank's part of that group.
+ * Strides and the offset beyond ds are rescaled to the rank's smaller ds.
+ */
+static struct rtp_tensor *tp_view(struct rtp_parallel *p, const struct rtp_tensor *t,
+                                  struct rtp_tensor *a) {
+  const struct rtp_tensor *full = t->src[0];
+  int ds = split_of(full, a), N = p->world, top = -1;
+  if (!rtp_is_contiguous(full) || !rtp_is_contiguous(a))
+    return tp_error(p, t, "a view of a split tensor needs a contiguous source");
+  int64_t f = (int64_t)rtp_type_size(t->type), inner = 1;
+  for (int d = 0; d < ds; d++) inner *= full->ne[d];
+  int64_t span = inner * full->ne[ds], span_mine = inner * a->ne[ds];
+  int64_t group = full->ne[ds] / groups_of(p, full), reach = 1;
+  int64_t ne[4], off = (int64_t)rtp__get_param_u64(t, 0) / f;
+  size_t nb[4];
+  memcpy(ne, t->ne, sizeof(ne));
+  memcpy(nb, t->nb, sizeof(nb));
+  for (int d = 0; d < RTP_MAX_DIMS; d++) { /* beyond ds: rescale */
+    int64_t s = (int64_t)nb[d] / f;
+    if (s >= span && s % span == 0) nb[d] = (size_t)(s / span * span_mine * f);
+  }
+  unsigned chain = 0;
+  for (bool grew = true; grew;) { /* within ds: a dense chain from stride `inner` up */
+    grew = false;
+    for (int d = 0; d < RTP_MAX_DIMS; d++)
+      if (ne[d] > 1 && (int64_t)t->nb[d] / f == reach * inner && reach < span / inner) {
+        reach *= ne[d];
+        top = d;
+        chain |= 1u << d;
+        grew = true;
+      }
+  }
+  bool placed = true; /* every other dimension lies wholly below ds or beyond it */
+  for (int d = 0; d < RTP_MAX_DIMS; d++) {
+    int64_t s = (int64_t)t->nb[d] / f;
+    if (ne[d] > 1 && !(chain >> d & 1) && s * ne[d] > inner && (s < span || s % span))
+      placed = false;
+  }
+  int64_t c = off % span / inner;
+  if (top < 0 || !placed || reach != group || c % group)
+    return tp_error(p, t,
+                    "a view of a split tensor must cover exactly one of its groups "
+                    "(e.g. all heads of q)");
+  if (ne[top] % N) {
+    char s[160];
+    snprintf(s, sizeof(s),
+             "dimension %d (%lld, e.g. attention heads) is not divisible by the %d ranks", top,
+             (long long)ne[top], N);
+    return tp_error(p, t, s);
+  }
+  ne[top] /= N;
+  int64_t mine = off / span * span_mine + c / group * (group / N) * inner + off % inner;
+  return rtp_view(p->ctx, a, RTP_MAX_DIMS, ne, nb, (size_t)(mine * f));
+}
+
+/* A reshape of a tensor split along ds: the result dimension that ends where ds ends
+ * (and starts at a boundary of ds's inner dimensions, or inside ds) is split instead. */
+static struct rtp_tensor *tp_reshape(struct rtp_parallel *p, const struct rtp_tensor *t,
+                                     struct rtp_tensor *a) {
+  const struct rtp_tensor *full = t->src[0];
+  int ds = split_of(full, a);
+  int64_t inner = 1, ne[4], below = 1;
+  for (int d = 0; d < ds; d++) inner *= full->ne[d];
+  memcpy(ne, t->ne, sizeof(ne));
+  for (int k = 0; k < RTP_MAX_DIMS; below *= ne[k], k++) {
+    bool aligned = inner % below == 0 || below % inner == 0;
+    if (below * ne[k] == inner * full->ne[ds] && aligned && ne[k] % p->world == 0 &&
+        groups_of(p, full) == 1) {
+      ne[k] /= p->world;
+      return rtp_reshape(p->ctx, a, RTP_MAX_DIMS, ne);
+    }
+  }
+  return tp_error(p, t, "this reshape does not keep the split dimension whole");
+}
+
+/* The op again over this rank's parts: builders recompute the shapes. Ops that reduce
+ * over a split dimension would give partial results and are refused. */
+static struct rtp_tensor *tp_rebuild_op(struct rtp_parallel *p, const struct rtp_tensor *t,
+                                        struct rtp_tensor **s) {
+  struct rtp_context *ctx = p->ctx;
+  int ds0 = split_of(t->src[0], s[0]), ds1 = s[1] ? split_of(t->src[1], s[1]) : -1;
+  switch (t->op) {
+    case RTP_OP_ADD:
+      return rtp_add(ctx, s[0], s[1]);
+    case RTP_OP_SUB:
+      return rtp_sub(ctx, s[0], s[1]);
+    case RTP_OP_MUL:
+      return rtp_mul(ctx, s[0], s[1]);
+    case RTP_OP_SCALE:
+      return rtp_scale(ctx, s[0], rtp__get_param_f32(t, 0));
+    case RTP_OP_GELU:
+      return rtp_gelu(ctx, s[0]);
+    case RTP_OP_DUP:
+      return rtp_dup(ctx, s[0]);
+    case RTP_OP_PERMUTE:
+      return rtp_permute(ctx, s[0], t->op_params[2], t->op_params[3], t->op_params[4],
+                         t->op_params[5]);
+    case RTP_OP_TRANSPOSE:
+      return rtp_transpose(ctx, s[0]);
+    case RTP_OP_VIEW:
+      return tp_view(p, t, s[0]);
+    case RTP_OP_RESHAPE:
+      return tp_reshape(p, t, s[0]);
+    case RTP_OP_SOFT_MAX: /* rows and the causal mask need ne[0] and ne[1] whole */
+      if (ds0 < 2) return tp_error(p, t, "softmax over a split dimension");
+      return rtp_soft_max(ctx, s[0], rtp__get_param_f32(t, 0), t->op_params[1]);
+    case RTP_OP_MUL_MAT: /* a contraction over a split ne[0] is a row-parallel layer's job */
+      if (ds0 == 0 || ds1 == 0) return tp_error(p, t, "contracts over a split dimension");
+      if (ds0 == 1 && ds1 == 1) return tp_error(p, t, "both operands split their rows");
+      return rtp_mul_mat(ctx, s[0], s[1]);
+    default:
+      return tp_error(p, t, "this op cannot read a tensor split between ranks");
+  }
+}
+
+/* A node whose sources include a rank's part: rebuilt, with the groups of its split
+ * sources (which must agree: a bias split like its layer's output). */
+static struct rtp_tensor *tp_rebuild(struct rtp_parallel *p, int i,
+                                     const struct rtp_tensor *t) {
+  struct rtp_tensor *s[RTP_MAX_SRC] = {0};
+  int groups = 0;
+  for (int k = 0; k < RTP_MAX_SRC; k++) {
+    if (!t->src[k]) continue;
+    if (!(s[k] = mapped(p, t->src[k]))) return NULL;
+    if (split_of(t->src[k], s[k]) < 0) continue;
+    int g = groups_of(p, t->src[k]);
+    if (groups && g != groups)
+      return tp_error(p, t, "its sources are split in different groups");
+    groups = g;
+  }
+  bool regroups = t->op == RTP_OP_VIEW || t->op == RTP_OP_RESHAPE;
+  p->groups[i] = regroups ? 1 : groups;
+  struct rtp_tensor *c = tp_rebuild_op(p, t, s);
+  if (!c) return NULL;
+  memcpy(c->name, t->name, sizeof(c->name));
+  c->flags |= t->flags;
+  return c;
+}
+
+/* Rank r's node for src node i: column and row layers replaced, nodes that read a
+ * rank's part rebuilt for its shape, the rest cloned as they are. */
+static struct rtp_tensor *tp_node(struct rtp_parallel *p, int i, const struct rtp_tensor *t) {
+  enum rtp_tp_role role = t->op == RTP_OP_MUL_MAT ? tp_role(t->src[0]) : RTP_TP_REPLICATED;
+  p->groups[i] = 1;
+  if (role != RTP_TP_REPLICATED) {
+    struct rtp_tensor *c = role == RTP_TP_COLUMN ? tp_column(p, i, t) : tp_row(p, t);
+    if (c) memcpy(c->name, t->name, sizeof(c->name));
+    return c;
+  }
+  for (int k = 0; k < RTP_MAX_SRC; k++) {
+    struct rtp_tensor *m = t->src[k] ? mapped(p, t->src[k]) : NULL;
+    if (m && split_of(t->src[k], m) >= 0) return tp_rebuild(p, i, t);
+  }
+  return clone_node(p, t);
+}
+
 /* ---- the pass ------------------------------------------------------------------- */
 
 /* Which parameter, if any, node t reads (the first one). */
@@ -593,7 +934,9 @@ static int clone_forward(struct rtp_parallel *p) {
   }
   for (int i = 0; i < src->n_nodes; i++) {
     const struct rtp_tensor *t = src->nodes[i], *param = rot ? param_read(t) : NULL;
-    p->map[i] = param ? rot_forward(p, t, param) : clone_node(p, t);
+    p->map[i] = param      ? rot_forward(p, t, param)
+                : tp_on(p) ? tp_node(p, i, t)
+                           : clone_node(p, t);
     if (!p->map[i]) {
       int err = rtp_context_error(p->ctx, NULL);
       return err ? err
@@ -663,7 +1006,7 @@ static int ddp_buckets(struct rtp_parallel *p, size_t bucket_bytes) {
 /* The loss over the global batch, for logging: the ranks' means, averaged. */
 static int global_loss(struct rtp_parallel *p) {
   struct rtp_tensor *l = p->map[index_in(p, p->loss)];
-  if (p->world == 1) {
+  if (p->world == 1 || p->strategy == RTP_STRATEGY_TP) { /* tp: every rank has the whole */
     p->global_loss = l;
     return RTP_OK;
   }
@@ -684,6 +1027,7 @@ static int check_same_model(struct rtp_parallel *p) {
     if (!(t->flags & RTP_FLAG_PARAM)) continue;
     for (const char *c = t->name; *c; c++) h = (h ^ (uint8_t)*c) * 1099511628211ull;
     for (int d = 0; d < 4; d++) h = (h ^ (uint64_t)t->ne[d]) * 1099511628211ull;
+    for (int d = 0; d < 2; d++) h = (h ^ (uint64_t)t->op_params[d]) * 1099511628211ull; /* tp */
   }
   uint64_t root = h;
   int rc = rtp_comm_broadcast(p->comm, &root, sizeof(root), 0, NULL);
@@ -704,11 +1048,6 @@ struct rtp_parallel *rtp_parallelize(struct rtp_context *ctx, const struct rtp_g
     return NULL;
   }
   int world = pp->comm ? rtp_comm_size(pp->comm) : 1;
-  if (pp->strategy == RTP_STRATEGY_TP) {
-    rtp__ctx_error(ctx, RTP_ENOSYS, "rtp_parallelize: strategy %s is not implemented yet",
-                   rtp_strategy_name(pp->strategy));
-    return NULL;
-  }
   if ((pp->strategy == RTP_STRATEGY_NONE && world > 1) || world > RTP_MAX_WORLD) {
     rtp__ctx_error(ctx, RTP_EINVAL, "rtp_parallelize: strategy %s with %d ranks (max %d)",
                    rtp_strategy_name(pp->strategy), world, RTP_MAX_WORLD);
@@ -732,13 +1071,14 @@ struct rtp_parallel *rtp_parallelize(struct rtp_context *ctx, const struct rtp_g
   }
   int rc = world > 1 ? check_same_model(p) : RTP_OK;
   if (!rc && sharded(p)) rc = make_pool(p);
+  if (!rc && tp_on(p)) rc = tp_prepare(p);
   if (!rc) rc = clone_forward(p);
   if (!rc && !(p->graph = rtp_graph_new(ctx, pp->graph_size > 0 ? pp->graph_size : 16384)))
     rc = rtp_context_error(ctx, NULL);
   struct rtp_tensor *l = rc ? NULL : p->map[index_in(p, loss)];
   if (!rc) rc = rtp_graph_build(p->graph, l);
   if (!rc) rc = rtp_build_backward(ctx, p->graph, l);
-  if (!rc && world > 1) rc = scale_seed(p);
+  if (!rc && world > 1 && pp->strategy != RTP_STRATEGY_TP) rc = scale_seed(p);
   if (!rc && p->strategy == RTP_STRATEGY_DDP && world > 1)
     rc = ddp_buckets(p, pp->bucket_bytes ? pp->bucket_bytes : (size_t)4 << 20);
   if (!rc) rc = global_loss(p);

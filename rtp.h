@@ -369,6 +369,14 @@ RTP_API struct rtp_optimizer *rtp_optimizer_new(struct rtp_context *ctx, struct 
 RTP_API int rtp_optimizer_step(struct rtp_optimizer *opt, struct rtp_threadpool *tp);
 RTP_API void rtp_optimizer_set_lr(struct rtp_optimizer *opt, float lr);
 RTP_API int64_t rtp_optimizer_steps(const struct rtp_optimizer *opt);
+/* For checkpoints: the number of parameters opt updates, and the i-th one with its Adam
+ * states m and v (same shape; any output may be NULL); RTP_EINVAL if i is out of range.
+ * set_steps restores the step count that the bias corrections depend on. */
+RTP_API int rtp_optimizer_count(const struct rtp_optimizer *opt);
+RTP_API int rtp_optimizer_state(const struct rtp_optimizer *opt, int i,
+                                struct rtp_tensor **param, struct rtp_tensor **m,
+                                struct rtp_tensor **v);
+RTP_API void rtp_optimizer_set_steps(struct rtp_optimizer *opt, int64_t steps);
 /* The L2 norm of all gradients (over every rank) at the last step, before clipping. */
 RTP_API float rtp_optimizer_grad_norm(const struct rtp_optimizer *opt);
 
@@ -567,22 +575,49 @@ RTP_API struct rtp_tensor *rtp_allreduce(struct rtp_context *ctx, struct rtp_com
  *        dimension; this rank owns one block, its gradient and its optimizer state.
  *        Blocks rotate around the ring during forward; during backward they rotate the
  *        other way with their gradients, which arrive at their owner summed over ranks.
+ *   tp   Megatron-style tensor parallelism over the parameters marked with rtp_set_tp:
+ *        column-parallel layers hold a block of output rows (of each group), row-parallel
+ *        ones a block of input columns (ne[0]); everything between them runs on this
+ *        rank's part (e.g. its attention heads), an all-reduce of activations follows each
+ *        row-parallel layer and one of input gradients precedes each column-parallel layer
+ *        in backward. Unmarked parameters are replicated. See docs/parallel.md.
  *
- * Each rank trains on its own batch; the loss that rtp_parallel_tensor gives for the
- * model's loss is the mean over all ranks' batches, and the gradients are those of that
- * mean, so N ranks with batch B train exactly like one process with batch N x B.
+ * ddp, fsdp, rtp: each rank trains on its own batch; the loss that rtp_parallel_tensor
+ * gives for the model's loss is the mean over all ranks' batches, and the gradients are
+ * those of that mean, so N ranks with batch B train exactly like one process with batch
+ * N x B. tp: every rank trains on the same (whole) batch, which the model was built for.
  */
 enum rtp_strategy {
   RTP_STRATEGY_NONE = 0, /* one process */
   RTP_STRATEGY_DDP,
   RTP_STRATEGY_FSDP,
-  RTP_STRATEGY_TP, /* not implemented yet */
+  RTP_STRATEGY_TP,
   RTP_STRATEGY_RTP,
   RTP_STRATEGY_COUNT,
 };
 
 RTP_API const char *rtp_strategy_name(enum rtp_strategy s);
 RTP_API int rtp_strategy_parse(const char *name, enum rtp_strategy *out);
+
+/* How tp splits a parameter (rtp_set_tp); other strategies ignore it. */
+enum rtp_tp_role {
+  RTP_TP_REPLICATED = 0, /* every rank holds it whole (the default) */
+  RTP_TP_COLUMN,         /* a weight {in, out} read by mul_mat, or its bias {out}: each of
+                            the `groups` equal parts of the outermost dimension is split into
+                            N blocks, and rank r holds block r of every group (fused q, k, v
+                            is 3 groups) */
+  RTP_TP_ROW,            /* a weight {in, out} read by mul_mat: rank r holds block r of
+                            ne[0], the input dimension; its bias stays replicated */
+};
+
+/*
+ * Marks a parameter (after rtp_set_param) for tp, kept in the leaf's op_params (a leaf
+ * has no op): role in word 0, groups in word 1. groups >= 1, and 1 for RTP_TP_ROW.
+ * RTP_EINVAL for anything else. rtp_parallelize checks that the marked dimension splits
+ * evenly into groups x N blocks and that the graph between column- and row-parallel
+ * layers can run on a rank's part (e.g. attention heads divisible by N).
+ */
+RTP_API int rtp_set_tp(struct rtp_tensor *param, enum rtp_tp_role role, int groups);
 
 struct rtp_parallel_params {
   enum rtp_strategy strategy;
@@ -608,9 +643,73 @@ RTP_API struct rtp_tensor *rtp_parallel_tensor(const struct rtp_parallel *p,
  * (a scalar all-reduce when parameters are sharded). */
 RTP_API struct rtp_optimizer *rtp_parallel_optimizer(const struct rtp_parallel *p,
                                                      struct rtp_adamw_params params);
-/* The rows [first, first + len) of dimension dim of param that this rank holds. */
+/* The rows [first, first + len) of dimension dim of param that this rank holds.
+ * RTP_EINVAL for a tp column parameter with several groups (not one range: use
+ * rtp_parallel_shard_copy). */
 RTP_API int rtp_parallel_block(const struct rtp_parallel *p, const struct rtp_tensor *param,
                                int64_t *first, int64_t *len, int *dim);
+/* Copies this rank's part of param out of `full` (all of param's f32 values, contiguous)
+ * into `mine` (as many values as this rank's tensor for param has): for every strategy,
+ * how a rank initialises its parameters or compares them with whole ones. */
+RTP_API int rtp_parallel_shard_copy(const struct rtp_parallel *p,
+                                    const struct rtp_tensor *param, const float *full,
+                                    float *mine);
+
+/* ---- checkpoints (rtp-ckpt.c) ------------------------------------------------------ */
+/*
+ * A sharded checkpoint of a parallel plan's parameters and their Adam states, one
+ * directory per step under dir:
+ *
+ *   dir/latest                              "step-<8 digits>": the newest complete one
+ *   dir/step-<8 digits>/rank-<k>.safetensors rank k's rows of every parameter P (named P)
+ *                                           and of its states (adam.m.P, adam.v.P); ddp
+ *                                           ranks hold everything, so rank 0 alone writes
+ *   dir/step-<8 digits>/index.json          step, world_size, strategy, adam_steps, the
+ *                                           caller's state pairs, each rank file's bytes and
+ *                                           sha256, each tensor's global shape (safetensors
+ *                                           order) and the rows each rank holds
+ *   dir/step-<8 digits>/COMPLETE            "sha256 <index.json's>": written last
+ *
+ * Saving never endangers the previous checkpoint: every file is written to a temporary
+ * name, fsynced and renamed; latest moves only after every rank has written and the
+ * marker is on disk; the older checkpoints beyond the keep newest are deleted after that.
+ * A checkpoint loads onto any world size and strategy: each rank reads the rows it needs
+ * from the files that hold them, after checking those files' sizes and checksums. Plans
+ * whose ranks hold parameters as blocks of rows in rank order (one process, ddp, fsdp,
+ * rtp) are supported; tp gives RTP_ENOSYS.
+ */
+struct rtp_ckpt_params {
+  const char *dir;
+  const struct rtp_parallel *par;
+  struct rtp_comm *comm;            /* the plan's communicator; NULL for one process */
+  enum rtp_strategy strategy;       /* the plan's */
+  struct rtp_tensor *const *params; /* the one-device parameters: names, global shapes */
+  int n_params;
+  struct rtp_optimizer *opt; /* whose states are saved and loaded; may be NULL */
+  int keep;                  /* complete checkpoints kept (0: 2) */
+  /* The caller's training state saved in index.json, {k0, v0, ..., NULL}: words of
+   * [A-Za-z0-9_.+-], at most 32 pairs (may be NULL; not used by load). */
+  const char *const *state_kv;
+};
+
+/* Collective: writes dir/step-<step>; RTP_ESTATE if that step is already complete there. */
+RTP_API int rtp_ckpt_save(const struct rtp_ckpt_params *p, int64_t step);
+
+struct rtp_ckpt;
+/* The checkpoint dir/latest names, after checking its marker and its index's checksum;
+ * RTP_EIO or RTP_EFORMAT with a message saying what is missing or wrong. */
+RTP_API int rtp_ckpt_open(const char *dir, struct rtp_ckpt **out);
+RTP_API void rtp_ckpt_close(struct rtp_ckpt *c); /* NULL is fine */
+RTP_API int64_t rtp_ckpt_step(const struct rtp_ckpt *c);
+RTP_API int rtp_ckpt_world_size(const struct rtp_ckpt *c);
+RTP_API enum rtp_strategy rtp_ckpt_strategy(const struct rtp_ckpt *c);
+RTP_API const char *rtp_ckpt_path(const struct rtp_ckpt *c); /* the step directory */
+/* A value of the caller's state saved with it, or NULL. */
+RTP_API const char *rtp_ckpt_state(const struct rtp_ckpt *c, const char *key);
+/* Collective: fills this rank's blocks of p's parameters and states and the optimizer's
+ * step count; a missing, truncated or corrupted file or a shape that differs fails every
+ * rank (RTP_EFORMAT, RTP_ESHAPE, RTP_EIO) with a message naming it. */
+RTP_API int rtp_ckpt_load(const struct rtp_ckpt *c, const struct rtp_ckpt_params *p);
 
 #ifdef __cplusplus
 }

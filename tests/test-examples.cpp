@@ -2,12 +2,13 @@
 // one metrics object per step, exports a model that --init and --eval-only read back to the
 // same loss (and PyTorch too, when /usr/bin/python3 has torch), and refuses bad input with a
 // message and a non-zero exit; under rtp-run, 2 ranks train like one process with twice the
-// batch (rtp and ddp) and export the model they evaluated; embed-c and train-gpt-cpp run
-// and save.
+// batch (rtp and ddp) and export the model they evaluated; checkpoints resume with the
+// same losses and damaged ones are refused; embed-c and train-gpt-cpp run and save.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
@@ -262,8 +263,8 @@ TEST(TrainGptErrors, BadInputIsRefusedClearly) {
       {{"--config", "huge"}, 2, "--config must be tiny, small or medium"},
       {{"--config", "tiny", "--n-head", "5"}, 2, "must divide --d-model"},
       {{"--strategy", "zero"}, 2, "--strategy must be"},
-      {{"--ckpt-dir", "ck"}, 2, "not yet supported"},
-      {{"--resume"}, 2, "not yet supported"},
+      {{"--resume"}, 2, "--resume need --ckpt-dir"},
+      {{"--ckpt-dir", missing, "--resume"}, 1, "no checkpoint to resume from"},
       {{"--init", missing, "--eval-only"}, 1, "no-such.safetensors"},
       {{"--init", corrupt, "--eval-only"}, 1, "corrupt.safetensors"},
       {{"--init", other, "--config", "tiny", "--eval-only"}, 1, "no tensor"},
@@ -369,6 +370,108 @@ TEST(TrainGptRanks, RtpExportReloadsToTheReportedEvalLoss) {
   EXPECT_NEAR(ev["eval_loss"], reported.back(), 1e-6 * reported.back());
   std::printf("2 rtp ranks reported eval %.8f; their export, in one process: %.8f\n",
               reported.back(), ev["eval_loss"]);
+}
+
+// Checkpoints: a run killed (SIGKILL) after a checkpoint and resumed prints the same losses,
+// bit for bit, as one never stopped; so do 2 ranks resumed from their checkpoint; damaged
+// or mismatched checkpoints are refused with a message, and never replaced.
+const std::string kCkptFlags =
+    "--config tiny --lr 3e-3 --seed 7 --threads 1 --log-every 100 --eval-windows 4 "
+    "--eval-problems 0";
+
+// The losses of steps after `from` (1-based steps) in a metrics file.
+std::vector<double> losses_after(const std::string &path, int from) {
+  std::vector<double> all = metric(path, "loss");
+  return std::vector<double>(all.begin() + std::min<size_t>(from, all.size()), all.end());
+}
+
+int ckpt_step(const std::string &dir) {
+  std::string latest = slurp(dir + "/latest");
+  return latest.size() > 5 ? std::atoi(latest.c_str() + 5) : -1;
+}
+
+TEST(TrainGptCkpt, ResumeAfterKillGivesTheSameLosses) {
+  std::string ref = tmp_dir() + "ck-ref.jsonl", dir = tmp_dir() + "ck-kill",
+              resumed = tmp_dir() + "ck-resumed.jsonl";
+  Result r = run(train_gpt(kCkptFlags + " --steps 60", {"--metrics", ref}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  // Started in the background and killed as soon as its first checkpoint is complete.
+  std::string cmd;
+  for (const std::string &a :
+       train_gpt(kCkptFlags + " --steps 60 --ckpt-every 5", {"--ckpt-dir", dir}))
+    cmd += quote(a) + " ";
+  cmd += ">/dev/null 2>&1 & pid=$!; while [ ! -e " + quote(dir + "/latest") +
+         " ] && kill -0 $pid 2>/dev/null; do sleep 0.005; done; kill -9 $pid; wait $pid";
+  std::system(cmd.c_str());
+  int step = ckpt_step(dir);
+  ASSERT_GT(step, 0);
+  EXPECT_LT(step, 60) << "the run ended before it could be killed";
+  Result again = run(train_gpt(kCkptFlags + " --steps 60 --ckpt-every 5 --resume",
+                               {"--ckpt-dir", dir, "--metrics", resumed}));
+  ASSERT_EQ(again.code, 0) << again.err;
+  EXPECT_NE(again.out.find("resumed from"), std::string::npos) << again.out;
+  std::vector<double> want = losses_after(ref, step), got = metric(resumed, "loss");
+  EXPECT_EQ(got.size(), (size_t)(60 - step));
+  EXPECT_EQ(got, want) << "killed at step " << step;
+  EXPECT_EQ(ckpt_step(dir), 60);
+  std::printf("killed after the checkpoint of step %d; resumed: %zu losses, all equal\n", step,
+              got.size());
+}
+
+TEST(TrainGptCkpt, TwoRanksResumeWithTheSameLosses) {
+  for (const char *strategy : {"rtp", "ddp"}) {
+    std::string s = strategy, flags = kCkptFlags + " --batch 2 --strategy " + s;
+    std::string ref = tmp_dir() + "ck2-ref-" + s + ".jsonl", dir = tmp_dir() + "ck2-" + s,
+                resumed = tmp_dir() + "ck2-resumed-" + s + ".jsonl";
+    ASSERT_EQ(run(on_ranks(2, flags + " --steps 20", {"--metrics", ref})).code, 0);
+    Result first = run(on_ranks(2, flags + " --steps 10", {"--ckpt-dir", dir}));
+    ASSERT_EQ(first.code, 0) << first.err;
+    Result again = run(
+        on_ranks(2, flags + " --steps 20 --resume", {"--ckpt-dir", dir, "--metrics", resumed}));
+    ASSERT_EQ(again.code, 0) << again.err;
+    EXPECT_EQ(metric(resumed, "loss"), losses_after(ref, 10)) << strategy;
+    EXPECT_EQ(metric(resumed + ".rank1", "loss"), losses_after(ref, 10)) << strategy;
+  }
+}
+
+TEST(TrainGptCkpt, BadCheckpointsAreRefusedAndKept) {
+  std::string dir = tmp_dir() + "ck-bad", step = dir + "/step-00000010";
+  ASSERT_EQ(run(train_gpt(kCkptFlags + " --steps 10", {"--ckpt-dir", dir})).code, 0);
+  std::string good = slurp(step + "/rank-0.safetensors");
+  struct Case {
+    std::string damage, flags, message;
+    int code;
+  };
+  const Case cases[] = {
+      {"", " --steps 20", "already has checkpoints: --resume", 2},
+      {"", " --steps 20 --resume --batch 4", "global_batch 8, this run has 4", 1},
+      {"", " --steps 20 --resume --d-model 32 --n-head 2", "destination is", 1},
+      {"printf X | dd of=rank-0.safetensors bs=1 conv=notrunc seek=900000 2>/dev/null",
+       " --steps 20 --resume", "checksum mismatch (corrupted)", 1},
+      {"truncate -s 1000 rank-0.safetensors", " --steps 20 --resume", "rank-0.safetensors", 1},
+      {"mv COMPLETE COMPLETE.x", " --steps 20 --resume", "no COMPLETE marker", 1},
+  };
+  for (const Case &c : cases) {
+    std::ofstream(step + "/rank-0.safetensors", std::ios::binary) << good;
+    std::system(("cd " + quote(step) + " && mv -f COMPLETE.x COMPLETE 2>/dev/null").c_str());
+    if (!c.damage.empty()) {
+      ASSERT_EQ(std::system(("cd " + quote(step) + " && " + c.damage).c_str()), 0);
+    }
+    Result r = run(train_gpt(kCkptFlags + c.flags, {"--ckpt-dir", dir}));
+    EXPECT_EQ(r.code, c.code) << c.damage << c.flags << ": " << r.err;
+    EXPECT_NE(r.err.find(c.message), std::string::npos)
+        << c.damage << c.flags << ": expected '" << c.message << "' in: " << r.err;
+    EXPECT_EQ(ckpt_step(dir), 10) << "latest must stay on the last good checkpoint";
+  }
+  // A save that fails (its directory is in the way) leaves latest on step 10.
+  std::system(("cd " + quote(step) + " && mv -f COMPLETE.x COMPLETE").c_str());
+  std::ofstream(step + "/rank-0.safetensors", std::ios::binary) << good;
+  std::ofstream(dir + "/step-00000015") << "in the way";
+  Result r =
+      run(train_gpt(kCkptFlags + " --steps 20 --ckpt-every 5 --resume", {"--ckpt-dir", dir}));
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("the previous one is intact"), std::string::npos) << r.err;
+  EXPECT_EQ(ckpt_step(dir), 10);
 }
 
 TEST(TrainGptHelp, ListsTheIssueFlags) {

@@ -95,6 +95,21 @@ static struct rtp_tensor *mlp(struct rtp_context *ctx, const struct gpt_block *b
   return linear(ctx, h, blk->mlp_proj_w, blk->mlp_proj_b);
 }
 
+/* For the tp strategy (Megatron): q, k and v (three groups of c_attn's rows) and c_fc
+ * are split by output rows, the projections after them by input columns, so attention
+ * runs on each rank's heads and the MLP on its hidden units. Ignored by the others. */
+static void mark_tp(const struct gpt_block *b) {
+  if (!b->c_attn_w || !b->c_attn_b || !b->c_fc_w || !b->c_fc_b || !b->attn_proj_w ||
+      !b->mlp_proj_w)
+    return; /* the context is full: gpt_build reports it */
+  rtp_set_tp(b->c_attn_w, RTP_TP_COLUMN, 3);
+  rtp_set_tp(b->c_attn_b, RTP_TP_COLUMN, 3);
+  rtp_set_tp(b->c_fc_w, RTP_TP_COLUMN, 1);
+  rtp_set_tp(b->c_fc_b, RTP_TP_COLUMN, 1);
+  rtp_set_tp(b->attn_proj_w, RTP_TP_ROW, 1);
+  rtp_set_tp(b->mlp_proj_w, RTP_TP_ROW, 1);
+}
+
 static void make_params(struct rtp_context *ctx, struct gpt *m) {
   int64_t d = m->cfg.d_model;
   m->wte = param(ctx, m, d, m->cfg.vocab, "transformer.wte.weight", 0);
@@ -113,6 +128,7 @@ static void make_params(struct rtp_context *ctx, struct gpt *m) {
     b->c_fc_b = param(ctx, m, 4 * d, 0, "transformer.h.%d.mlp.c_fc.bias", l);
     b->mlp_proj_w = param(ctx, m, 4 * d, d, "transformer.h.%d.mlp.c_proj.weight", l);
     b->mlp_proj_b = param(ctx, m, d, 0, "transformer.h.%d.mlp.c_proj.bias", l);
+    mark_tp(b);
   }
   m->ln_f_w = param(ctx, m, d, 0, "transformer.ln_f.weight", 0);
   m->ln_f_b = param(ctx, m, d, 0, "transformer.ln_f.bias", 0);

@@ -5,6 +5,7 @@
  *     train-gpt --data input.txt --export model.safetensors
  *     train-gpt --init model.safetensors --eval-only --data test.txt
  *     train-gpt --init model.safetensors --sample 200 --prompt "12+34="
+ *     train-gpt --ckpt-dir ck --ckpt-every 50            # then, after a crash: --resume
  *     rtp-run -n 2 -- train-gpt --config tiny --strategy rtp --batch 4
  *
  * One process or N ranks (rtp-run, Slurm or MPI environment variables), one code path:
@@ -90,9 +91,12 @@ static int flag_table(struct options *o, struct flag *f) {
        "held-out windows per evaluation (256; 0: all)"},
       {"--eval-problems", ARG_INT, &o->eval_problems, "N",
        "held-out sums for the accuracy (64)"},
-      {"--ckpt-dir", ARG_STR, &o->ckpt_dir, "DIR", "sharded checkpoints (not yet supported)"},
-      {"--ckpt-every", ARG_INT, &o->ckpt_every, "N", "steps between checkpoints (not yet)"},
-      {"--resume", ARG_BOOL, &o->resume, NULL, "continue from --ckpt-dir (not yet supported)"},
+      {"--ckpt-dir", ARG_STR, &o->ckpt_dir, "DIR",
+       "write sharded checkpoints there (the last 2 are kept)"},
+      {"--ckpt-every", ARG_INT, &o->ckpt_every, "N",
+       "steps between checkpoints (0: only at the end)"},
+      {"--resume", ARG_BOOL, &o->resume, NULL,
+       "continue from --ckpt-dir's latest checkpoint (same --seed and global batch)"},
       {"--help", ARG_BOOL, &o->help, NULL, "this text"},
   };
   _Static_assert(sizeof(t) / sizeof(t[0]) <= MAX_FLAGS, "raise MAX_FLAGS");
@@ -184,6 +188,13 @@ static int parse_args(int argc, char **argv, struct options *o) {
   return 0;
 }
 
+/* Whether dir has a latest pointer: a new run must not replace those checkpoints. */
+static bool has_checkpoint(const char *dir) {
+  char path[4096];
+  snprintf(path, sizeof(path), "%s/latest", dir);
+  return access(path, F_OK) == 0;
+}
+
 /* What the parser accepts but this build cannot do yet gets a clear refusal. */
 static int check_options(const struct options *o) {
   static const char *const strategies[] = {"rtp", "ddp", "fsdp", "tp"};
@@ -191,11 +202,23 @@ static int check_options(const struct options *o) {
   for (int i = 0; i < 4; i++) known |= strcmp(o->strategy, strategies[i]) == 0;
   if (!known)
     return usage_error("--strategy must be rtp, ddp, fsdp or tp, not '%s'", o->strategy);
-  if (o->ckpt_dir || o->ckpt_every || o->resume)
-    return usage_error("--ckpt-dir, --ckpt-every and --resume are not yet supported");
+  if ((o->ckpt_every || o->resume) && !o->ckpt_dir)
+    return usage_error("--ckpt-every and --resume need --ckpt-dir");
+  if (o->ckpt_dir && o->eval_only) return usage_error("--eval-only does not take --ckpt-dir");
+  if (o->resume && o->init) return usage_error("--resume and --init both give the weights");
+  if (o->ckpt_dir && !o->resume && has_checkpoint(o->ckpt_dir))
+    return usage_error("--ckpt-dir %s already has checkpoints: --resume continues from them",
+                       o->ckpt_dir);
   struct rtp_comm_params p;
   if (rtp_comm_params_from_env(&p) != RTP_OK)
     return usage_error("bad rank environment: %s", rtp_last_error());
+  /* The library has tp, but it wants the whole global batch on every rank, and this
+   * trainer gives each rank its own share. */
+  if (!strcmp(o->strategy, "tp") && p.world_size > 1)
+    return usage_error(
+        "--strategy tp on %d ranks is not yet supported by train-gpt "
+        "(tp needs the whole batch on every rank)",
+        p.world_size);
   if (o->batch < 1) return usage_error("--batch must be at least 1");
   if (o->prompt && !*o->prompt) return usage_error("--prompt must not be empty");
   return 0;
@@ -860,6 +883,72 @@ static int export_model(struct trainer *tr, const char *path, int64_t steps) {
   return rc;
 }
 
+/* ---- checkpoints ----------------------------------------------------------------------- */
+
+/* What decides the steps after a checkpoint besides the weights and Adam states: the
+ * batches are drawn from (seed, step) over the global batch, so the data position is the
+ * step itself. */
+struct ckpt_state {
+  char seed[24], batch[24], pos[24];
+  const char *kv[7];
+};
+
+static struct rtp_ckpt_params ckpt_params(struct trainer *tr, const struct options *o,
+                                          struct ckpt_state *cs, int64_t step) {
+  snprintf(cs->seed, sizeof(cs->seed), "%" PRId64, o->seed);
+  snprintf(cs->batch, sizeof(cs->batch), "%d", tr->world * tr->m.batch);
+  snprintf(cs->pos, sizeof(cs->pos), "%" PRId64, step);
+  const char *kv[] = {"seed", cs->seed, "global_batch", cs->batch, "data_pos", cs->pos, NULL};
+  memcpy(cs->kv, kv, sizeof(kv));
+  return (struct rtp_ckpt_params){o->ckpt_dir,    tr->par, tr->comm, tr->strategy, tr->m.params,
+                                  tr->m.n_params, tr->opt, 2,        cs->kv};
+}
+
+static int save_checkpoint(struct trainer *tr, const struct options *o, int64_t step) {
+  struct ckpt_state cs;
+  struct rtp_ckpt_params p = ckpt_params(tr, o, &cs, step);
+  int rc = rtp_ckpt_save(&p, step);
+  if (rc)
+    return fail(rc, "checkpoint of step %" PRId64 " in %s (the previous one is intact)", step,
+                o->ckpt_dir);
+  if (tr->rank == 0 && !isatty(STDOUT_FILENO)) /* on a terminal it would break the bar */
+    printf("checkpoint %s/step-%08" PRId64 "\n", o->ckpt_dir, step);
+  return RTP_OK;
+}
+
+/* A resumed run must draw the same batches as the run it continues. */
+static int check_resume_state(const struct rtp_ckpt *c, const struct ckpt_state *cs) {
+  const char *keys[] = {"seed", "global_batch"}, *mine[] = {cs->seed, cs->batch};
+  for (int i = 0; i < 2; i++) {
+    const char *saved = rtp_ckpt_state(c, keys[i]);
+    if (!saved || strcmp(saved, mine[i])) {
+      fprintf(stderr,
+              "train-gpt: --resume: %s was saved with %s %s, this run has %s (use the same "
+              "--seed and ranks x --batch)\n",
+              rtp_ckpt_path(c), keys[i], saved ? saved : "(none)", mine[i]);
+      return RTP_EINVAL;
+    }
+  }
+  return RTP_OK;
+}
+
+/* The weights, Adam states and step of --ckpt-dir's latest checkpoint. */
+static int resume(struct trainer *tr, const struct options *o, int64_t *step) {
+  struct rtp_ckpt *c = NULL;
+  struct ckpt_state cs;
+  int rc = rtp_ckpt_open(o->ckpt_dir, &c);
+  if (rc) return fail(rc, "--resume");
+  struct rtp_ckpt_params p = ckpt_params(tr, o, &cs, 0);
+  rc = check_resume_state(c, &cs);
+  if (!rc && (rc = rtp_ckpt_load(c, &p))) fail(rc, "--resume from %s", rtp_ckpt_path(c));
+  *step = rtp_ckpt_step(c);
+  if (!rc && tr->rank == 0)
+    printf("resumed from %s (step %" PRId64 ", saved on %d ranks with %s)\n", rtp_ckpt_path(c),
+           *step, rtp_ckpt_world_size(c), rtp_strategy_name(rtp_ckpt_strategy(c)));
+  rtp_ckpt_close(c);
+  return rc;
+}
+
 /* ---- progress and metrics ------------------------------------------------------------------
  */
 
@@ -942,11 +1031,11 @@ static void print_progress(const struct trainer *tr, const struct step_stats *s,
 /* ---- the two modes ---------------------------------------------------------------------- */
 
 static int run_training(struct trainer *tr, const struct dataset *d, const struct options *o,
-                        FILE *metrics) {
+                        int64_t first, FILE *metrics) {
   int every = o->log_every ? o->log_every : (o->steps >= 20 ? o->steps / 20 : 1);
   bool tty = isatty(STDOUT_FILENO);
   double start = now_s(), tokens = (double)tr->world * tr->m.batch * tr->m.cfg.seq_len;
-  for (int64_t step = 0; step < o->steps; step++) {
+  for (int64_t step = first; step < o->steps; step++) {
     double t0 = now_s();
     float loss = 0;
     int rc = train_step(tr, d, (uint64_t)o->seed, step, &loss);
@@ -962,11 +1051,15 @@ static int run_training(struct trainer *tr, const struct dataset *d, const struc
     bool log = s.step % every == 0 || s.step == 1 || s.step == o->steps;
     if (log && (rc = eval_all(tr, d, o->eval_windows, o->eval_problems, &e))) return rc;
     s.eval = log ? &e : NULL;
-    s.eta_s = (now_s() - start) / (double)s.step * (double)(o->steps - s.step);
+    s.eta_s = (now_s() - start) / (double)(s.step - first) * (double)(o->steps - s.step);
     if (metrics) write_metrics(metrics, tr, &s);
     if (log && tr->rank == 0) print_progress(tr, &s, tty);
+    bool ckpt =
+        o->ckpt_dir && ((o->ckpt_every && s.step % o->ckpt_every == 0) || s.step == o->steps);
+    if (ckpt && (rc = save_checkpoint(tr, o, s.step))) return rc;
   }
-  if (tr->rank == 0) printf("trained %d steps in %.1f s\n", o->steps, now_s() - start);
+  if (tr->rank == 0)
+    printf("trained %" PRId64 " steps in %.1f s\n", o->steps - first, now_s() - start);
   return RTP_OK;
 }
 
@@ -1026,13 +1119,20 @@ static int run(struct options *o) {
   struct dataset data = {0};
   struct trainer tr = {0};
   FILE *metrics = NULL;
+  int64_t first = 0;
   int rc = open_inputs(o, &init, &cfg, &data);
   if (!rc) rc = trainer_init(&tr, cfg, o);
-  if (!rc) rc = init ? load_init(&tr, init, o->init) : init_weights(&tr, (uint64_t)o->seed);
+  if (!rc && o->ckpt_dir && tr.strategy == RTP_STRATEGY_TP) {
+    fprintf(stderr, "train-gpt: --ckpt-dir with --strategy tp is not yet supported\n");
+    rc = EXIT_USAGE;
+  }
+  if (!rc && o->resume) rc = resume(&tr, o, &first);
+  if (!rc && !o->resume)
+    rc = init ? load_init(&tr, init, o->init) : init_weights(&tr, (uint64_t)o->seed);
   if (!rc && o->metrics) rc = open_metrics(&tr, o->metrics, &metrics);
-  if (!rc && !o->eval_only && o->steps > 0) {
+  if (!rc && !o->eval_only && o->steps > first) {
     if (tr.rank == 0) print_model(&tr, o);
-    rc = run_training(&tr, &data, o, metrics);
+    rc = run_training(&tr, &data, o, first, metrics);
   }
   if (!rc && o->eval_only) rc = run_eval_only(&tr, &data, o);
   if (!rc && o->sample) rc = run_sample(&tr, &data, o);

@@ -1,0 +1,734 @@
+/*
+ * rtp-ckpt.c - sharded checkpoints of a parallel plan and its Adam states.
+ *
+ * Layout of DIR/step-<8 digits>/:
+ *   rank-<k>.safetensors  rank k's block of every parameter P (named P) and of its Adam
+ *                         states (adam.m.P, adam.v.P); under ddp every rank holds all of
+ *                         it, so rank 0 alone writes rank-0.safetensors
+ *   index.json            step, world size, strategy, Adam steps, the caller's state, each
+ *                         rank file's size and SHA-256, every tensor's global shape and
+ *                         which rank holds which rows
+ *   COMPLETE              "sha256 <hex of index.json>": written last, so a directory
+ *                         without it is an interrupted save and is never loaded
+ * and DIR/latest names the newest complete step directory. Every file is written to a
+ * temporary name, fsynced and renamed; latest moves only after every rank has written
+ * and the marker is on disk, so a crash or a full disk at any point leaves the previous
+ * checkpoint loadable.
+ *
+ * Loading reads, for each parameter, the rows this rank needs from whichever rank files
+ * hold them (their row ranges follow from the files' shapes, in rank order), so a
+ * checkpoint loads onto any world size and strategy. Each file's checksum is verified
+ * before its first read.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "rtp-impl.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <openssl/evp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define CK_PATH 4096
+#define CK_MAX_INDEX ((size_t)64 << 20)
+#define CK_MAX_STATE 32
+
+struct rtp_ckpt {
+  char dir[CK_PATH]; /* the step directory */
+  char *index;       /* index.json, verified against the marker */
+  int64_t step, adam_steps;
+  int world;
+  enum rtp_strategy strategy;
+  int n_state;
+  char state[CK_MAX_STATE][2][RTP_MAX_NAME];
+};
+
+/* What each rank reports to rank 0 after writing its file. */
+struct ck_rank_rec {
+  int32_t status;
+  int32_t wrote; /* 0: this rank writes no file (ddp ranks other than 0) */
+  uint64_t bytes;
+  char sha[72];
+};
+
+/* ---- small helpers ------------------------------------------------------------------ */
+
+static void ck_rank_world(const struct rtp_ckpt_params *p, int *rank, int *world) {
+  *rank = p->comm ? rtp_comm_rank(p->comm) : 0;
+  *world = p->comm ? rtp_comm_size(p->comm) : 1;
+}
+
+/* ddp replicates everything: one copy is enough. */
+static bool ck_writes_file(enum rtp_strategy s, int rank) {
+  return !(s == RTP_STRATEGY_DDP && rank > 0);
+}
+
+static int ck_path(char *buf, const char *a, const char *b) {
+  int n = snprintf(buf, CK_PATH, "%s/%s", a, b);
+  if (n < 0 || n >= CK_PATH) return rtp__error(RTP_EINVAL, "checkpoint path too long: %s", a);
+  return RTP_OK;
+}
+
+static int ck_sha256_file(const char *path, char hex[65], uint64_t *bytes) {
+  FILE *f = fopen(path, "rb");
+  if (!f) return rtp__error(RTP_EIO, "%s: %s", path, strerror(errno));
+  EVP_MD_CTX *md = EVP_MD_CTX_new();
+  unsigned char *buf = malloc(1 << 20), digest[32];
+  unsigned len = 0;
+  bool ok = md && buf && EVP_DigestInit_ex(md, EVP_sha256(), NULL);
+  *bytes = 0;
+  for (size_t got = 1; ok && got > 0; *bytes += got) {
+    got = fread(buf, 1, 1 << 20, f);
+    ok = EVP_DigestUpdate(md, buf, got);
+  }
+  ok = ok && !ferror(f) && EVP_DigestFinal_ex(md, digest, &len);
+  fclose(f);
+  free(buf);
+  EVP_MD_CTX_free(md);
+  if (!ok) return rtp__error(RTP_EIO, "%s: cannot read it to compute its checksum", path);
+  for (int i = 0; i < 32; i++) snprintf(hex + 2 * i, 3, "%02x", digest[i]);
+  return RTP_OK;
+}
+
+static int ck_sync_dir(const char *dir) {
+  int fd = open(dir, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return rtp__error(RTP_EIO, "%s: %s", dir, strerror(errno));
+  int rc = fsync(fd) == 0 || errno == EINVAL
+               ? RTP_OK
+               : rtp__error(RTP_EIO, "%s: fsync: %s", dir, strerror(errno));
+  close(fd);
+  return rc;
+}
+
+/* dir/name = text, atomically: a temporary file, fsync, rename, fsync of dir. */
+static int ck_write_atomic(const char *dir, const char *name, const char *text) {
+  char path[CK_PATH], tmp[CK_PATH + 32];
+  int rc = ck_path(path, dir, name);
+  if (rc) return rc;
+  snprintf(tmp, sizeof(tmp), "%s.tmp.%ld", path, (long)getpid());
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  if (fd < 0) return rtp__error(RTP_EIO, "%s: %s", tmp, strerror(errno));
+  size_t n = strlen(text), done = 0;
+  while (done < n) {
+    ssize_t w = write(fd, text + done, n - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) break;
+    done += (size_t)w;
+  }
+  int err = done < n ? (errno ? errno : ENOSPC) : fsync(fd) ? errno : 0;
+  if (close(fd) && !err) err = errno;
+  if (!err && rename(tmp, path)) err = errno;
+  if (err) {
+    unlink(tmp);
+    return rtp__error(RTP_EIO, "%s: %s", path, strerror(err));
+  }
+  return ck_sync_dir(dir);
+}
+
+/* The whole of a small file, NUL-terminated; *text NULL on failure. */
+static int ck_read_file(const char *path, char **text) {
+  *text = NULL;
+  FILE *f = fopen(path, "rb");
+  if (!f) return rtp__error(RTP_EIO, "%s: %s", path, strerror(errno));
+  struct stat sb;
+  size_t size = fstat(fileno(f), &sb) == 0 ? (size_t)sb.st_size : 0;
+  char *buf = size <= CK_MAX_INDEX ? malloc(size + 1) : NULL;
+  size_t n = buf ? fread(buf, 1, size, f) : 0;
+  bool bad = !buf || ferror(f) || n != size;
+  fclose(f);
+  if (bad) {
+    free(buf);
+    return rtp__error(RTP_EIO, "%s: cannot read it (or larger than 64 MiB)", path);
+  }
+  buf[n] = 0;
+  *text = buf;
+  return RTP_OK;
+}
+
+/* Removes a step directory (flat: files only). */
+static void ck_remove_dir(const char *path) {
+  DIR *d = opendir(path);
+  if (!d) return;
+  char f[CK_PATH];
+  for (struct dirent *e; (e = readdir(d));)
+    if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..") && !ck_path(f, path, e->d_name))
+      unlink(f);
+  closedir(d);
+  rmdir(path);
+}
+
+static bool ck_parse_step_name(const char *name, int64_t *step) {
+  char *end;
+  if (strncmp(name, "step-", 5) || strlen(name) != 13) return false;
+  *step = strtoll(name + 5, &end, 10);
+  return *end == 0 && *step >= 0;
+}
+
+static bool ck_is_complete(const char *stepdir) {
+  char m[CK_PATH];
+  return !ck_path(m, stepdir, "COMPLETE") && access(m, F_OK) == 0;
+}
+
+/* Deletes step directories older than the keep newest complete ones (never newer ones:
+ * they may be a save in progress). */
+static void ck_prune(const char *dir, int keep) {
+  int64_t steps[256]; /* more step directories than this are left alone */
+  int n = 0;
+  DIR *d = opendir(dir);
+  if (!d) return;
+  char path[CK_PATH];
+  for (struct dirent *e; (e = readdir(d)) && n < 256;)
+    if (ck_parse_step_name(e->d_name, &steps[n]) && !ck_path(path, dir, e->d_name)) n++;
+  closedir(d);
+  int64_t cutoff = -1;
+  for (int kept = 0; kept < keep;) { /* the keep-th newest complete step */
+    int64_t best = -1;
+    for (int i = 0; i < n; i++) {
+      snprintf(path, sizeof(path), "%s/step-%08" PRId64, dir, steps[i]);
+      if ((cutoff < 0 || steps[i] < cutoff) && steps[i] > best && ck_is_complete(path))
+        best = steps[i];
+    }
+    if (best < 0) return; /* fewer than keep complete ones: delete nothing */
+    cutoff = best;
+    kept++;
+  }
+  for (int i = 0; i < n; i++)
+    if (steps[i] < cutoff) {
+      snprintf(path, sizeof(path), "%s/step-%08" PRId64, dir, steps[i]);
+      ck_remove_dir(path);
+    }
+}
+
+/* ---- saving ------------------------------------------------------------------------- */
+
+/* Names and state go into index.json unescaped and are found again by plain search, so
+ * they are restricted to characters JSON never escapes. */
+static bool ck_is_word(const char *s) {
+  static const char ok[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.+-";
+  return *s && strlen(s) < RTP_MAX_NAME && strspn(s, ok) == strlen(s);
+}
+
+static int ck_check_params(const struct rtp_ckpt_params *p) {
+  if (!p || !p->dir || !*p->dir || !p->par || !p->params || p->n_params < 1)
+    return rtp__error(RTP_EINVAL, "rtp_ckpt: need dir, par and params");
+  for (int i = 0; i < p->n_params; i++)
+    if (!p->params[i] || !ck_is_word(p->params[i]->name))
+      return rtp__error(RTP_EINVAL, "rtp_ckpt: parameter %d: names must be [A-Za-z0-9_.+-]", i);
+  for (int i = 0; p->state_kv && p->state_kv[i]; i++)
+    if (i >= 2 * CK_MAX_STATE || !ck_is_word(p->state_kv[i]))
+      return rtp__error(RTP_EINVAL,
+                        "rtp_ckpt: state '%s': at most %d pairs of [A-Za-z0-9_.+-] words",
+                        p->state_kv[i], CK_MAX_STATE);
+  return RTP_OK;
+}
+
+/* The Adam states of the rank tensor t, or NULL if opt does not update it. */
+static void ck_find_state(const struct rtp_optimizer *opt, const struct rtp_tensor *t,
+                          struct rtp_tensor **m, struct rtp_tensor **v) {
+  *m = *v = NULL;
+  struct rtp_tensor *q;
+  for (int k = 0; k < rtp_optimizer_count(opt); k++)
+    if (!rtp_optimizer_state(opt, k, &q, m, v) && q == t) return;
+  *m = *v = NULL;
+}
+
+/* Writes this rank's blocks, named after the one-device tensors, into dir/rank-<rank>. */
+static int ck_save_rank(const struct rtp_ckpt_params *p, const char *stepdir, int rank,
+                        struct ck_rank_rec *rec) {
+  char path[CK_PATH], name[32];
+  snprintf(name, sizeof(name), "rank-%d.safetensors", rank);
+  int rc = ck_path(path, stepdir, name);
+  size_t hdr = (size_t)(3 * p->n_params + 8) * 1024;
+  struct rtp_context *views = rc ? NULL : rtp_init((struct rtp_init_params){hdr, NULL, true});
+  struct rtp_tensor **ts = malloc(3 * (size_t)p->n_params * sizeof(*ts));
+  if (!rc && (!views || !ts)) rc = rtp__error(RTP_ENOMEM, "%s: out of memory", path);
+  int n = 0;
+  for (int i = 0; i < p->n_params && !rc; i++) {
+    struct rtp_tensor *t = rtp_parallel_tensor(p->par, p->params[i]), *st[3] = {t};
+    ck_find_state(p->opt, t, &st[1], &st[2]);
+    for (int j = 0; j < 3 && st[j]; j++) {
+      struct rtp_tensor *v = rtp_view_rows(views, st[j], 0, st[j]->ne[rtp_n_dims(t) - 1]);
+      if (!v) rc = rtp__error(RTP_ENOMEM, "%s: out of memory", path);
+      if (!rc)
+        ts[n++] = rtp_set_name(v, "%s%.54s", j ? (j == 1 ? "adam.m." : "adam.v.") : "",
+                               p->params[i]->name);
+    }
+  }
+  char rs[16];
+  snprintf(rs, sizeof(rs), "%d", rank);
+  const char *meta[] = {"format", "rtp-checkpoint", "rank", rs, NULL};
+  if (!rc) rc = rtp_safetensors_save(path, ts, n, meta);
+  if (!rc) rc = ck_sha256_file(path, rec->sha, &rec->bytes);
+  rtp_free(views);
+  free(ts);
+  return rc;
+}
+
+/* Every rank's records, on every rank (each fills its own slot first). */
+static int ck_allgather(const struct rtp_ckpt_params *p, void *buf, size_t elem) {
+  if (!p->comm) return RTP_OK;
+  return rtp_comm_allgather(p->comm, buf, (size_t)rtp_comm_size(p->comm), elem, NULL);
+}
+
+/* The rows each rank holds of every parameter: blocks[(rank * n + i) * 2 + {0, 1}]. */
+static int ck_gather_blocks(const struct rtp_ckpt_params *p, int rank, int world,
+                            int64_t **blocks) {
+  size_t per = (size_t)p->n_params * 2;
+  *blocks = calloc((size_t)world * per, sizeof(int64_t));
+  if (!*blocks) return rtp__error(RTP_ENOMEM, "rtp_ckpt_save: out of memory");
+  for (int i = 0; i < p->n_params; i++) {
+    int dim;
+    int64_t *b = *blocks + (size_t)rank * per + 2 * (size_t)i;
+    if (rtp_parallel_block(p->par, p->params[i], &b[0], &b[1], &dim) ||
+        dim != rtp_n_dims(p->params[i]) - 1)
+      b[0] = -1; /* not one block of rows: every rank sees it after the gather */
+  }
+  return ck_allgather(p, *blocks, per * sizeof(int64_t));
+}
+
+/* The files must tile every parameter's rows in rank order: true of ddp, fsdp and rtp;
+ * not of tp, whose blocks are columns or whole replicated tensors. */
+static int ck_check_blocks(const struct rtp_ckpt_params *p, int world, const int64_t *blocks) {
+  for (int i = 0; i < p->n_params; i++) {
+    const struct rtp_tensor *g = p->params[i];
+    int64_t next = 0;
+    for (int r = 0; r < world; r++) {
+      const int64_t *b = blocks + ((size_t)r * p->n_params + i) * 2;
+      if (!ck_writes_file(p->strategy, r)) continue;
+      if (b[0] != next) next = -1;
+      if (next < 0) break;
+      next += b[1];
+    }
+    if (next != g->ne[rtp_n_dims(g) - 1])
+      return rtp__error(RTP_ENOSYS,
+                        "rtp_ckpt: '%s' is not split into row blocks in rank order under "
+                        "strategy %s: checkpoints of it are not supported",
+                        g->name, rtp_strategy_name(p->strategy));
+  }
+  return RTP_OK;
+}
+
+static void ck_write_tensors(FILE *f, const struct rtp_ckpt_params *p, int world,
+                             const int64_t *blocks) {
+  fprintf(f, "  \"tensors\": [\n");
+  for (int i = 0; i < p->n_params; i++) {
+    const struct rtp_tensor *t = p->params[i];
+    fprintf(f, "    {\"name\": \"%s\", \"shape\": [", t->name);
+    for (int d = rtp_n_dims(t) - 1; d >= 0; d--)
+      fprintf(f, "%" PRId64 "%s", t->ne[d], d ? ", " : "");
+    fprintf(f, "], \"blocks\": [");
+    for (int r = 0; r < world; r++) {
+      if (!ck_writes_file(p->strategy, r)) continue;
+      const int64_t *b = blocks + ((size_t)r * p->n_params + i) * 2;
+      fprintf(f, "%s{\"rank\": %d, \"first\": %" PRId64 ", \"rows\": %" PRId64 "}",
+              r ? ", " : "", r, b[0], b[1]);
+    }
+    fprintf(f, "]}%s\n", i + 1 < p->n_params ? "," : "");
+  }
+  fprintf(f, "  ]\n}\n");
+}
+
+/* index.json: the top-level scalars first (rtp_ckpt_open looks them up by key). */
+static char *ck_index_json(const struct rtp_ckpt_params *p, int64_t step, int world,
+                           const struct ck_rank_rec *recs, const int64_t *blocks) {
+  char *text = NULL;
+  size_t len = 0;
+  FILE *f = open_memstream(&text, &len);
+  if (!f) return NULL;
+  fprintf(f,
+          "{\n  \"format\": \"rtp-checkpoint\",\n  \"version\": 1,\n  \"step\": %" PRId64
+          ",\n  \"world_size\": %d,\n  \"strategy\": \"%s\",\n  \"adam_steps\": %" PRId64
+          ",\n  \"state\": {",
+          step, world, rtp_strategy_name(p->strategy), rtp_optimizer_steps(p->opt));
+  for (int i = 0; p->state_kv && p->state_kv[i] && p->state_kv[i + 1]; i += 2)
+    fprintf(f, "%s\"%s\": \"%s\"", i ? ", " : "", p->state_kv[i], p->state_kv[i + 1]);
+  fprintf(f, "},\n  \"files\": [\n");
+  for (int r = 0; r < world; r++)
+    if (recs[r].wrote)
+      fprintf(f,
+              "    {\"name\": \"rank-%d.safetensors\", \"rank\": %d, \"bytes\": %" PRIu64
+              ", \"sha256\": \"%s\"}%s\n",
+              r, r, recs[r].bytes, recs[r].sha, r + 1 < world && recs[r + 1].wrote ? "," : "");
+  fprintf(f, "  ],\n");
+  ck_write_tensors(f, p, world, blocks);
+  if (fclose(f)) {
+    free(text);
+    return NULL;
+  }
+  return text;
+}
+
+/* Rank 0, once every rank has written: index, marker, then latest, then pruning. */
+static int ck_commit(const struct rtp_ckpt_params *p, const char *stepdir, int64_t step,
+                     int world, const struct ck_rank_rec *recs, const int64_t *blocks) {
+  char *index = ck_index_json(p, step, world, recs, blocks);
+  if (!index) return rtp__error(RTP_ENOMEM, "%s: out of memory for the index", stepdir);
+  int rc = ck_write_atomic(stepdir, "index.json", index);
+  free(index);
+  char ipath[CK_PATH], hex[65], text[128];
+  uint64_t bytes;
+  if (!rc) rc = ck_path(ipath, stepdir, "index.json");
+  if (!rc) rc = ck_sha256_file(ipath, hex, &bytes);
+  snprintf(text, sizeof(text), "sha256 %s\n", hex);
+  if (!rc) rc = ck_write_atomic(stepdir, "COMPLETE", text);
+  snprintf(text, sizeof(text), "step-%08" PRId64 "\n", step);
+  if (!rc) rc = ck_write_atomic(p->dir, "latest", text);
+  if (!rc) ck_prune(p->dir, p->keep > 0 ? p->keep : 2);
+  return rc;
+}
+
+/* Rank 0 makes the step directory, clearing what an interrupted save of this step left;
+ * a complete one is never touched. */
+static int ck_prepare_dir(const struct rtp_ckpt_params *p, const char *stepdir) {
+  if (mkdir(p->dir, 0777) && errno != EEXIST)
+    return rtp__error(RTP_EIO, "%s: %s", p->dir, strerror(errno));
+  if (ck_is_complete(stepdir))
+    return rtp__error(RTP_ESTATE, "%s already holds a complete checkpoint", stepdir);
+  ck_remove_dir(stepdir);
+  if (mkdir(stepdir, 0777)) return rtp__error(RTP_EIO, "%s: %s", stepdir, strerror(errno));
+  return RTP_OK;
+}
+
+/* Every rank leaves with rank 0's status; the first failure's message stays local. */
+static int ck_agree(const struct rtp_ckpt_params *p, int rc, const char *what) {
+  int32_t verdict = rc;
+  if (!p->comm) return rc;
+  int brc = rtp_comm_broadcast(p->comm, &verdict, sizeof(verdict), 0, NULL);
+  if (brc) return brc;
+  if (verdict && !rc) return rtp__error(verdict, "rank 0 failed %s", what);
+  return rc ? rc : verdict;
+}
+
+/* Any rank's failure fails every rank. */
+static int ck_any_failed(const struct rtp_ckpt_params *p, int rc, const char *what) {
+  int rank, world;
+  ck_rank_world(p, &rank, &world);
+  int32_t *all = calloc((size_t)world, sizeof(int32_t));
+  if (!all) return rtp__error(RTP_ENOMEM, "%s: out of memory", what);
+  all[rank] = rc;
+  int grc = ck_allgather(p, all, sizeof(int32_t));
+  for (int r = 0; r < world && !grc && !rc; r++)
+    if (all[r]) rc = rtp__error(all[r], "rank %d failed %s", r, what);
+  free(all);
+  return grc ? grc : rc;
+}
+
+int rtp_ckpt_save(const struct rtp_ckpt_params *p, int64_t step) {
+  int rc = ck_check_params(p), rank, world;
+  if (rc) return rc;
+  if (step < 0 || step > 99999999) return rtp__error(RTP_EINVAL, "rtp_ckpt_save: bad step");
+  ck_rank_world(p, &rank, &world);
+  char stepdir[CK_PATH], name[32];
+  snprintf(name, sizeof(name), "step-%08" PRId64, step);
+  if ((rc = ck_path(stepdir, p->dir, name))) return rc;
+  int64_t *blocks = NULL;
+  rc = ck_gather_blocks(p, rank, world, &blocks);
+  if (!rc) rc = ck_check_blocks(p, world, blocks);
+  if (!rc)
+    rc =
+        ck_agree(p, rank == 0 ? ck_prepare_dir(p, stepdir) : RTP_OK, "to create the directory");
+  struct ck_rank_rec *recs = rc ? NULL : calloc((size_t)world, sizeof(*recs));
+  if (!rc && !recs) rc = rtp__error(RTP_ENOMEM, "rtp_ckpt_save: out of memory");
+  if (rc) {
+    free(blocks);
+    return rc;
+  }
+  recs[rank].wrote = ck_writes_file(p->strategy, rank);
+  if (recs[rank].wrote) recs[rank].status = ck_save_rank(p, stepdir, rank, &recs[rank]);
+  rc = ck_allgather(p, recs, sizeof(*recs));
+  for (int r = 0; r < world && !rc; r++)
+    if (recs[r].status)
+      rc = r == rank ? recs[r].status
+                     : rtp__error(recs[r].status, "rank %d could not write its file in %s", r,
+                                  stepdir);
+  rc = ck_agree(p, rank == 0 && !rc ? ck_commit(p, stepdir, step, world, recs, blocks) : rc,
+                "to commit the checkpoint");
+  free(recs);
+  free(blocks);
+  return rc;
+}
+
+/* ---- opening ------------------------------------------------------------------------ */
+
+/* The integer after "key": at or after from; false if absent or malformed. */
+static bool ck_json_int(const char *from, const char *key, int64_t *out) {
+  char pat[80];
+  snprintf(pat, sizeof(pat), "\"%s\": ", key);
+  const char *s = strstr(from, pat);
+  if (!s) return false;
+  char *end;
+  errno = 0;
+  long long v = strtoll(s + strlen(pat), &end, 10);
+  if (errno || end == s + strlen(pat)) return false;
+  *out = v;
+  return true;
+}
+
+/* The string after "key": (our own words: no escapes) into buf. */
+static bool ck_json_str(const char *from, const char *key, char *buf, size_t n) {
+  char pat[80];
+  snprintf(pat, sizeof(pat), "\"%s\": \"", key);
+  const char *s = strstr(from, pat);
+  if (!s) return false;
+  s += strlen(pat);
+  size_t len = strcspn(s, "\"\n");
+  if (s[len] != '"' || len >= n) return false;
+  memcpy(buf, s, len);
+  buf[len] = 0;
+  return true;
+}
+
+/* The "state" object's string pairs. */
+static bool ck_parse_state(struct rtp_ckpt *c) {
+  const char *s = strstr(c->index, "\"state\": {");
+  if (!s) return false;
+  s += strlen("\"state\": {");
+  while (*s == '"' && c->n_state < CK_MAX_STATE) {
+    char *kv[2] = {c->state[c->n_state][0], c->state[c->n_state][1]};
+    for (int j = 0; j < 2; j++) {
+      size_t len = strcspn(s + 1, "\"\n");
+      if (s[1 + len] != '"' || len >= RTP_MAX_NAME) return false;
+      memcpy(kv[j], s + 1, len);
+      kv[j][len] = 0;
+      s += len + 2;
+      if (j == 0 && strncmp(s, ": ", 2)) return false;
+      s += j == 0 ? 2 : 0;
+    }
+    c->n_state++;
+    if (strncmp(s, ", ", 2)) break;
+    s += 2;
+  }
+  return *s == '}';
+}
+
+static int ck_parse_index(struct rtp_ckpt *c, const char *ipath) {
+  char strategy[32];
+  int64_t world = 0;
+  if (!ck_json_int(c->index, "step", &c->step) ||
+      !ck_json_int(c->index, "world_size", &world) ||
+      !ck_json_int(c->index, "adam_steps", &c->adam_steps) ||
+      !ck_json_str(c->index, "strategy", strategy, sizeof(strategy)) ||
+      rtp_strategy_parse(strategy, &c->strategy) || world < 1 || world > 1 << 16 ||
+      !ck_parse_state(c))
+    return rtp__error(RTP_EFORMAT, "%s: not an rtp checkpoint index", ipath);
+  c->world = (int)world;
+  return RTP_OK;
+}
+
+/* DIR/latest, which must name a step directory. */
+static int ck_read_latest(const char *dir, char *stepdir) {
+  char path[CK_PATH], *text;
+  int rc = ck_path(path, dir, "latest");
+  if (!rc) rc = ck_read_file(path, &text);
+  if (rc) {
+    char why[512]; /* the message is rewritten below: keep a copy */
+    snprintf(why, sizeof(why), "%s", rtp_last_error());
+    return rtp__error(rc, "%s: no checkpoint to resume from (%s)", dir, why);
+  }
+  int64_t step;
+  text[strcspn(text, "\n")] = 0;
+  if (!ck_parse_step_name(text, &step)) {
+    rc = rtp__error(RTP_EFORMAT, "%s: does not name a step-<8 digits> directory", path);
+  } else {
+    rc = ck_path(stepdir, dir, text);
+  }
+  free(text);
+  return rc;
+}
+
+/* The marker must exist and hold index.json's checksum. */
+static int ck_read_index(struct rtp_ckpt *c) {
+  char mpath[CK_PATH], ipath[CK_PATH], hex[65], *marker = NULL;
+  uint64_t bytes;
+  int rc = ck_path(mpath, c->dir, "COMPLETE");
+  if (!rc) rc = ck_path(ipath, c->dir, "index.json");
+  if (!rc && access(mpath, F_OK))
+    return rtp__error(RTP_EFORMAT, "%s is incomplete: no COMPLETE marker (an interrupted save)",
+                      c->dir);
+  if (!rc) rc = ck_read_file(mpath, &marker);
+  if (!rc) rc = ck_sha256_file(ipath, hex, &bytes);
+  if (!rc && (strncmp(marker, "sha256 ", 7) || strncmp(marker + 7, hex, 64)))
+    rc = rtp__error(RTP_EFORMAT, "%s: checksum mismatch: COMPLETE says %.64s, file is %s",
+                    ipath, marker + (strncmp(marker, "sha256 ", 7) ? 0 : 7), hex);
+  free(marker);
+  if (!rc) rc = ck_read_file(ipath, &c->index);
+  return rc ? rc : ck_parse_index(c, ipath);
+}
+
+int rtp_ckpt_open(const char *dir, struct rtp_ckpt **out) {
+  if (!dir || !out) return rtp__error(RTP_EINVAL, "rtp_ckpt_open: NULL argument");
+  *out = NULL;
+  struct rtp_ckpt *c = calloc(1, sizeof(*c));
+  if (!c) return rtp__error(RTP_ENOMEM, "rtp_ckpt_open: out of memory");
+  int rc = ck_read_latest(dir, c->dir);
+  if (!rc) rc = ck_read_index(c);
+  if (rc) {
+    rtp_ckpt_close(c);
+    return rc;
+  }
+  *out = c;
+  return RTP_OK;
+}
+
+void rtp_ckpt_close(struct rtp_ckpt *c) {
+  if (!c) return;
+  free(c->index);
+  free(c);
+}
+
+int64_t rtp_ckpt_step(const struct rtp_ckpt *c) {
+  return c ? c->step : -1;
+}
+
+int rtp_ckpt_world_size(const struct rtp_ckpt *c) {
+  return c ? c->world : 0;
+}
+
+enum rtp_strategy rtp_ckpt_strategy(const struct rtp_ckpt *c) {
+  return c ? c->strategy : RTP_STRATEGY_NONE;
+}
+
+const char *rtp_ckpt_path(const struct rtp_ckpt *c) {
+  return c ? c->dir : "";
+}
+
+const char *rtp_ckpt_state(const struct rtp_ckpt *c, const char *key) {
+  for (int i = 0; c && key && i < c->n_state; i++)
+    if (strcmp(c->state[i][0], key) == 0) return c->state[i][1];
+  return NULL;
+}
+
+/* ---- loading ------------------------------------------------------------------------ */
+
+/* The saved rank files, opened (headers only); each file's checksum is checked before the
+ * first read from it. */
+struct ck_files {
+  int n;
+  struct rtp_safetensors **st;
+  bool *verified;
+  const struct rtp_ckpt *c;
+};
+
+static int ck_open_files(const struct rtp_ckpt *c, struct ck_files *f) {
+  *f = (struct ck_files){.n = c->world, .c = c};
+  f->st = calloc((size_t)c->world, sizeof(*f->st));
+  f->verified = calloc((size_t)c->world, sizeof(bool));
+  if (!f->st || !f->verified) return rtp__error(RTP_ENOMEM, "%s: out of memory", c->dir);
+  for (int r = 0; r < c->world; r++) {
+    char name[32], path[CK_PATH];
+    snprintf(name, sizeof(name), "rank-%d.safetensors", r);
+    bool listed = strstr(c->index, name) != NULL;
+    if (!listed && ck_writes_file(c->strategy, r))
+      return rtp__error(RTP_EFORMAT, "%s: index.json lists no %s", c->dir, name);
+    if (!listed) continue;
+    int rc = ck_path(path, c->dir, name);
+    if (!rc) rc = rtp_safetensors_open(path, &f->st[r]);
+    if (rc) return rc;
+  }
+  return RTP_OK;
+}
+
+static void ck_close_files(struct ck_files *f) {
+  for (int r = 0; f->st && r < f->n; r++) rtp_safetensors_close(f->st[r]);
+  free(f->st);
+  free(f->verified);
+}
+
+static int ck_verify_file(struct ck_files *f, int r) {
+  if (f->verified[r]) return RTP_OK;
+  char name[40], want[72], path[CK_PATH], hex[65];
+  int64_t want_bytes;
+  uint64_t bytes;
+  snprintf(name, sizeof(name), "\"rank-%d.safetensors\"", r);
+  const char *entry = strstr(f->c->index, name);
+  if (!entry || !ck_json_int(entry, "bytes", &want_bytes) ||
+      !ck_json_str(entry, "sha256", want, sizeof(want)))
+    return rtp__error(RTP_EFORMAT, "%s: index.json has no checksum for rank %d", f->c->dir, r);
+  snprintf(name, sizeof(name), "rank-%d.safetensors", r);
+  int rc = ck_path(path, f->c->dir, name);
+  if (!rc) rc = ck_sha256_file(path, hex, &bytes);
+  if (!rc && bytes != (uint64_t)want_bytes)
+    rc = rtp__error(RTP_EFORMAT,
+                    "%s: truncated or changed: %" PRIu64 " bytes, index says %" PRId64, path,
+                    bytes, want_bytes);
+  if (!rc && strcmp(hex, want))
+    rc = rtp__error(RTP_EFORMAT, "%s: checksum mismatch (corrupted): sha256 %s, index says %s",
+                    path, hex, want);
+  f->verified[r] = !rc;
+  return rc;
+}
+
+/* The rows of name that file r holds along the outermost dimension (0 if absent). */
+static int64_t ck_file_rows(const struct ck_files *f, int r, const char *name, int dim) {
+  int64_t ne[RTP_MAX_DIMS];
+  int i = f->st[r] ? rtp_safetensors_find(f->st[r], name) : -1;
+  if (i < 0 || rtp_safetensors_info(f->st[r], i, NULL, NULL, NULL, ne)) return 0;
+  return ne[dim];
+}
+
+/* Reads rows [first, first + len) of the saved tensor name into t (rank block of the global
+ * tensor g), from whichever files hold them. */
+static int ck_read_block(struct ck_files *f, struct rtp_context *views, const char *name,
+                         const struct rtp_tensor *g, struct rtp_tensor *t, int64_t first) {
+  int dim = rtp_n_dims(g) - 1;
+  int64_t len = t->ne[dim], off = 0;
+  for (int r = 0; r < f->n; r++) {
+    int64_t n = ck_file_rows(f, r, name, dim);
+    int64_t lo = first > off ? first : off, hi = first + len < off + n ? first + len : off + n;
+    if (lo < hi) {
+      struct rtp_tensor *v = rtp_view_rows(views, t, lo - first, hi - lo);
+      int rc = v ? ck_verify_file(f, r) : rtp__error(RTP_ENOMEM, "out of memory");
+      if (!rc) rc = rtp_safetensors_read_rows(f->st[r], name, lo - off, v);
+      if (rc) return rc;
+    }
+    off += n;
+  }
+  if (off != g->ne[dim])
+    return rtp__error(RTP_ESHAPE,
+                      "%s: '%s' has %" PRId64 " rows in its files, the model %" PRId64,
+                      f->c->dir, name, off, g->ne[dim]);
+  return RTP_OK;
+}
+
+static int ck_load_tensors(const struct rtp_ckpt_params *p, struct ck_files *f) {
+  /* at most one view per file for each of the 3 tensors of a parameter */
+  size_t hdr = ((size_t)3 * p->n_params * f->n + 8) * 1024;
+  struct rtp_context *views = rtp_init((struct rtp_init_params){hdr, NULL, true});
+  if (!views) return rtp__error(RTP_ENOMEM, "rtp_ckpt_load: out of memory");
+  int rc = RTP_OK;
+  for (int i = 0; i < p->n_params && !rc; i++) {
+    const struct rtp_tensor *g = p->params[i];
+    struct rtp_tensor *t = rtp_parallel_tensor(p->par, g), *st[3] = {t};
+    int64_t first, len;
+    int dim;
+    rc = rtp_parallel_block(p->par, g, &first, &len, &dim);
+    if (!rc && dim != rtp_n_dims(g) - 1)
+      rc =
+          rtp__error(RTP_ENOSYS, "rtp_ckpt_load: '%s' is not held as a block of rows", g->name);
+    ck_find_state(p->opt, t, &st[1], &st[2]);
+    for (int j = 0; j < 3 && st[j] && !rc; j++) {
+      char name[RTP_MAX_NAME + 8];
+      snprintf(name, sizeof(name), "%s%s", j ? (j == 1 ? "adam.m." : "adam.v.") : "", g->name);
+      rc = ck_read_block(f, views, name, g, st[j], first);
+    }
+  }
+  rtp_free(views);
+  return rc;
+}
+
+int rtp_ckpt_load(const struct rtp_ckpt *c, const struct rtp_ckpt_params *p) {
+  int rc = ck_check_params(p);
+  if (rc) return rc;
+  if (!c) return rtp__error(RTP_EINVAL, "rtp_ckpt_load: no checkpoint");
+  struct ck_files f;
+  rc = ck_open_files(c, &f);
+  if (!rc) rc = ck_load_tensors(p, &f);
+  ck_close_files(&f);
+  if (!rc && p->opt) rtp_optimizer_set_steps(p->opt, c->adam_steps);
+  return ck_any_failed(p, rc, "to load the checkpoint");
+}
