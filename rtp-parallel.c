@@ -39,6 +39,9 @@ struct rtp_parallel {
    * and the previous op's compute, so the next op's gather is posted before it. */
   struct rtp_tensor *w_reader[2], *g_reader[2], *prev_apply;
   int n_gathers;
+  /* rtp backward: ops done so far, and the first node of the last one's final step */
+  int n_backward;
+  struct rtp_tensor *last_step;
   int *groups; /* tp: groups of the split dimension of each src node's rank tensor */
 };
 
@@ -455,16 +458,22 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
     fsdp_backward(p, kind, dim, full, x, own, dy, dx, dp);
     return;
   }
-  /* Only ops whose input gradient needs the block fetch it again (mul_mat, mul). */
+  /* Only ops whose input gradient needs the block fetch it again (mul_mat, mul). Step m
+   * = N-1-k holds its block in slot (j + m) % 2, j counting the ops' backward passes, so
+   * the first block lands in the slot the previous op's backward left free and can be
+   * fetched during that op's last step (an order edge on that step's first node). A
+   * transfer into a slot also waits (src[3]) for the node that last read it. */
   bool need_w = dx && (kind == ROT_MUL_MAT || kind == ROT_MUL);
+  int j = p->n_backward++;
   struct rtp_tensor *parts[RTP_MAX_WORLD] = {0}, *dx_sum = NULL, *w = NULL;
-  if (need_w)
-    w = rtp_sendrecv(ctx, p->comm, own, right, slot_as(p, p->pool_w[(N - 1) % 2], full, left),
-                     left, NULL);
-  /* Per step: this rank's part of the block's gradient (no block needed), then the
-   * prefetch of the next block, then the input gradient with the held block. */
+  if (need_w) {
+    w = rtp_sendrecv(ctx, p->comm, own, right, slot_as(p, p->pool_w[j % 2], full, left), left,
+                     p->w_reader[j % 2]);
+    if (w && p->last_step) p->last_step->src[RTP_SRC_ORDER] = w;
+  }
   struct rtp_tensor *g_in = NULL, *g = NULL, *last_read = NULL;
-  for (int k = N - 1; k >= 0; k--) {
+  int g_slot = 0;
+  for (int k = N - 1, m = 0; k >= 0; k--, m++) {
     int s = (r + k) % N;
     struct rtp_tensor *held = k == 0 ? own : w, *next_w = NULL;
     struct rtp_tensor *dys = dy_part(p, kind, dim, full, dy, s);
@@ -476,24 +485,35 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
     if (!contrib) return;
     contrib->src[RTP_SRC_ORDER] = last_read;
     last_read = contrib;
-    if (need_w && k > 1) /* at k = 1 the next block is our own */
+    if (k == 0) p->last_step = contrib;
+    if (need_w && k > 1) { /* at k = 1 the next block is our own */
+      int slot = (j + m + 1) % 2;
       next_w = rtp_sendrecv(ctx, p->comm, held, right,
-                            slot_as(p, p->pool_w[(k - 1) % 2], full, (s + N - 1) % N), left,
-                            contrib);
+                            slot_as(p, p->pool_w[slot], full, (s + N - 1) % N), left, contrib);
+      if (next_w) next_w->src[RTP_SRC_ORDER] = p->w_reader[slot];
+    }
     if (dx) {
       struct rtp_tensor *d = block_dx(p, kind, held, dys);
       if (d) {
         d->src[RTP_SRC_ORDER] = next_w ? next_w : contrib;
         last_read = d;
       }
+      if (need_w && k > 0) { /* d reads this step's slot and waited for the hop that
+                              * sent from the previous step's */
+        p->w_reader[(j + m) % 2] = d;
+        if (m > 0) p->w_reader[(j + m - 1) % 2] = d;
+      }
       if (kind == ROT_MUL_MAT) dx_sum = dx_sum ? rtp_add(ctx, dx_sum, d) : d;
       parts[s] = d;
     }
     g = g_in ? rtp_add(ctx, g_in, contrib) : contrib;
-    if (k > 0) /* the summed gradient of s goes on to the next holder */
-      g_in =
-          rtp_sendrecv(ctx, p->comm, rtp_cont(ctx, g), right,
-                       slot_as(p, p->pool_g[(k - 1) % 2], full, (s + N - 1) % N), left, g_in);
+    if (g_in) p->g_reader[g_slot] = g;
+    if (k > 0) { /* the summed gradient of s goes on to the next holder */
+      g_slot = (k - 1) % 2;
+      g_in = rtp_sendrecv(ctx, p->comm, rtp_cont(ctx, g), right,
+                          slot_as(p, p->pool_g[g_slot], full, (s + N - 1) % N), left, g_in);
+      if (g_in && !g_in->src[RTP_SRC_ORDER]) g_in->src[RTP_SRC_ORDER] = p->g_reader[g_slot];
+    }
     w = next_w;
   }
   *dp = g;
