@@ -1,11 +1,25 @@
-/* bench-parallel: the reference model trained with each strategy on N local ranks (the
- * benchmark forks them and joins them over TCP on 127.0.0.1), next to one process with
- * the same per-rank batch. One JSON line per strategy, printed by rank 0:
+/* bench-parallel: the reference model trained with each strategy on N ranks, next to one
+ * process with the same per-rank batch. One JSON line per strategy, printed by rank 0:
  * tokens/s over all ranks, step time, this rank's bytes by role, bytes sent per step,
- * peak resident memory, and the fraction of communication hidden behind compute.
+ * peak resident memory, the step's communication alone, and the fraction of it hidden
+ * behind compute.
+ *
+ * Two modes. By default the benchmark forks N local ranks and joins them over TCP on
+ * 127.0.0.1; the parent measures the one-process (compute-only) step first. When
+ * RTP_WORLD_SIZE is set (rtp-run, scripts/bench-parallel-netns.sh), this process is one
+ * rank of a job whose ranks are separate processes, possibly on other hosts: it joins
+ * through rtp_comm_params_from_env and runs every strategy as that rank (--ranks is
+ * ignored); before each strategy every rank measures the one-process step at once, and
+ * the mean over ranks is the compute-only figure.
+ *
+ * Communication alone ("comm_only_method":"replay"): after training, each rank walks its
+ * graph as the executor does (posts every transfer in order, waits for a node's inputs
+ * just before it would run) with every kernel skipped, plus the optimizer's grad-norm
+ * all-reduce: the exact transfers of one step, with the same sizes, peers and order, and
+ * no compute. "comm_est_ms" is the older estimate, bytes sent over a measured rotation.
  *
  *   bench-parallel [--model tiny|small|medium] [--ranks N] [--batch B] [--threads T]
- *                  [--steps S] [--strategies "ddp rtp"] [--master-port P]
+ *                  [--steps S] [--strategies "ddp rtp"] [--master-port P] [--net LABEL]
  */
 #include <signal.h>
 #include <stdio.h>
@@ -21,9 +35,11 @@
 
 struct opts {
   struct gpt_config cfg;
-  const char *model;
+  const char *model, *net; /* net: a label for the JSON (the link the ranks share) */
   int ranks, batch, threads, steps, port;
   char strategies[64];
+  enum rtp_strategy list[8]; /* --strategies, parsed before any rank joins */
+  int n_list;
 };
 
 static double now_s(void) {
@@ -42,6 +58,15 @@ static size_t proc_bytes(const char *key) {
       kb = (size_t)strtoull(line + strlen(key) + 1, NULL, 10);
   if (f) fclose(f);
   return kb * 1024;
+}
+
+/* Restarts VmHWM at the current RSS, so that a strategy run after another in the same
+ * process reports its own peak (Linux >= 4.0; where it fails the peak is the process's). */
+static void reset_peak(void) {
+  FILE *f = fopen("/proc/self/clear_refs", "w");
+  if (!f) return;
+  fputs("5", f);
+  fclose(f);
 }
 
 static void die(const char *what) {
@@ -74,10 +99,108 @@ static int cmp_double(const void *a, const void *b) {
 }
 
 struct result {
-  double step_s, sent, comm_s;
+  double step_s, sent, comm_s, comm_est_s;
   size_t baseline, peak;
   struct rtp_mem_report mem;
 };
+
+/* The transfer whose result t is (through any chain of views), or NULL. */
+static struct rtp_tensor *comm_source(struct rtp_tensor *t) {
+  while (t && rtp__is_view_op(t->op)) t = t->src[0];
+  return t && t->op == RTP_OP_COMM ? t : NULL;
+}
+
+/* Posts transfer t exactly as the executor does; its request waits in t->extra. */
+static int replay_post(struct rtp_tensor *t) {
+  struct rtp_comm *comm = (struct rtp_comm *)(uintptr_t)rtp__get_param_u64(t, 4);
+  struct rtp_comm_req *req = NULL;
+  int rc;
+  if (t->op_params[0] == RTP__COMM_SENDRECV) {
+    rc = rtp_comm_sendrecv(comm, t->src[0]->data, rtp_nbytes(t->src[0]), t->op_params[1],
+                           t->data, rtp_nbytes(t), t->op_params[2], &req);
+  } else if (t->op_params[0] == RTP__COMM_ALLGATHER) {
+    int d = rtp_n_dims(t) - 1;
+    rc = rtp_comm_allgather(comm, t->data, (size_t)t->ne[d], t->nb[d], &req);
+  } else {
+    rc = rtp_comm_allreduce(comm, t->data, (size_t)rtp_nelements(t), &req);
+  }
+  t->extra = rc ? NULL : req;
+  return rc;
+}
+
+static int replay_wait(struct rtp_tensor *c) {
+  if (!c || !c->extra) return RTP_OK;
+  int rc = rtp_comm_wait(c->extra);
+  c->extra = NULL;
+  return rc;
+}
+
+/* What the executor waits for before node t runs (order-only edges count for transfers). */
+static int replay_wait_inputs(struct rtp_tensor *t) {
+  int rc = RTP_OK;
+  for (int s = 0; s < RTP_MAX_SRC; s++) {
+    if (s == RTP_SRC_ORDER && t->op != RTP_OP_COMM) continue;
+    int w = t->src[s] ? replay_wait(comm_source(t->src[s])) : RTP_OK;
+    rc = rc ? rc : w;
+  }
+  return rc;
+}
+
+/* One step's communication without its compute: the executor's walk over g with every
+ * kernel skipped, then the scalar all-reduce rtp_optimizer_step makes for the norm. */
+static int replay_step(struct rtp_graph *g, struct rtp_comm *comm) {
+  int rc = RTP_OK;
+  for (int i = 0; i < g->n_nodes && !rc; i++) {
+    struct rtp_tensor *t = g->nodes[i];
+    if (rtp__is_view_op(t->op)) continue;
+    if (t->op == RTP_OP_COMM) rc = replay_post(t);
+    for (int j = i + 1; j < g->n_nodes && !rc; j++)
+      if (!rtp__is_view_op(g->nodes[j]->op)) {
+        rc = replay_wait_inputs(g->nodes[j]);
+        break;
+      }
+  }
+  for (int i = 0; i < g->n_nodes; i++) /* nothing stays in flight, even after a failure */
+    if (g->nodes[i]->op == RTP_OP_COMM) {
+      int w = replay_wait(g->nodes[i]);
+      rc = rc ? rc : w;
+    }
+  float f = 0;
+  return rc ? rc : rtp_comm_allreduce(comm, &f, 1, NULL);
+}
+
+/* Median time of n replays after one to warm up. */
+static double comm_only_s(struct rtp_graph *g, struct rtp_comm *comm, int n) {
+  double times[64];
+  for (int s = 0; s <= n; s++) {
+    double t0 = now_s();
+    if (replay_step(g, comm)) die("replay");
+    if (s > 0) times[s - 1] = now_s() - t0;
+  }
+  qsort(times, (size_t)n, sizeof(double), cmp_double);
+  return times[n / 2];
+}
+
+/* The older estimate: the step's bytes over the bandwidth of a rotation of 4 MiB blocks. */
+static double comm_estimate_s(struct rtp_comm *comm, double sent) {
+  size_t bytes = 4 << 20;
+  char *a = malloc(bytes), *b = malloc(bytes);
+  if (!a || !b) {
+    free(a);
+    free(b);
+    return 0;
+  }
+  memset(a, 1, bytes);
+  int r = rtp_comm_rank(comm), N = rtp_comm_size(comm);
+  double t0 = now_s();
+  for (int k = 0; k < 4; k++)
+    if (rtp_comm_sendrecv(comm, a, bytes, (r + 1) % N, b, bytes, (r + N - 1) % N, NULL))
+      die("sendrecv");
+  double bw = 4.0 * (double)bytes / (now_s() - t0);
+  free(a);
+  free(b);
+  return sent / bw;
+}
 
 /* One rank's run: build for one device (no memory for parameters), parallelize, train. */
 static struct result run_rank(const struct opts *o, enum rtp_strategy strategy,
@@ -124,20 +247,9 @@ static struct result run_rank(const struct opts *o, enum rtp_strategy strategy,
   res.sent = bytes_sent(g, comm ? rtp_comm_size(comm) : 1, comm ? rtp_comm_rank(comm) : 0);
   res.peak = proc_bytes("VmHWM:");
   rtp_mem_report_get(ctx, &res.mem);
-  /* Communication alone: the same bytes through one rotation of the largest message. */
   if (comm && rtp_comm_size(comm) > 1 && res.sent > 0) {
-    size_t bytes = 4 << 20;
-    char *a = malloc(bytes), *b = malloc(bytes);
-    memset(a, 1, bytes);
-    int r = rtp_comm_rank(comm), N = rtp_comm_size(comm);
-    double t0 = now_s();
-    for (int k = 0; k < 4; k++)
-      if (rtp_comm_sendrecv(comm, a, bytes, (r + 1) % N, b, bytes, (r + N - 1) % N, NULL))
-        die("sendrecv");
-    double bw = 4.0 * (double)bytes / (now_s() - t0);
-    res.comm_s = res.sent / bw;
-    free(a);
-    free(b);
+    res.comm_s = comm_only_s(g, comm, n);
+    res.comm_est_s = comm_estimate_s(comm, res.sent);
   }
   rtp_free(ctx);
   rtp_free(meta);
@@ -148,7 +260,7 @@ static struct result run_rank(const struct opts *o, enum rtp_strategy strategy,
 static void print_result(const struct opts *o, const char *strategy, int world,
                          const struct result *r, double compute_s) {
   double tokens = (double)o->cfg.seq_len * o->batch * world;
-  double hidden = 0;
+  double hidden = 0, bound = compute_s > r->comm_s ? compute_s : r->comm_s;
   if (r->comm_s > 0) {
     hidden = (compute_s + r->comm_s - r->step_s) / r->comm_s;
     hidden = hidden < 0 ? 0 : hidden > 1 ? 1 : hidden;
@@ -157,14 +269,17 @@ static void print_result(const struct opts *o, const char *strategy, int world,
       r->mem.bytes[RTP_ROLE_PARAM] + r->mem.bytes[RTP_ROLE_GRAD] + r->mem.bytes[RTP_ROLE_OPTIM];
   printf(
       "{\"bench\":\"parallel\",\"model\":\"%s\",\"strategy\":\"%s\",\"ranks\":%d,\"batch\":%d,"
-      "\"threads\":%d,\"step_ms\":%.1f,\"tokens_per_s\":%.0f,\"params\":%zu,\"grads\":%zu,"
-      "\"optim\":%zu,\"model_states\":%zu,\"activations\":%zu,\"comm\":%zu,\"arena_total\":%zu,"
-      "\"bytes_sent_per_step\":%.0f,\"comm_only_ms\":%.1f,\"compute_only_ms\":%.1f,"
-      "\"comm_hidden\":%.2f,\"peak_rss\":%zu,\"baseline_rss\":%zu}\n",
-      o->model, strategy, world, o->batch, o->threads, r->step_s * 1e3, tokens / r->step_s,
-      r->mem.bytes[RTP_ROLE_PARAM], r->mem.bytes[RTP_ROLE_GRAD], r->mem.bytes[RTP_ROLE_OPTIM],
-      states, r->mem.bytes[RTP_ROLE_ACTIVATION], r->mem.bytes[RTP_ROLE_COMM], r->mem.total,
-      r->sent, r->comm_s * 1e3, compute_s * 1e3, hidden, r->peak, r->baseline);
+      "\"threads\":%d,\"net\":\"%s\",\"step_ms\":%.1f,\"tokens_per_s\":%.0f,\"params\":%zu,"
+      "\"grads\":%zu,\"optim\":%zu,\"model_states\":%zu,\"activations\":%zu,\"comm\":%zu,"
+      "\"arena_total\":%zu,\"bytes_sent_per_step\":%.0f,\"comm_only_ms\":%.1f,"
+      "\"comm_only_method\":\"%s\",\"comm_est_ms\":%.1f,\"compute_only_ms\":%.1f,"
+      "\"step_over_max\":%.3f,\"comm_hidden\":%.2f,\"peak_rss\":%zu,\"baseline_rss\":%zu}\n",
+      o->model, strategy, world, o->batch, o->threads, o->net, r->step_s * 1e3,
+      tokens / r->step_s, r->mem.bytes[RTP_ROLE_PARAM], r->mem.bytes[RTP_ROLE_GRAD],
+      r->mem.bytes[RTP_ROLE_OPTIM], states, r->mem.bytes[RTP_ROLE_ACTIVATION],
+      r->mem.bytes[RTP_ROLE_COMM], r->mem.total, r->sent, r->comm_s * 1e3,
+      r->comm_s > 0 ? "replay" : "none", r->comm_est_s * 1e3, compute_s * 1e3,
+      r->step_s / bound, hidden, r->peak, r->baseline);
   fflush(stdout);
 }
 
@@ -197,53 +312,124 @@ static int run_strategy(const struct opts *o, enum rtp_strategy s, double comput
   return bad;
 }
 
-int main(int argc, char **argv) {
-  struct opts o = {gpt_config_small(), "small", 2, 8, 1, 5, 29600, "ddp rtp"};
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-    if (!v) goto usage;
-    if (!strcmp(a, "--model")) {
-      o.model = v;
-      if (!strcmp(v, "small"))
-        o.cfg = gpt_config_small();
-      else if (!strcmp(v, "medium"))
-        o.cfg = gpt_config_medium();
-      else if (!strcmp(v, "tiny"))
-        o.cfg = (struct gpt_config){256, 64, 128, 2, 4};
-      else
-        goto usage;
-    } else if (!strcmp(a, "--ranks"))
-      o.ranks = atoi(v);
-    else if (!strcmp(a, "--batch"))
-      o.batch = atoi(v);
-    else if (!strcmp(a, "--threads"))
-      o.threads = atoi(v);
-    else if (!strcmp(a, "--steps"))
-      o.steps = atoi(v);
-    else if (!strcmp(a, "--master-port"))
-      o.port = atoi(v);
-    else if (!strcmp(a, "--strategies"))
-      snprintf(o.strategies, sizeof(o.strategies), "%s", v);
-    else
-      goto usage;
-    i++;
-  }
-  if (o.ranks < 1 || o.ranks > RTP_MAX_WORLD || o.batch < 1 || o.steps < 1) goto usage;
-  /* Compute alone: one process, the per-rank batch. */
-  struct result one = run_rank(&o, RTP_STRATEGY_NONE, NULL);
-  print_result(&o, "none", 1, &one, one.step_s);
-  char buf[64];
-  snprintf(buf, sizeof(buf), "%s", o.strategies);
+/* Default mode: the parent measures compute alone, then forks the ranks of each strategy. */
+static int run_forked(const struct opts *o) {
+  struct result one = run_rank(o, RTP_STRATEGY_NONE, NULL);
+  print_result(o, "none", 1, &one, one.step_s);
   int bad = 0;
-  for (char *tok = strtok(buf, " ,"); tok; tok = strtok(NULL, " ,")) {
-    enum rtp_strategy s;
-    if (rtp_strategy_parse(tok, &s)) die("--strategies");
-    bad |= run_strategy(&o, s, one.step_s);
-  }
+  for (int k = 0; k < o->n_list; k++) bad |= run_strategy(o, o->list[k], one.step_s);
   return bad;
-usage:
-  fprintf(stderr,
-          "usage: bench-parallel [--model tiny|small|medium] [--ranks N] [--batch B] "
-          "[--threads T] [--steps S] [--strategies \"ddp rtp\"] [--master-port P]\n");
-  return 2;
+}
+
+/* Compute alone on every rank at once (one process's step, the per-rank batch), as the
+ * ranks will run; the mean over ranks. */
+static double compute_only_s(const struct opts *o, struct rtp_comm *comm, struct result *one) {
+  *one = run_rank(o, RTP_STRATEGY_NONE, NULL);
+  float c = (float)one->step_s;
+  if (rtp_comm_allreduce(comm, &c, 1, NULL)) die("allreduce");
+  return (double)c / rtp_comm_size(comm);
+}
+
+/* RTP_WORLD_SIZE mode: this process is one rank. Compute alone is measured again right
+ * before each strategy, because on a shared machine the load drifts during the run. */
+static int run_env(struct opts *o) {
+  struct rtp_comm_params cp = rtp_comm_params_default();
+  if (rtp_comm_params_from_env(&cp)) die("RTP_* environment");
+  struct rtp_comm *comm;
+  if (rtp_comm_init(&cp, &comm)) die("comm");
+  int rank = rtp_comm_rank(comm);
+  o->ranks = rtp_comm_size(comm);
+  struct result one;
+  double compute_s = compute_only_s(o, comm, &one);
+  if (rank == 0) print_result(o, "none", 1, &one, compute_s);
+  for (int k = 0; k < o->n_list; k++) {
+    if (k > 0) compute_s = compute_only_s(o, comm, &one);
+    reset_peak();
+    struct result res = run_rank(o, o->list[k], comm);
+    if (rank == 0) print_result(o, rtp_strategy_name(o->list[k]), o->ranks, &res, compute_s);
+  }
+  rtp_comm_free(comm);
+  return 0;
+}
+
+static int parse_model(struct opts *o, const char *v) {
+  o->model = v;
+  if (!strcmp(v, "small"))
+    o->cfg = gpt_config_small();
+  else if (!strcmp(v, "medium"))
+    o->cfg = gpt_config_medium();
+  else if (!strcmp(v, "tiny"))
+    o->cfg = (struct gpt_config){256, 64, 128, 2, 4};
+  else
+    return -1;
+  return 0;
+}
+
+/* --strategies into o->list; -1 on an unknown name or too many. */
+static int parse_strategies(struct opts *o) {
+  char buf[64];
+  snprintf(buf, sizeof(buf), "%s", o->strategies);
+  o->n_list = 0;
+  for (char *tok = strtok(buf, " ,"); tok; tok = strtok(NULL, " ,")) {
+    if (o->n_list == (int)(sizeof(o->list) / sizeof(o->list[0]))) return -1;
+    if (rtp_strategy_parse(tok, &o->list[o->n_list++])) {
+      fprintf(stderr, "bench-parallel: --strategies: %s\n", rtp_last_error());
+      return -1;
+    }
+  }
+  return 0;
+}
+
+static int parse_args(struct opts *o, int argc, char **argv) {
+  for (int i = 1; i < argc; i += 2) {
+    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!v) return -1;
+    if (!strcmp(a, "--model")) {
+      if (parse_model(o, v)) return -1;
+    } else if (!strcmp(a, "--ranks"))
+      o->ranks = atoi(v);
+    else if (!strcmp(a, "--batch"))
+      o->batch = atoi(v);
+    else if (!strcmp(a, "--threads"))
+      o->threads = atoi(v);
+    else if (!strcmp(a, "--steps"))
+      o->steps = atoi(v);
+    else if (!strcmp(a, "--master-port"))
+      o->port = atoi(v);
+    else if (!strcmp(a, "--net"))
+      o->net = v;
+    else if (!strcmp(a, "--strategies"))
+      snprintf(o->strategies, sizeof(o->strategies), "%s", v);
+    else
+      return -1;
+  }
+  if (o->ranks < 1 || o->ranks > RTP_MAX_WORLD || o->batch < 1 || o->steps < 1 ||
+      o->threads < 1)
+    return -1;
+  return parse_strategies(o);
+}
+
+int main(int argc, char **argv) {
+  const char *ws = getenv("RTP_WORLD_SIZE");
+  bool env_mode = ws && *ws;
+  struct opts o = {gpt_config_small(),
+                   "small",
+                   env_mode ? "env" : "loopback",
+                   2,
+                   8,
+                   1,
+                   5,
+                   29600,
+                   "ddp rtp",
+                   {0},
+                   0};
+  if (parse_args(&o, argc, argv)) {
+    fprintf(stderr,
+            "usage: bench-parallel [--model tiny|small|medium] [--ranks N] [--batch B] "
+            "[--threads T] [--steps S] [--strategies \"ddp rtp\"] [--master-port P] "
+            "[--net LABEL]\n"
+            "  with RTP_WORLD_SIZE set, runs as rank RTP_RANK of that job (--ranks ignored)\n");
+    return 2;
+  }
+  return env_mode ? run_env(&o) : run_forked(&o);
 }
