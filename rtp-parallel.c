@@ -413,11 +413,9 @@ static struct rtp_tensor *block_grad(struct rtp_parallel *p, enum rot_kind kind,
     case ROT_GET_ROWS:
       return rtp__get_rows_back_block(ctx, dys, x, w, first);
     case ROT_ADD:
-      return rtp_repeat_back(ctx, rtp_cont(ctx, dys), w);
+      return rtp_repeat_back(ctx, dys, w); /* kernels read strided rows in place */
     default:
-      return rtp_repeat_back(
-          ctx, rtp_mul(ctx, rtp_cont(ctx, dys), rtp_cont(ctx, slice(ctx, x, dim, first, len))),
-          w);
+      return rtp_repeat_back(ctx, rtp_mul(ctx, dys, slice(ctx, x, dim, first, len)), w);
   }
 }
 
@@ -428,7 +426,7 @@ static struct rtp_tensor *block_dx(struct rtp_parallel *p, enum rot_kind kind,
     case ROT_MUL_MAT: /* summed over blocks */
       return rtp_mul_mat(p->ctx, rtp_transpose(p->ctx, w), dys);
     case ROT_MUL: /* concatenated over blocks */
-      return rtp_mul(p->ctx, rtp_cont(p->ctx, dys), w);
+      return rtp_mul(p->ctx, dys, w);
     default: /* add passes dy through whole; get_rows has no input gradient */
       return NULL;
   }
