@@ -212,7 +212,8 @@ static void k_mul_mat(const struct rtp_compute_params *p, struct rtp_tensor *t) 
     const float *ap = (const float *)(DATA(a) + (a_2d ? 0 : i2 * a->nb[2] + i3 * a->nb[3]));
     const float *bp = (const float *)(DATA(b) + i2 * b->nb[2] + i3 * b->nb[3]);
     float *cp = (float *)(DATA(t) + i2 * t->nb[2] + i3 * t->nb[3]);
-    rtp__gemm(n1 - n0, M, K, bp + n0 * br, br, bk, ap, ar, ak, cp + n0 * M, M);
+    int64_t ldc = t->nb[1] / 4; /* M, or wider when t is a block of a larger result */
+    rtp__gemm(n1 - n0, M, K, bp + n0 * br, br, bk, ap, ar, ak, cp + n0 * ldc, ldc);
   }
 }
 

@@ -311,6 +311,26 @@ static struct rtp_tensor *assemble(struct rtp_parallel *p, enum rot_kind kind, i
   return y;
 }
 
+/* Makes `part`, block s's part of the op's result, write into its slice of one result y
+ * (created by the first block) instead of memory of its own: no concatenation. */
+static int write_into(struct rtp_parallel *p, enum rot_kind kind, const struct rtp_tensor *full,
+                      int s, struct rtp_tensor *part, struct rtp_tensor **y) {
+  int dim = kind == ROT_MUL_MAT ? 0 : split_dim(full);
+  int64_t first, len, ne[4];
+  block_of(full, p->world, s, &first, &len);
+  if (!*y) {
+    memcpy(ne, part->ne, sizeof(ne));
+    ne[dim] = kind == ROT_MUL_MAT ? full->ne[1] : full->ne[split_dim(full)];
+    *y = rtp__new_node(p->ctx, RTP_OP_EMPTY, RTP_TYPE_F32, ne, NULL, NULL);
+    if (!*y) return rtp_context_error(p->ctx, NULL);
+  }
+  memcpy(part->nb, (*y)->nb, sizeof(part->nb));
+  part->view_src = *y;
+  part->view_offs = (size_t)first * (*y)->nb[dim];
+  part->src[2] = *y; /* placed after it, and keeps it alive */
+  return RTP_OK;
+}
+
 static int rot_kind_of(const struct rtp_tensor *t, const struct rtp_tensor *param,
                        enum rot_kind *kind) {
   if (t->op == RTP_OP_MUL_MAT && t->src[0] == param && param->ne[2] == 1 && param->ne[3] == 1)
@@ -359,7 +379,7 @@ static struct rtp_tensor *rot_forward(struct rtp_parallel *p, const struct rtp_t
    * last step; later hops alternate between the block slots. A transfer into a slot also
    * waits (src[3]) for whatever last read the slot. */
   int j = p->n_gathers++;
-  struct rtp_tensor *parts[RTP_MAX_WORLD] = {0}, *held = own, *prev = NULL;
+  struct rtp_tensor *parts[RTP_MAX_WORLD] = {0}, *held = own, *prev = NULL, *y = NULL;
   struct rtp_tensor *last = p->prev_apply;
   for (int k = 0; k < N; k++) {
     int s = (r + k) % N;
@@ -373,7 +393,8 @@ static struct rtp_tensor *rot_forward(struct rtp_parallel *p, const struct rtp_t
       if (k == 0 && last) last->src[RTP_SRC_ORDER] = next; /* post it before that step */
     }
     parts[s] = apply_block(p, kind, full, held, s, x);
-    if (!parts[s]) return NULL;
+    if (!parts[s] || (kind != ROT_GET_ROWS && write_into(p, kind, full, s, parts[s], &y)))
+      return NULL;
     parts[s]->src[RTP_SRC_ORDER] = k == 0 ? (last ? NULL : next) : (next ? next : prev);
     /* Step k reads its slot; it also waits for hop k, which sent from step k - 1's. */
     if (k >= 1) *rot_reader(p, j, k) = parts[s];
@@ -382,8 +403,14 @@ static struct rtp_tensor *rot_forward(struct rtp_parallel *p, const struct rtp_t
     held = next;
   }
   p->prev_apply = prev;
-  struct rtp_tensor *y = assemble(p, kind, kind == ROT_MUL_MAT ? 0 : split_dim(full), parts);
-  return y ? handle(p, t, full, kind, x, own, y) : NULL;
+  if (kind == ROT_GET_ROWS) { /* blocks give zero rows for tokens they do not hold: sum */
+    struct rtp_tensor *y = assemble(p, kind, 0, parts);
+    return y ? handle(p, t, full, kind, x, own, y) : NULL;
+  }
+  /* The other ops' blocks wrote their parts of the result in place. */
+  struct rtp_tensor *h = handle(p, t, full, kind, x, own, parts[0]->view_src);
+  if (h) h->src[2] = prev; /* after every block (they are chained by order edges) */
+  return h;
 }
 
 /* ---- rtp: the backward schedule ------------------------------------------------- */

@@ -125,8 +125,9 @@ enum rtp_type {
   XX(VIEW, "view")                                                 \
   XX(PERMUTE, "permute")                                           \
   XX(TRANSPOSE, "transpose")                                       \
-  XX(COMM, "comm") /* posted to a communicator */                  \
-  XX(ROT, "rot")   /* an op on a rotated parameter */
+  XX(COMM, "comm")   /* posted to a communicator */                \
+  XX(ROT, "rot")     /* an op on a rotated parameter */            \
+  XX(EMPTY, "empty") /* memory that later nodes write into */
 
 enum rtp_op {
 #define RTP_XX(name, text) RTP_OP_##name,

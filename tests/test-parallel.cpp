@@ -234,6 +234,7 @@ int rank_main(rtp_strategy strategy, int rank, int world, int port) {
   }
   rtp_free(ctx);
   rtp_free(meta);
+  rtp_comm_barrier(comm, nullptr);  // nobody leaves while a rank still talks to it
   rtp_comm_free(comm);
   return 0;
 }
@@ -334,6 +335,7 @@ int rtp_rank_memory(gpt_config cfg, int batch, int rank, int world, int port, in
   *peak = proc_bytes("VmHWM:");
   rtp_free(ctx);
   rtp_free(meta);
+  rtp_comm_barrier(comm, nullptr);  // nobody leaves while a rank still talks to it
   rtp_comm_free(comm);
   return 0;
 }
@@ -422,6 +424,7 @@ TEST(ParallelErrors, TooFewRowsToSplit) {
     }
     rtp_free(ctx);
     rtp_free(meta);
+    rtp_comm_barrier(comm, nullptr);  // nobody leaves while a rank still talks to it
     rtp_comm_free(comm);
     return code;
   });
@@ -455,6 +458,7 @@ TEST(ParallelErrors, TpHeadsNotDivisible) {
     }
     rtp_free(ctx);
     rtp_free(meta);
+    rtp_comm_barrier(comm, nullptr);  // nobody leaves while a rank still talks to it
     rtp_comm_free(comm);
     return code;
   });
