@@ -3,7 +3,8 @@
 # nothing when every package is already there.
 set -euo pipefail
 pkgs=(build-essential cmake pkg-config libuv1-dev libopenblas-dev libssl-dev
-      libgtest-dev googletest python3 python3-torch python3-numpy iproute2 iperf3)
+      libgtest-dev googletest python3 python3-torch python3-numpy python3-matplotlib iproute2
+      iperf3)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
