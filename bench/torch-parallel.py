@@ -11,18 +11,18 @@ Runs only where torch is installed (Debian's python3-torch); exits 77 otherwise.
 """
 import argparse
 import json
-import math
 import os
 import resource
 import sys
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
 try:
     import torch
     import torch.distributed as dist
     import torch.multiprocessing as mp
     import torch.nn as nn
-    import torch.nn.functional as F
+    from gpt_torch import GPT, loss as mean_loss
 except ImportError:
     print("torch-parallel.py: torch is not installed, nothing to compare", file=sys.stderr)
     sys.exit(77)
@@ -34,54 +34,13 @@ CONFIGS = {
 }
 
 
-class Block(nn.Module):
-    def __init__(self, d, n_head):
-        super().__init__()
-        self.n_head = n_head
-        self.ln_1 = nn.LayerNorm(d, eps=1e-5)
-        self.c_attn = nn.Linear(d, 3 * d)
-        self.c_proj = nn.Linear(d, d)
-        self.ln_2 = nn.LayerNorm(d, eps=1e-5)
-        self.c_fc = nn.Linear(d, 4 * d)
-        self.mlp_proj = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        B, T, d = x.shape
-        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
-        heads = lambda t: t.view(B, T, self.n_head, d // self.n_head).transpose(1, 2)
-        q, k, v = heads(q), heads(k), heads(v)
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.n_head)
-        mask = torch.ones(T, T, dtype=torch.bool).tril()
-        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(B, T, d)
-        x = x + self.c_proj(y)
-        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
-
-
-class GPT(nn.Module):
-    def __init__(self, seq_len, d_model, n_layer, n_head, vocab=256):
-        super().__init__()
-        self.wte = nn.Embedding(vocab, d_model)
-        self.wpe = nn.Embedding(seq_len, d_model)
-        self.h = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(d_model, eps=1e-5)
-        self.lm_head = nn.Linear(d_model, vocab, bias=False)
-
-    def forward(self, idx, targets):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
-        for b in self.h:
-            x = b(x)
-        logits = self.lm_head(self.ln_f(x))
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
-
-
 def rank_main(rank, args, strategy, port, out):
     torch.set_num_threads(args.threads)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
     torch.manual_seed(0)
-    model = GPT(**CONFIGS[args.model])
+    model = GPT(vocab=256, **CONFIGS[args.model])
     if strategy == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
     else:
@@ -100,7 +59,7 @@ def rank_main(rank, args, strategy, port, out):
     for step in range(args.steps + 1):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        model(idx, tgt).backward()
+        mean_loss(model(idx), tgt).backward()
         opt.step()
         if step > 0:  # step 0 warms up
             times.append(time.perf_counter() - t0)

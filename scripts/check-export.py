@@ -19,70 +19,10 @@ import sys
 
 try:
     import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
+    from gpt_torch import GPT, loss as mean_loss
 except ImportError:
     print("SKIP: this python has no torch (apt install python3-torch)")
     sys.exit(77)
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, d, n_head):
-        super().__init__()
-        self.n_head = n_head
-        self.c_attn = nn.Linear(d, 3 * d)
-        self.c_proj = nn.Linear(d, d)
-
-    def forward(self, x):
-        B, T, d = x.shape
-        q, k, v = self.c_attn(x).split(d, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, d // self.n_head).transpose(1, 2) for t in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.n_head)
-        att = att.masked_fill(~torch.tril(torch.ones(T, T, dtype=torch.bool)), float("-inf"))
-        y = F.softmax(att, dim=-1) @ v  # [B, H, T, hd]
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, d))
-
-
-class MLP(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.c_fc = nn.Linear(d, 4 * d)
-        self.c_proj = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
-
-
-class Block(nn.Module):
-    def __init__(self, d, n_head):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(d, eps=1e-5)
-        self.attn = CausalSelfAttention(d, n_head)
-        self.ln_2 = nn.LayerNorm(d, eps=1e-5)
-        self.mlp = MLP(d)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab, seq_len, d_model, n_layer, n_head):
-        super().__init__()
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(vocab, d_model),
-            wpe=nn.Embedding(seq_len, d_model),
-            h=nn.ModuleList([Block(d_model, n_head) for _ in range(n_layer)]),
-            ln_f=nn.LayerNorm(d_model, eps=1e-5),
-        ))
-        self.lm_head = nn.Linear(d_model, vocab, bias=False)
-
-    def forward(self, idx):
-        pos = torch.arange(idx.shape[1])
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
-        for block in self.transformer.h:
-            x = block(x)
-        return self.lm_head(self.transformer.ln_f(x))
 
 
 def read_safetensors(path):
@@ -117,7 +57,7 @@ def torch_loss(model_path, data_path):
     idx, targets = windows(data_path, cfg["seq_len"])
     with torch.no_grad():
         logits = model(idx)
-        loss = F.cross_entropy(logits.reshape(-1, cfg["vocab"]), targets.reshape(-1))
+        loss = mean_loss(logits, targets)
     return loss.item(), idx.shape[0]
 
 

@@ -40,84 +40,16 @@ import struct
 import sys
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
+
+from gpt_torch import GPT, LN_EPS, loss as mean_loss
 
 CONFIG = dict(vocab=256, seq_len=16, d_model=32, n_layer=2, n_head=4, batch=3)
 SEED = 1234
-LN_EPS = 1e-5
 ADAM = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
 ADAM_STEPS = 5
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "..", "tests", "fixtures", "gpt-tiny.safetensors")
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, d, n_head):
-        super().__init__()
-        self.n_head = n_head
-        self.c_attn = nn.Linear(d, 3 * d)
-        self.c_proj = nn.Linear(d, d)
-
-    def forward(self, x):
-        B, T, d = x.shape
-        hd = d // self.n_head
-        q, k, v = self.c_attn(x).split(d, dim=2)
-        q = q.view(B, T, self.n_head, hd).transpose(1, 2)  # [B, H, T, hd]
-        k = k.view(B, T, self.n_head, hd).transpose(1, 2)
-        v = v.view(B, T, self.n_head, hd).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
-        mask = torch.tril(torch.ones(T, T, dtype=torch.bool))
-        att = att.masked_fill(~mask, float("-inf"))
-        att = F.softmax(att, dim=-1)
-        y = (att @ v).transpose(1, 2).contiguous().view(B, T, d)
-        return self.c_proj(y)
-
-
-class MLP(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.c_fc = nn.Linear(d, 4 * d)
-        self.c_proj = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
-
-
-class Block(nn.Module):
-    def __init__(self, d, n_head):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(d, eps=LN_EPS)
-        self.attn = CausalSelfAttention(d, n_head)
-        self.ln_2 = nn.LayerNorm(d, eps=LN_EPS)
-        self.mlp = MLP(d)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab, seq_len, d_model, n_layer, n_head):
-        super().__init__()
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(vocab, d_model),
-            wpe=nn.Embedding(seq_len, d_model),
-            h=nn.ModuleList([Block(d_model, n_head) for _ in range(n_layer)]),
-            ln_f=nn.LayerNorm(d_model, eps=LN_EPS),
-        ))
-        self.lm_head = nn.Linear(d_model, vocab, bias=False)
-
-    def forward(self, idx, targets):
-        B, T = idx.shape
-        pos = torch.arange(T)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
-        for block in self.transformer.h:
-            x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))
-        loss = F.cross_entropy(logits.view(B * T, -1), targets.view(B * T))  # mean
-        return logits, loss
 
 
 def init_params(model):
@@ -176,7 +108,8 @@ def main():
     names = [n for n, _ in model.named_parameters()]
     params0 = {n: p.detach().clone() for n, p in model.named_parameters()}
 
-    logits, loss = model(idx, targets)
+    logits = model(idx)
+    loss = mean_loss(logits, targets)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
@@ -185,7 +118,7 @@ def main():
     adam_losses = []
     for _ in range(ADAM_STEPS):
         opt.zero_grad(set_to_none=True)
-        _, l = model(idx, targets)
+        l = mean_loss(model(idx), targets)
         adam_losses.append(l.item())
         l.backward()
         opt.step()
