@@ -141,6 +141,48 @@ bool tp_is_split(rtp_parallel *par, const gpt &m, rtp_graph *g, int world) {
   return false;
 }
 
+// One rank of a job: joined to the others, the model built once for one device (its
+// parameters take no memory), and this rank's graph from rtp_parallelize. Leaving waits
+// for every rank, since a rank that leaves early fails the others' transfers in flight.
+struct Rank {
+  rtp_comm *comm = nullptr;
+  rtp_context *meta = nullptr, *ctx = nullptr;
+  gpt m{};
+  rtp_parallel *par = nullptr;
+
+  // 0, or `code` after a failure.
+  int join(int rank, int world, int port, int code) {
+    rtp_comm_params cp = rtptest::params(rank, world, port);
+    return rtp_comm_init(&cp, &comm) ? code : 0;
+  }
+
+  int build(rtp_strategy strategy, gpt_config cfg, int batch, int code) {
+    rtp_init_params meta_ip = {32 << 20, nullptr, true};
+    meta = rtp_init(meta_ip);
+    rtp_graph *fwd = rtp_graph_new(meta, 8192);
+    if (gpt_build(meta, &m, cfg, batch) || rtp_graph_build(fwd, m.loss)) return code;
+    rtp_init_params ip = {gpt_arena_size(cfg, batch), nullptr, false};
+    ctx = rtp_init(ip);
+    rtp_parallel_params pp = {strategy, comm, 0, 0};
+    par = rtp_parallelize(ctx, fwd, m.loss, &pp);
+    if (par) return 0;
+    fprintf(stderr, "rtp_parallelize: %s\n", rtp_last_error());
+    return code + 1;
+  }
+
+  void leave() {
+    rtp_comm_barrier(comm, nullptr);
+    rtp_comm_free(comm);
+    comm = nullptr;
+  }
+
+  ~Rank() {
+    rtp_free(ctx);
+    rtp_free(meta);
+    rtp_comm_free(comm);
+  }
+};
+
 int rank_main(rtp_strategy strategy, int rank, int world, int port) {
   std::vector<float> want, want_norm;
   Model ref;
@@ -148,27 +190,16 @@ int rank_main(rtp_strategy strategy, int rank, int world, int port) {
   std::vector<std::vector<float>> init, grad0;
   if (!reference(world, want, want_norm, ref, moving, init, grad0)) return 20;
 
-  rtp_comm_params cp = rtptest::params(rank, world, port);
-  rtp_comm *comm = nullptr;
-  if (rtp_comm_init(&cp, &comm)) return 21;
+  Rank rk;
+  if (int rc = rk.join(rank, world, port, 21)) return rc;
   // tp splits the model, not the batch: every rank runs the whole global batch.
   int batch = strategy == RTP_STRATEGY_TP ? world * kBatch : kBatch;
   int first_seq = strategy == RTP_STRATEGY_TP ? 0 : rank * kBatch;
-  rtp_init_params meta_ip = {16 << 20, nullptr, true};
-  rtp_context *meta = rtp_init(meta_ip);
-  gpt m{};
-  rtp_graph *g1 = rtp_graph_new(meta, 4096);
-  if (gpt_build(meta, &m, kCfg, batch) || rtp_graph_build(g1, m.loss)) return 22;
-  rtp_init_params ip = {gpt_arena_size(kCfg, batch), nullptr, false};
-  rtp_context *ctx = rtp_init(ip);
-  rtp_parallel_params pp = {strategy, comm, 0, 0};
-  rtp_parallel *par = rtp_parallelize(ctx, g1, m.loss, &pp);
-  if (!par) {
-    fprintf(stderr, "rank %d: %s\n", rank, rtp_last_error());
-    return 23;
-  }
+  if (int rc = rk.build(strategy, kCfg, batch, 22)) return rc;
+  rtp_parallel *par = rk.par;
+  const gpt &m = rk.m;
   rtp_graph *g = rtp_parallel_graph(par);
-  if (rtp_graph_plan(ctx, g)) return 24;
+  if (rtp_graph_plan(rk.ctx, g)) return 24;
   if (strategy == RTP_STRATEGY_TP && world > 1 && !tp_is_split(par, m, g, world)) return 34;
   // Parameters: this rank's part of the reference's initial values.
   for (int i = 0; i < m.n_params; i++) {
@@ -232,10 +263,7 @@ int rank_main(rtp_strategy strategy, int rank, int world, int port) {
       return 31;
     }
   }
-  rtp_free(ctx);
-  rtp_free(meta);
-  rtp_comm_barrier(comm, nullptr);  // nobody leaves while a rank still talks to it
-  rtp_comm_free(comm);
+  rk.leave();
   return 0;
 }
 
@@ -307,20 +335,13 @@ size_t one_process_states(gpt_config cfg, size_t *largest_block_of, int world) {
 // the resident memory before building and at the end.
 int rtp_rank_memory(gpt_config cfg, int batch, int rank, int world, int port, int steps,
                     rtp_mem_report *rep, size_t *baseline, size_t *peak) {
-  rtp_comm_params cp = rtptest::params(rank, world, port);
-  rtp_comm *comm = nullptr;
-  if (rtp_comm_init(&cp, &comm)) return 40;
+  Rank rk;
+  if (int rc = rk.join(rank, world, port, 40)) return rc;
   *baseline = proc_bytes("VmRSS:");
-  rtp_init_params meta_ip = {32 << 20, nullptr, true};
-  rtp_context *meta = rtp_init(meta_ip);
-  gpt m{};
-  rtp_graph *fwd = rtp_graph_new(meta, 8192);
-  if (gpt_build(meta, &m, cfg, batch) || rtp_graph_build(fwd, m.loss)) return 41;
-  rtp_init_params ip = {gpt_arena_size(cfg, batch), nullptr, false};
-  rtp_context *ctx = rtp_init(ip);
-  rtp_parallel_params pp = {RTP_STRATEGY_RTP, comm, 0, 0};
-  rtp_parallel *par = rtp_parallelize(ctx, fwd, m.loss, &pp);
-  if (!par || rtp_graph_plan(ctx, rtp_parallel_graph(par))) return 42;
+  if (int rc = rk.build(RTP_STRATEGY_RTP, cfg, batch, 41)) return rc;
+  rtp_parallel *par = rk.par;
+  const gpt &m = rk.m;
+  if (rtp_graph_plan(rk.ctx, rtp_parallel_graph(par))) return 42;
   rtp_optimizer *opt = rtp_parallel_optimizer(par, rtp_adamw_default());
   if (!opt) return 43;
   for (int i = 0; i < m.n_params; i++) {
@@ -331,12 +352,9 @@ int rtp_rank_memory(gpt_config cfg, int batch, int rank, int world, int port, in
   for (int s = 0; s < steps; s++)
     if (rtp_graph_compute(rtp_parallel_graph(par), nullptr) || rtp_optimizer_step(opt, nullptr))
       return 44;
-  rtp_mem_report_get(ctx, rep);
+  rtp_mem_report_get(rk.ctx, rep);
   *peak = proc_bytes("VmHWM:");
-  rtp_free(ctx);
-  rtp_free(meta);
-  rtp_comm_barrier(comm, nullptr);  // nobody leaves while a rank still talks to it
-  rtp_comm_free(comm);
+  rk.leave();
   return 0;
 }
 
