@@ -1,7 +1,7 @@
 /* rtp-alloc.c - the memory planner: places a graph's intermediate tensors in one buffer
  * by liveness, so a step reuses the memory of tensors no longer needed and computing
  * the graph never allocates. */
-#include "rtp-impl.h"
+#include "rtp-backend.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -201,14 +201,19 @@ int rtp_graph_plan(struct rtp_context *ctx, struct rtp_graph *g) {
   }
   if (rc) goto done;
 
+  struct rtp_backend *be = rtp__ctx_backend(ctx);
   size_t work = 0;
+  int n_comm = 0;
   for (int i = 0; i < n; i++) {
-    size_t w = rtp__op_work_size(g->nodes[i]);
+    struct rtp_tensor *t = g->nodes[i];
+    size_t w = be ? be->i->work_size(be, t) : rtp__op_work_size(t);
     if (w > work) work = w;
+    n_comm += t->op == RTP_OP_COMM;
   }
-  uint8_t *buf = fl.end ? rtp__ctx_alloc(ctx, fl.end, "the planned activations") : NULL;
-  void *work_buf = work ? rtp__ctx_alloc(ctx, work, "kernel scratch") : NULL;
-  size_t *plan = rtp__ctx_alloc(ctx, sizeof(size_t) * 2, "a plan");
+  if (be && (rc = be->i->events_reserve(be, 2 * n_comm)) != RTP_OK) goto done;
+  uint8_t *buf = fl.end ? rtp__ctx_data_alloc(ctx, fl.end, "the planned activations") : NULL;
+  void *work_buf = work ? rtp__ctx_data_alloc(ctx, work, "kernel scratch") : NULL;
+  struct rtp_plan *plan = rtp__ctx_alloc(ctx, sizeof(*plan), "a plan");
   if ((fl.end && !buf) || (work && !work_buf) || !plan) {
     rc = rtp_context_error(ctx, NULL);
     goto done;
@@ -220,8 +225,7 @@ int rtp_graph_plan(struct rtp_context *ctx, struct rtp_graph *g) {
     if (t->view_src)
       t->data = t->view_src->data ? (char *)t->view_src->data + t->view_offs : NULL;
   }
-  plan[0] = (size_t)(uintptr_t)work_buf;
-  plan[1] = work;
+  *plan = (struct rtp_plan){work_buf, work, be, n_comm};
   g->plan = plan;
   rtp__ctx_note_plan(ctx, fl.end, sum, work);
 
@@ -231,8 +235,4 @@ done:
   free(offs);
   free(last);
   return rc;
-}
-
-void *rtp__graph_work(const struct rtp_graph *g) {
-  return g->plan ? (void *)(uintptr_t)((const size_t *)g->plan)[0] : NULL;
 }

@@ -244,7 +244,8 @@ static int ck_save_rank(const struct rtp_ckpt_params *p, const char *stepdir, in
   snprintf(name, sizeof(name), "rank-%d.safetensors", rank);
   int rc = ck_path(path, stepdir, name);
   size_t hdr = (size_t)(3 * p->n_params + 8) * 1024;
-  struct rtp_context *views = rc ? NULL : rtp_init((struct rtp_init_params){hdr, NULL, true});
+  struct rtp_context *views =
+      rc ? NULL : rtp_init((struct rtp_init_params){.mem_size = hdr, .no_alloc = true});
   struct rtp_tensor **ts = malloc(3 * (size_t)p->n_params * sizeof(*ts));
   if (!rc && (!views || !ts)) rc = rtp__error(RTP_ENOMEM, "%s: out of memory", path);
   int n = 0;
@@ -698,7 +699,8 @@ static int ck_read_block(struct ck_files *f, struct rtp_context *views, const ch
 static int ck_load_tensors(const struct rtp_ckpt_params *p, struct ck_files *f) {
   /* at most one view per file for each of the 3 tensors of a parameter */
   size_t hdr = ((size_t)3 * p->n_params * f->n + 8) * 1024;
-  struct rtp_context *views = rtp_init((struct rtp_init_params){hdr, NULL, true});
+  struct rtp_context *views =
+      rtp_init((struct rtp_init_params){.mem_size = hdr, .no_alloc = true});
   if (!views) return rtp__error(RTP_ENOMEM, "rtp_ckpt_load: out of memory");
   int rc = RTP_OK;
   for (int i = 0; i < p->n_params && !rc; i++) {

@@ -1,7 +1,7 @@
 /* rtp-exec.c - the executor and its thread pool. Every thread walks the graph's nodes
  * in order and computes its share of each; a barrier separates nodes. Between jobs the
  * workers sleep, so an idle pool leaves the cores to others (the transport thread). */
-#include "rtp-impl.h"
+#include "rtp-backend.h"
 
 #include <limits.h>
 #include <pthread.h>
@@ -288,12 +288,58 @@ static int check_ready(const struct rtp_graph *g) {
   return RTP_OK;
 }
 
+/* ---- device backends ----------------------------------------------------------------
+ * The same schedule on two in-order queues. A COMM node is posted on the comm stream
+ * after an event recorded on the compute stream at its place in the graph: everything
+ * computed before it (its inputs, and the last readers of the memory it will write) is
+ * then done. The first compute node to read its result waits for a second event recorded
+ * after the transfer. These are the waits the CPU executor does on the host. */
+
+static int stream_comm(struct rtp_backend *b, struct rtp_tensor *t, int k) {
+  struct rtp_comm *comm = (struct rtp_comm *)(uintptr_t)rtp__get_param_u64(t, 4);
+  int rc = b->i->record(b, RTP_STREAM_COMPUTE, 2 * k);
+  if (!rc) rc = b->i->wait(b, RTP_STREAM_COMM, 2 * k);
+  if (!rc) rc = b->i->comm(b, comm, t);
+  if (!rc) rc = b->i->record(b, RTP_STREAM_COMM, 2 * k + 1);
+  t->extra = (void *)(uintptr_t)(k + 1); /* pending: its done event is 2k + 1 */
+  return rc;
+}
+
+static int stream_compute(struct rtp_backend *b, struct rtp_tensor *t, void *work) {
+  int rc = RTP_OK;
+  for (int s = 0; s < RTP_MAX_SRC && !rc; s++) {
+    if (s == RTP_SRC_ORDER && t->op != RTP_OP_COMM) continue; /* order only */
+    struct rtp_tensor *c = t->src[s] ? comm_source(t->src[s]) : NULL;
+    if (!c || !c->extra) continue;
+    int k = (int)(uintptr_t)c->extra - 1;
+    c->extra = NULL; /* one wait orders every later node too */
+    rc = b->i->wait(b, RTP_STREAM_COMPUTE, 2 * k + 1);
+  }
+  return rc ? rc : b->i->compute(b, t, work);
+}
+
+static int stream_graph_compute(struct rtp_graph *g, const struct rtp_plan *plan) {
+  struct rtp_backend *b = plan->backend;
+  int rc = RTP_OK;
+  for (int i = 0, k = 0; i < g->n_nodes && !rc; i++) {
+    struct rtp_tensor *t = g->nodes[i];
+    if (rtp__is_view_op(t->op) || t->op == RTP_OP_EMPTY) continue;
+    rc = t->op == RTP_OP_COMM ? stream_comm(b, t, k++) : stream_compute(b, t, plan->work);
+  }
+  int src = b->i->sync(b); /* nothing stays queued once compute returns */
+  for (int i = 0; i < g->n_nodes; i++)
+    if (g->nodes[i]->op == RTP_OP_COMM) g->nodes[i]->extra = NULL;
+  return rc ? rc : src;
+}
+
 int rtp_graph_compute(struct rtp_graph *g, struct rtp_threadpool *tp) {
   if (!g) return rtp__error(RTP_EINVAL, "rtp_graph_compute: NULL graph");
   if (!g->plan) return rtp__error(RTP_ESTATE, "rtp_graph_compute: call rtp_graph_plan first");
   int rc = check_ready(g);
   if (rc) return rc;
-  struct graph_job job = {.g = g, .work = rtp__graph_work(g), .stop_at = INT_MAX};
+  const struct rtp_plan *plan = g->plan;
+  if (plan->backend) return stream_graph_compute(g, plan);
+  struct graph_job job = {.g = g, .work = plan->work, .stop_at = INT_MAX};
   rtp__threadpool_run(tp, compute_job, &job);
   if (job.comm_status) return job.comm_status; /* the transport set the message */
   if (job.status) {

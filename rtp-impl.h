@@ -31,6 +31,8 @@ _Noreturn void rtp__abort(const char *file, int line, const char *what);
 /* ---- rtp.c: context, tensors, builders ---- */
 int rtp__ctx_error(struct rtp_context *ctx, int status, const char *fmt, ...) RTP_PRINTF(3, 4);
 void *rtp__ctx_alloc(struct rtp_context *ctx, size_t size, const char *what);
+/* Memory for tensor data: the host arena, or the device arena of a backend context. */
+void *rtp__ctx_data_alloc(struct rtp_context *ctx, size_t size, const char *what);
 void rtp__ctx_note_plan(struct rtp_context *ctx, size_t peak, size_t sum, size_t work);
 void *rtp__tensor_alloc(struct rtp_context *ctx, struct rtp_tensor *t, enum rtp_role role);
 struct rtp_tensor *rtp__new_node(struct rtp_context *ctx, enum rtp_op op, enum rtp_type type,
@@ -118,6 +120,12 @@ size_t rtp__op_work_size(const struct rtp_tensor *t);
 #define RTP_MAX_THREADS 256
 
 /* ---- rtp-alloc.c ---- */
-void *rtp__graph_work(const struct rtp_graph *g);
+/* What rtp_graph_plan leaves in g->plan for the executor. */
+struct rtp_plan {
+  void *work; /* kernel scratch */
+  size_t work_size;
+  struct rtp_backend *backend; /* NULL: the CPU executor */
+  int n_comm; /* COMM nodes: a device backend has events 2k, 2k+1 for the k-th */
+};
 
 #endif /* RTP_IMPL_H */

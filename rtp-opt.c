@@ -1,6 +1,6 @@
 /* rtp-opt.c - Adam and AdamW over the parameters of a graph. Each rank updates only the
  * parameters it holds, so the optimizer needs no communication. */
-#include "rtp-impl.h"
+#include "rtp-backend.h"
 
 #include <math.h>
 
@@ -14,6 +14,7 @@ struct rtp_optimizer {
   float norm;            /* the last global gradient norm */
   struct rtp_comm *comm; /* set when each rank holds a different share of the gradients */
   float *norm_w;         /* per parameter: its share of the global norm (1/N if replicated) */
+  struct rtp_backend *backend; /* NULL: the CPU */
   double partial[RTP_MAX_THREADS];
 };
 
@@ -41,7 +42,8 @@ struct rtp_optimizer *rtp_optimizer_new(struct rtp_context *ctx, struct rtp_grap
       ctx, sizeof(*opt) + 3 * (size_t)n * sizeof(void *) + (size_t)n * sizeof(float),
       "the optimizer");
   if (!opt) return NULL;
-  *opt = (struct rtp_optimizer){.hp = hp, .n = n, .gscale = 1.0f};
+  *opt = (struct rtp_optimizer){
+      .hp = hp, .n = n, .gscale = 1.0f, .backend = rtp__ctx_backend(ctx)};
   opt->params = (struct rtp_tensor **)(opt + 1);
   opt->m = opt->params + n;
   opt->v = opt->m + n;
@@ -54,6 +56,14 @@ struct rtp_optimizer *rtp_optimizer_new(struct rtp_context *ctx, struct rtp_grap
                      "rtp_optimizer_new: parameter '%s' must be contiguous f32 "
                      "with data",
                      p->name);
+      return NULL;
+    }
+    if (rtp__tensor_backend(p) != opt->backend) {
+      rtp__ctx_error(ctx, RTP_EINVAL,
+                     "rtp_optimizer_new: parameter '%s' is in %s memory, the optimizer's "
+                     "states would be in %s memory",
+                     p->name, rtp_backend_name(rtp__tensor_backend(p)),
+                     rtp_backend_name(opt->backend));
       return NULL;
     }
     opt->params[k] = p;
@@ -108,10 +118,47 @@ static void sumsq_job(const struct rtp_compute_params *p, void *arg) {
   opt->partial[p->ith] = s;
 }
 
+static int sumsq_device(struct rtp_optimizer *opt, double *s) {
+  *s = 0;
+  for (int k = 0; k < opt->n; k++) {
+    double sk;
+    int rc = opt->backend->i->sumsq(opt->backend, opt->params[k]->grad->data,
+                                    rtp_nelements(opt->params[k]), &sk);
+    if (rc) return rc;
+    *s += opt->norm_w[k] * sk;
+  }
+  return RTP_OK;
+}
+
+static int adam_device(struct rtp_optimizer *opt) {
+  for (int k = 0; k < opt->n; k++) {
+    struct rtp_adam_args a = {opt->params[k]->data,
+                              opt->m[k]->data,
+                              opt->v[k]->data,
+                              opt->params[k]->grad->data,
+                              rtp_nelements(opt->params[k]),
+                              opt->gscale,
+                              opt->hp.beta1,
+                              opt->hp.beta2,
+                              opt->hp.eps,
+                              1.0f - opt->hp.lr * opt->hp.weight_decay,
+                              opt->lr_t,
+                              opt->bc2};
+    int rc = opt->backend->i->adam(opt->backend, &a);
+    if (rc) return rc;
+  }
+  return opt->backend->i->sync(opt->backend);
+}
+
 static int grad_norm(struct rtp_optimizer *opt, struct rtp_threadpool *tp) {
-  rtp__threadpool_run(tp, sumsq_job, opt);
   double s = 0;
-  for (int i = 0; i < rtp_threadpool_size(tp); i++) s += opt->partial[i];
+  if (opt->backend) {
+    int rc = sumsq_device(opt, &s);
+    if (rc) return rc;
+  } else {
+    rtp__threadpool_run(tp, sumsq_job, opt);
+    for (int i = 0; i < rtp_threadpool_size(tp); i++) s += opt->partial[i];
+  }
   if (opt->comm) { /* the shares of all ranks make the whole */
     float f = (float)s;
     int rc = rtp_comm_allreduce(opt->comm, &f, 1, NULL);
@@ -147,6 +194,7 @@ int rtp_optimizer_step(struct rtp_optimizer *opt, struct rtp_threadpool *tp) {
   opt->bc1 = 1.0f - (float)pow(opt->hp.beta1, (double)opt->t);
   opt->bc2 = (float)sqrt(1.0 - pow(opt->hp.beta2, (double)opt->t));
   opt->lr_t = opt->hp.lr / opt->bc1;
+  if (opt->backend) return adam_device(opt);
   rtp__threadpool_run(tp, adam_job, opt);
   return RTP_OK;
 }

@@ -215,7 +215,12 @@ static struct rtp_tensor *clone_leaf(struct rtp_parallel *p, const struct rtp_te
   struct rtp_tensor *c = rtp_new_tensor(p->ctx, t->type, RTP_MAX_DIMS, ne);
   if (!c) return NULL;
   if (!c->data && !rtp__tensor_alloc(p->ctx, c, RTP_ROLE_INPUT)) return NULL;
-  if (t->data && !param) memcpy(c->data, t->data, rtp_nbytes(t)); /* constants */
+  if (t->data && !param && rtp_tensor_set(c, t->data, 0, rtp_nbytes(t))) { /* constants */
+    char msg[256];
+    snprintf(msg, sizeof(msg), "%s", rtp_last_error());
+    rtp__ctx_error(p->ctx, RTP_EIO, "%s", msg);
+    return NULL;
+  }
   c->flags = t->flags;
   c->role = t->role;
   memcpy(c->name, t->name, sizeof(c->name));

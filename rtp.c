@@ -1,5 +1,5 @@
 /* rtp.c - contexts and arenas, tensors, op builders, graphs. */
-#include "rtp-impl.h"
+#include "rtp-backend.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -95,6 +95,10 @@ struct rtp_context {
   size_t work;
   int err;
   char errmsg[512];
+  /* With a device backend, tensor data comes from this second arena in device memory. */
+  struct rtp_backend *backend;
+  uint8_t *data;
+  size_t data_size, data_used;
 };
 
 /* A tensor as the context keeps it: the public struct first, so a tensor pointer is an
@@ -102,8 +106,22 @@ struct rtp_context {
 struct rtp_tensor_obj {
   struct rtp_tensor t;
   struct rtp_tensor_obj *next;
+  struct rtp_context *ctx;
   size_t data_bytes; /* arena bytes this tensor's own data took */
 };
+
+/* Device memory is taken once, here; tensors and plans then carve it like the host arena. */
+static int init_device_arena(struct rtp_context *ctx, struct rtp_backend *b, size_t size) {
+  ctx->backend = b;
+  if (size == 0) return RTP_OK;
+  void *mem = NULL;
+  int rc = b->i->alloc(b, size, &mem);
+  if (rc) return rc;
+  ctx->data = mem;
+  ctx->data_size = size;
+  ctx->data_used = (size_t)(-(uintptr_t)ctx->data & (RTP_ALIGN - 1));
+  return RTP_OK;
+}
 
 struct rtp_context *rtp_init(struct rtp_init_params p) {
   rtp__gemm_init();
@@ -125,13 +143,27 @@ struct rtp_context *rtp_init(struct rtp_init_params p) {
     }
   }
   ctx->used = (size_t)(-(uintptr_t)ctx->mem & (RTP_ALIGN - 1)); /* align the start */
+  if (p.backend && init_device_arena(ctx, p.backend, p.data_size)) {
+    rtp_free(ctx);
+    return NULL;
+  }
   return ctx;
 }
 
 void rtp_free(struct rtp_context *ctx) {
   if (!ctx) return;
+  if (ctx->data) ctx->backend->i->release(ctx->backend, ctx->data);
   if (ctx->own_mem) free(ctx->mem);
   free(ctx);
+}
+
+struct rtp_backend *rtp__ctx_backend(const struct rtp_context *ctx) {
+  return ctx ? ctx->backend : NULL;
+}
+
+struct rtp_backend *rtp__tensor_backend(const struct rtp_tensor *t) {
+  while (t->view_src) t = t->view_src;
+  return rtp__ctx_backend(((const struct rtp_tensor_obj *)t)->ctx);
 }
 
 int rtp_context_error(const struct rtp_context *ctx, const char **msg) {
@@ -168,6 +200,22 @@ void *rtp__ctx_alloc(struct rtp_context *ctx, size_t size, const char *what) {
   return p;
 }
 
+void *rtp__ctx_data_alloc(struct rtp_context *ctx, size_t size, const char *what) {
+  if (!ctx->backend) return rtp__ctx_alloc(ctx, size, what);
+  size_t need = RTP_PAD(size, RTP_ALIGN);
+  if (size > ctx->data_size || need > ctx->data_size - ctx->data_used) {
+    rtp__ctx_error(ctx, RTP_ENOMEM,
+                   "%s memory full: %s needs %zu bytes but %zu of %zu are left (raise "
+                   "data_size)",
+                   ctx->backend->i->name, what, need, ctx->data_size - ctx->data_used,
+                   ctx->data_size);
+    return NULL;
+  }
+  void *p = ctx->data + ctx->data_used;
+  ctx->data_used += need;
+  return p;
+}
+
 void rtp__ctx_note_plan(struct rtp_context *ctx, size_t peak, size_t sum, size_t work) {
   ctx->activation_peak += peak;
   ctx->activation_sum += sum;
@@ -186,8 +234,8 @@ void rtp_mem_report_get(const struct rtp_context *ctx, struct rtp_mem_report *r)
   r->bytes[RTP_ROLE_ACTIVATION] += ctx->activation_peak;
   r->activation_sum = ctx->activation_sum;
   r->work = ctx->work;
-  r->total = ctx->used;
-  r->metadata = ctx->used - data - ctx->activation_peak - ctx->work;
+  r->total = ctx->used + ctx->data_used;
+  r->metadata = r->total - data - ctx->activation_peak - ctx->work;
 }
 
 /* ---- tensors -------------------------------------------------------------------- */
@@ -215,6 +263,7 @@ static struct rtp_tensor *new_tensor_impl(struct rtp_context *ctx, enum rtp_type
   struct rtp_tensor_obj *obj = rtp__ctx_alloc(ctx, sizeof(*obj), "a tensor header");
   if (!obj) return NULL;
   memset(obj, 0, sizeof(*obj));
+  obj->ctx = ctx;
   struct rtp_tensor *t = &obj->t;
   t->type = type;
   t->role = RTP_ROLE_ACTIVATION;
@@ -270,9 +319,20 @@ struct rtp_tensor *rtp__new_node(struct rtp_context *ctx, enum rtp_op op, enum r
 /* Gives t zeroed memory of its own from the arena, counted under role. */
 void *rtp__tensor_alloc(struct rtp_context *ctx, struct rtp_tensor *t, enum rtp_role role) {
   size_t n = rtp_nbytes(t);
-  t->data = rtp__ctx_alloc(ctx, n ? n : 1, "tensor data");
+  t->data = rtp__ctx_data_alloc(ctx, n ? n : 1, "tensor data");
   if (!t->data) return NULL;
-  memset(t->data, 0, n);
+  if (!ctx->backend) {
+    memset(t->data, 0, n);
+  } else {
+    int rc = ctx->backend->i->zero(ctx->backend, t->data, n);
+    if (rc) {
+      char msg[256];
+      snprintf(msg, sizeof(msg), "%s", rtp_last_error());
+      rtp__ctx_error(ctx, rc, "%s", msg);
+      t->data = NULL;
+      return NULL;
+    }
+  }
   t->role = role;
   ((struct rtp_tensor_obj *)t)->data_bytes = RTP_PAD(n ? n : 1, RTP_ALIGN);
   return t->data;
@@ -313,8 +373,37 @@ struct rtp_tensor *rtp_tensor_at(struct rtp_context *ctx, int n) {
   return o ? &o->t : NULL;
 }
 
-void rtp_set_f32(struct rtp_tensor *t, float v) {
-  if (!t || !t->data || t->type != RTP_TYPE_F32) return;
+int rtp_tensor_set(struct rtp_tensor *t, const void *src, size_t offset, size_t n) {
+  if (!t || !t->data || (!src && n))
+    return rtp__error(RTP_EINVAL, "rtp_tensor_set: NULL tensor, data or source");
+  if (!rtp_is_contiguous(t) || offset > rtp_nbytes(t) || n > rtp_nbytes(t) - offset)
+    return rtp__error(RTP_EINVAL, "rtp_tensor_set: %zu bytes at %zu into '%s' (%zu bytes%s)", n,
+                      offset, t->name, rtp_nbytes(t),
+                      rtp_is_contiguous(t) ? "" : ", not contiguous");
+  struct rtp_backend *b = rtp__tensor_backend(t);
+  if (!b) {
+    memcpy((char *)t->data + offset, src, n);
+    return RTP_OK;
+  }
+  return b->i->set(b, (char *)t->data + offset, src, n);
+}
+
+int rtp_tensor_get(const struct rtp_tensor *t, void *dst, size_t offset, size_t n) {
+  if (!t || !t->data || (!dst && n))
+    return rtp__error(RTP_EINVAL, "rtp_tensor_get: NULL tensor, data or destination");
+  if (!rtp_is_contiguous(t) || offset > rtp_nbytes(t) || n > rtp_nbytes(t) - offset)
+    return rtp__error(RTP_EINVAL, "rtp_tensor_get: %zu bytes at %zu from '%s' (%zu bytes%s)", n,
+                      offset, t->name, rtp_nbytes(t),
+                      rtp_is_contiguous(t) ? "" : ", not contiguous");
+  struct rtp_backend *b = rtp__tensor_backend(t);
+  if (!b) {
+    memcpy(dst, (const char *)t->data + offset, n);
+    return RTP_OK;
+  }
+  return b->i->get(b, dst, (const char *)t->data + offset, n);
+}
+
+static void set_f32_host(struct rtp_tensor *t, float v) {
   for (int64_t i3 = 0; i3 < t->ne[3]; i3++)
     for (int64_t i2 = 0; i2 < t->ne[2]; i2++)
       for (int64_t i1 = 0; i1 < t->ne[1]; i1++) {
@@ -323,21 +412,53 @@ void rtp_set_f32(struct rtp_tensor *t, float v) {
       }
 }
 
+/* Device tensors are filled through a host copy: these are for setup, not the step loop. */
+void rtp_set_f32(struct rtp_tensor *t, float v) {
+  if (!t || !t->data || t->type != RTP_TYPE_F32) return;
+  if (!rtp__tensor_backend(t)) {
+    set_f32_host(t, v);
+    return;
+  }
+  size_t n = (size_t)rtp_nelements(t);
+  float *tmp = malloc(n * sizeof(float));
+  if (!tmp || !rtp_is_contiguous(t)) {
+    RTP_LOG_ERROR("rtp_set_f32: cannot fill '%s' (%s)", t->name,
+                  tmp ? "a device view that is not contiguous" : "out of memory");
+  } else {
+    for (size_t i = 0; i < n; i++) tmp[i] = v;
+    if (rtp_tensor_set(t, tmp, 0, n * sizeof(float)))
+      RTP_LOG_ERROR("rtp_set_f32: %s", rtp_last_error());
+  }
+  free(tmp);
+}
+
 void rtp_set_zero(struct rtp_tensor *t) {
   if (!t || !t->data) return;
-  if (rtp_is_contiguous(t))
-    memset(t->data, 0, rtp_nbytes(t));
-  else
+  struct rtp_backend *b = rtp__tensor_backend(t);
+  if (!rtp_is_contiguous(t))
     rtp_set_f32(t, 0.0f);
+  else if (!b)
+    memset(t->data, 0, rtp_nbytes(t));
+  else if (b->i->zero(b, t->data, rtp_nbytes(t)))
+    RTP_LOG_ERROR("rtp_set_zero: %s", rtp_last_error());
 }
 
 float rtp_get_f32_1d(const struct rtp_tensor *t, int64_t i) {
   if (!t || !t->data || i < 0 || i >= rtp_nelements(t)) return NAN;
-  if (t->type == RTP_TYPE_I32) return (float)((const int32_t *)t->data)[i];
   int64_t i0 = i % t->ne[0], r = i / t->ne[0];
   int64_t i1 = r % t->ne[1], i2 = r / t->ne[1] % t->ne[2], i3 = r / t->ne[1] / t->ne[2];
-  return *(const float *)((const char *)t->data + i0 * t->nb[0] + i1 * t->nb[1] +
-                          i2 * t->nb[2] + i3 * t->nb[3]);
+  size_t offs = (size_t)i0 * t->nb[0] + (size_t)i1 * t->nb[1] + (size_t)i2 * t->nb[2] +
+                (size_t)i3 * t->nb[3];
+  union {
+    float f;
+    int32_t i;
+  } v;
+  struct rtp_backend *b = rtp__tensor_backend(t);
+  if (!b)
+    memcpy(&v, (const char *)t->data + offs, sizeof(v));
+  else if (b->i->get(b, &v, (const char *)t->data + offs, sizeof(v)))
+    return NAN;
+  return t->type == RTP_TYPE_I32 ? (float)v.i : v.f;
 }
 
 /* ---- op builders ------------------------------------------------------------------

@@ -188,10 +188,28 @@ RTP_API bool rtp_are_same_shape(const struct rtp_tensor *a, const struct rtp_ten
 
 /* ---- context -------------------------------------------------------------------- */
 
+/*
+ * Backends. A context computes on the CPU unless given a device backend at init; then
+ * every tensor's data lives in device memory (one arena of data_size bytes taken at
+ * init), graphs run as kernels queued on the device, and the host reads and writes
+ * tensors only through rtp_tensor_set / rtp_tensor_get. The context's own arena
+ * (headers, graphs, plans) stays in host memory.
+ */
+struct rtp_backend;
+/* The number of CUDA devices (0 if none, or if this build has no CUDA backend). */
+RTP_API int rtp_backend_cuda_count(void);
+/* A backend on CUDA device `device`: RTP_ENOSYS if the build has no CUDA backend, RTP_EINVAL
+ * if there is no such device. One backend per device and process. */
+RTP_API int rtp_backend_cuda_new(int device, struct rtp_backend **out);
+RTP_API void rtp_backend_free(struct rtp_backend *b); /* after every context using it */
+RTP_API const char *rtp_backend_name(const struct rtp_backend *b); /* "cpu" for NULL */
+
 struct rtp_init_params {
-  size_t mem_size;  /* bytes of the arena */
-  void *mem_buffer; /* caller's memory, or NULL for the library to allocate it */
-  bool no_alloc;    /* leaves get no data: the caller points t->data itself */
+  size_t mem_size;             /* bytes of the arena */
+  void *mem_buffer;            /* caller's memory, or NULL for the library to allocate it */
+  bool no_alloc;               /* leaves get no data: the caller points t->data itself */
+  struct rtp_backend *backend; /* NULL: the CPU */
+  size_t data_size;            /* with a device backend: bytes of device memory for data */
 };
 
 struct rtp_context;
@@ -225,6 +243,10 @@ RTP_API struct rtp_tensor *rtp_get_tensor(struct rtp_context *ctx, const char *n
 /* The n-th tensor created in ctx (0-based), or NULL past the end: for iterating. */
 RTP_API struct rtp_tensor *rtp_tensor_at(struct rtp_context *ctx, int n);
 
+/* Copies n bytes between host memory and t's data starting offset bytes in (t must be
+ * contiguous), wherever the data lives: the way to fill inputs of a device context. */
+RTP_API int rtp_tensor_set(struct rtp_tensor *t, const void *src, size_t offset, size_t n);
+RTP_API int rtp_tensor_get(const struct rtp_tensor *t, void *dst, size_t offset, size_t n);
 RTP_API void rtp_set_f32(struct rtp_tensor *t, float v); /* every element */
 RTP_API void rtp_set_zero(struct rtp_tensor *t);
 RTP_API float rtp_get_f32_1d(const struct rtp_tensor *t, int64_t i);

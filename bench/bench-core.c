@@ -90,7 +90,7 @@ static double run_direct(void *arg) {
 
 static double bench_gemm(const struct shape *s, int threads, int reps) {
   struct rtp_init_params ip = {
-      (size_t)(s->m * s->k + s->n * s->k + s->m * s->n) * 4 + (16 << 20), NULL, false};
+      .mem_size = (size_t)(s->m * s->k + s->n * s->k + s->m * s->n) * 4 + (16 << 20)};
   struct rtp_context *ctx = rtp_init(ip);
   struct rtp_tensor *a = s->a_t ? rtp_new_tensor_2d(ctx, RTP_TYPE_F32, s->m, s->k)
                                 : rtp_new_tensor_2d(ctx, RTP_TYPE_F32, s->k, s->m);
@@ -137,7 +137,7 @@ static double bench_gemm(const struct shape *s, int threads, int reps) {
 
 static void bench_step(struct gpt_config cfg, int batch, int threads, int steps,
                        double gemm_rate) {
-  struct rtp_init_params ip = {gpt_arena_size(cfg, batch), NULL, false};
+  struct rtp_init_params ip = {.mem_size = gpt_arena_size(cfg, batch), .no_alloc = false};
   struct rtp_context *ctx = rtp_init(ip);
   struct gpt m;
   struct rtp_graph *g = rtp_graph_new(ctx, 8192);

@@ -208,13 +208,13 @@ static struct result run_rank(const struct opts *o, enum rtp_strategy strategy,
   struct result res = {0};
   struct rtp_threadpool *tp = rtp_threadpool_new(o->threads);
   res.baseline = proc_bytes("VmRSS:");
-  struct rtp_init_params meta_ip = {64 << 20, NULL, true};
+  struct rtp_init_params meta_ip = {.mem_size = 64 << 20, .no_alloc = true};
   struct rtp_context *meta = rtp_init(meta_ip);
   struct gpt m;
   struct rtp_graph *fwd = rtp_graph_new(meta, 16384);
   if (!meta || gpt_build(meta, &m, o->cfg, o->batch) || rtp_graph_build(fwd, m.loss))
     die("build");
-  struct rtp_init_params ip = {gpt_arena_size(o->cfg, o->batch), NULL, false};
+  struct rtp_init_params ip = {.mem_size = gpt_arena_size(o->cfg, o->batch), .no_alloc = false};
   struct rtp_context *ctx = rtp_init(ip);
   struct rtp_parallel_params pp = {strategy, comm, 0, 0};
   struct rtp_parallel *par = ctx ? rtp_parallelize(ctx, fwd, m.loss, &pp) : NULL;

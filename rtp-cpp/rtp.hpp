@@ -105,12 +105,33 @@ class handle {
 
 }  // namespace detail
 
+// A device to compute on; outlives every context made with it.
+class backend : public detail::handle<rtp_backend, rtp_backend_free> {
+ public:
+  static backend cuda(int device = 0) {
+    rtp_backend *b = nullptr;
+    check(rtp_backend_cuda_new(device, &b));
+    return backend(b);
+  }
+  static int cuda_count() {
+    return rtp_backend_cuda_count();
+  }
+  const char *name() const {
+    return rtp_backend_name(get());
+  }
+
+ private:
+  explicit backend(rtp_backend *b) : handle(b) {}
+};
+
 // The arena that owns tensors, graphs and optimizer states.
 class context : public detail::handle<rtp_context, rtp_free> {
  public:
-  explicit context(size_t mem_size, void *mem_buffer = nullptr, bool no_alloc = false)
-      : handle(
-            check_ptr(rtp_init(rtp_init_params{mem_size, mem_buffer, no_alloc}), RTP_ENOMEM)) {}
+  explicit context(size_t mem_size, void *mem_buffer = nullptr, bool no_alloc = false,
+                   rtp_backend *backend = nullptr, size_t data_size = 0)
+      : handle(check_ptr(
+            rtp_init(rtp_init_params{mem_size, mem_buffer, no_alloc, backend, data_size}),
+            RTP_ENOMEM)) {}
 
   // p itself, or the context's first recorded error as an exception when p is NULL.
   template <class T>

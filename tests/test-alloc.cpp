@@ -22,7 +22,7 @@ struct Built {
 };
 
 void build(Built &b, gpt_config cfg, int batch) {
-  rtp_init_params ip = {gpt_arena_size(cfg, batch), nullptr, false};
+  rtp_init_params ip = {gpt_arena_size(cfg, batch), nullptr, false, nullptr, 0};
   b.ctx = rtp_init(ip);
   ASSERT_NE(b.ctx, nullptr) << rtp_last_error();
   ASSERT_EQ(gpt_build(b.ctx, &b.m, cfg, batch), 0) << rtp_last_error();
@@ -153,7 +153,7 @@ namespace {
 
 // Tensors can be found again by name and iterated in creation order.
 TEST(Context, FindAndIterateTensors) {
-  rtp_init_params ip = {1 << 20, nullptr, false};
+  rtp_init_params ip = {1 << 20, nullptr, false, nullptr, 0};
   rtp_context *ctx = rtp_init(ip);
   rtp_tensor *a = rtp_set_name(rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 3), "a");
   rtp_tensor *b = rtp_set_name(rtp_new_tensor_2d(ctx, RTP_TYPE_I32, 2, 2), "layer.%d.b", 7);

@@ -40,8 +40,8 @@ struct Plan {
   bool build(rtp_strategy s, rtp_comm *c) {
     strategy = s;
     comm = c;
-    meta = rtp_init({1 << 20, nullptr, true});
-    ctx = rtp_init({4 << 20, nullptr, false});
+    meta = rtp_init({1 << 20, nullptr, true, nullptr, 0});
+    ctx = rtp_init({4 << 20, nullptr, false, nullptr, 0});
     params[0] = rtp_set_name(rtp_new_tensor_2d(meta, RTP_TYPE_F32, 8, 6), "w");
     params[1] = rtp_set_name(rtp_new_tensor_1d(meta, RTP_TYPE_F32, 6), "b");
     rtp_tensor *x = rtp_new_tensor_2d(meta, RTP_TYPE_F32, 8, 5);

@@ -16,7 +16,7 @@ int rank_main(int rank, int world, int port) {
   rtp_comm_params cp = rtptest::params(rank, world, port);
   rtp_comm *comm = nullptr;
   if (rtp_comm_init(&cp, &comm)) return 10;
-  rtp_init_params ip = {8 << 20, nullptr, false};
+  rtp_init_params ip = {8 << 20, nullptr, false, nullptr, 0};
   rtp_context *ctx = rtp_init(ip);
   const int n = 37;
   rtp_tensor *mine = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, n);

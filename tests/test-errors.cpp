@@ -11,7 +11,7 @@
 namespace {
 
 rtp_context *new_ctx(size_t bytes = 1 << 20) {
-  rtp_init_params ip = {bytes, nullptr, false};
+  rtp_init_params ip = {bytes, nullptr, false, nullptr, 0};
   return rtp_init(ip);
 }
 

@@ -42,7 +42,7 @@ struct Fixture {
                       meta_int(st, "n_layer"), meta_int(st, "n_head")};
     int batch = meta_int(st, "batch");
     ASSERT_EQ(gpt_config_check(cfg), 0);
-    rtp_init_params ip = {gpt_arena_size(cfg, batch) + (64 << 20), nullptr, false};
+    rtp_init_params ip = {gpt_arena_size(cfg, batch) + (64 << 20), nullptr, false, nullptr, 0};
     ctx = rtp_init(ip);
     ASSERT_NE(ctx, nullptr);
     ASSERT_EQ(gpt_build(ctx, &m, cfg, batch), 0) << rtp_last_error();

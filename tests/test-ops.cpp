@@ -26,7 +26,7 @@ struct Input {
 void check_grad(const std::string &what, const std::vector<Input> &inputs, const Build &build,
                 int n_threads = 1, float h = 1e-2f, float tol = 1e-3f) {
   SCOPED_TRACE(what);
-  rtp_init_params ip = {64 << 20, nullptr, false};
+  rtp_init_params ip = {64 << 20, nullptr, false, nullptr, 0};
   rtp_context *ctx = rtp_init(ip);
   ASSERT_NE(ctx, nullptr);
   std::mt19937 rng(42);
@@ -236,7 +236,7 @@ TEST(OpGradComposite, AttentionHeads) {
 // ---- forward values against direct formulas ----------------------------------------
 
 TEST(OpForward, Example) {
-  rtp_init_params ip = {1 << 20, nullptr, false};
+  rtp_init_params ip = {1 << 20, nullptr, false, nullptr, 0};
   rtp_context *ctx = rtp_init(ip);
   rtp_tensor *x = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 1);
   rtp_tensor *a = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 1);
@@ -257,7 +257,7 @@ TEST(OpForward, Example) {
 }
 
 TEST(OpForward, SoftMaxCausalAndCrossEntropy) {
-  rtp_init_params ip = {1 << 20, nullptr, false};
+  rtp_init_params ip = {1 << 20, nullptr, false, nullptr, 0};
   rtp_context *ctx = rtp_init(ip);
   rtp_tensor *s = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 3, 3);
   for (int i = 0; i < 9; i++) ((float *)s->data)[i] = (float)i;

@@ -55,7 +55,7 @@ struct Model {
 bool reference(int world, std::vector<float> &losses, std::vector<float> &norms, Model &ref,
                std::vector<std::vector<float>> &moving, std::vector<std::vector<float>> &init,
                std::vector<std::vector<float>> &grad0) {
-  rtp_init_params ip = {gpt_arena_size(kCfg, world * kBatch), nullptr, false};
+  rtp_init_params ip = {gpt_arena_size(kCfg, world * kBatch), nullptr, false, nullptr, 0};
   ref.ctx = rtp_init(ip);
   if (gpt_build(ref.ctx, &ref.m, kCfg, world * kBatch)) return false;
   ref.g = rtp_graph_new(ref.ctx, 8192);
@@ -157,11 +157,11 @@ struct Rank {
   }
 
   int build(rtp_strategy strategy, gpt_config cfg, int batch, int code) {
-    rtp_init_params meta_ip = {32 << 20, nullptr, true};
+    rtp_init_params meta_ip = {32 << 20, nullptr, true, nullptr, 0};
     meta = rtp_init(meta_ip);
     rtp_graph *fwd = rtp_graph_new(meta, 8192);
     if (gpt_build(meta, &m, cfg, batch) || rtp_graph_build(fwd, m.loss)) return code;
-    rtp_init_params ip = {gpt_arena_size(cfg, batch), nullptr, false};
+    rtp_init_params ip = {gpt_arena_size(cfg, batch), nullptr, false, nullptr, 0};
     ctx = rtp_init(ip);
     rtp_parallel_params pp = {strategy, comm, 0, 0};
     par = rtp_parallelize(ctx, fwd, m.loss, &pp);
@@ -312,7 +312,7 @@ size_t model_states(const rtp_mem_report &r) {
 // Model states of one process: parameters, gradients, Adam's two states.
 size_t one_process_states(gpt_config cfg, size_t *largest_block_of, int world) {
   Model ref;
-  rtp_init_params ip = {gpt_arena_size(cfg, 1), nullptr, false};
+  rtp_init_params ip = {gpt_arena_size(cfg, 1), nullptr, false, nullptr, 0};
   ref.ctx = rtp_init(ip);
   gpt_build(ref.ctx, &ref.m, cfg, 1);
   ref.g = rtp_graph_new(ref.ctx, 8192);
@@ -422,7 +422,7 @@ TEST(ParallelErrors, TooFewRowsToSplit) {
     rtp_comm_params cp = rtptest::params(r, world, port);
     rtp_comm *comm = nullptr;
     if (rtp_comm_init(&cp, &comm)) return 50;
-    rtp_init_params mip = {1 << 20, nullptr, true};
+    rtp_init_params mip = {1 << 20, nullptr, true, nullptr, 0};
     rtp_context *meta = rtp_init(mip);
     rtp_tensor *w = rtp_set_name(rtp_new_tensor_2d(meta, RTP_TYPE_F32, 4, 2), "w");
     rtp_tensor *x = rtp_new_tensor_2d(meta, RTP_TYPE_F32, 4, 5);
@@ -430,7 +430,7 @@ TEST(ParallelErrors, TooFewRowsToSplit) {
     rtp_tensor *loss = rtp_sum(meta, rtp_mul_mat(meta, w, x));
     rtp_graph *g = rtp_graph_new(meta, 64);
     rtp_graph_build(g, loss);
-    rtp_init_params ip = {1 << 20, nullptr, false};
+    rtp_init_params ip = {1 << 20, nullptr, false, nullptr, 0};
     rtp_context *ctx = rtp_init(ip);
     int code = 0;
     for (rtp_strategy s : {RTP_STRATEGY_RTP, RTP_STRATEGY_FSDP}) {
@@ -459,12 +459,12 @@ TEST(ParallelErrors, TpHeadsNotDivisible) {
     rtp_comm *comm = nullptr;
     if (rtp_comm_init(&cp, &comm)) return 60;
     gpt_config cfg = {256, 16, 48, 1, 4};
-    rtp_init_params mip = {16 << 20, nullptr, true};
+    rtp_init_params mip = {16 << 20, nullptr, true, nullptr, 0};
     rtp_context *meta = rtp_init(mip);
     gpt m{};
     rtp_graph *g = rtp_graph_new(meta, 4096);
     if (gpt_build(meta, &m, cfg, 2) || rtp_graph_build(g, m.loss)) return 61;
-    rtp_init_params ip = {gpt_arena_size(cfg, 2), nullptr, false};
+    rtp_init_params ip = {gpt_arena_size(cfg, 2), nullptr, false, nullptr, 0};
     rtp_context *ctx = rtp_init(ip);
     rtp_parallel_params pp = {RTP_STRATEGY_TP, comm, 0, 0};
     int code = rtp_parallelize(ctx, g, m.loss, &pp) == nullptr ? 0 : 62;

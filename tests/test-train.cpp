@@ -16,7 +16,7 @@ namespace {
 
 TEST(Train, MlpLearnsClassification) {
   const int in = 6, hidden = 32, classes = 4, n = 96;
-  rtp_init_params ip = {16 << 20, nullptr, false};
+  rtp_init_params ip = {16 << 20, nullptr, false, nullptr, 0};
   rtp_context *ctx = rtp_init(ip);
   std::mt19937 rng(7);
   std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -83,7 +83,7 @@ void fill_text_batch(const std::string &text, std::mt19937 &rng, int T, int B, i
 
 void train_gpt(gpt_config cfg, int batch, int steps, float lr, int threads, float *first,
                float *last) {
-  rtp_init_params ip = {gpt_arena_size(cfg, batch), nullptr, false};
+  rtp_init_params ip = {gpt_arena_size(cfg, batch), nullptr, false, nullptr, 0};
   rtp_context *ctx = rtp_init(ip);
   ASSERT_NE(ctx, nullptr);
   gpt m{};

@@ -472,8 +472,8 @@ static int join_job(struct trainer *tr) {
 /* The model once, as for one device, then this rank's training graph for the strategy. */
 static int parallelize(struct trainer *tr, struct gpt_config c, const struct options *o) {
   size_t meta_bytes = (size_t)graph_size(c) * 2048 + (8u << 20);
-  tr->meta = rtp_init((struct rtp_init_params){meta_bytes, NULL, true});
-  tr->ctx = rtp_init((struct rtp_init_params){arena_size(c, o->batch, tr->world), NULL, false});
+  tr->meta = rtp_init((struct rtp_init_params){.mem_size = meta_bytes, .no_alloc = true});
+  tr->ctx = rtp_init((struct rtp_init_params){.mem_size = arena_size(c, o->batch, tr->world)});
   if (!tr->meta || !tr->ctx) return fail(RTP_ENOMEM, "creating the arena");
   struct rtp_graph *fwd = rtp_graph_new(tr->meta, graph_size(c));
   if (!fwd || gpt_build(tr->meta, &tr->m, c, o->batch) || rtp_graph_build(fwd, tr->m.loss))
@@ -859,7 +859,7 @@ static int export_model(struct trainer *tr, const char *path, int64_t steps) {
   size_t bytes = (size_t)gpt_n_params(tr->m.cfg) * sizeof(float) +
                  (size_t)tr->m.n_params * 1024 + (1u << 20);
   struct rtp_context *ctx =
-      tr->rank == 0 ? rtp_init((struct rtp_init_params){bytes, NULL, false}) : NULL;
+      tr->rank == 0 ? rtp_init((struct rtp_init_params){.mem_size = bytes}) : NULL;
   float *scratch = tr->rank == 0 ? NULL : malloc(largest_param_bytes(&tr->m));
   int rc = ctx || scratch ? RTP_OK : fail(RTP_ENOMEM, "--export %s", path);
   for (int i = 0; i < tr->m.n_params && !rc; i++) {

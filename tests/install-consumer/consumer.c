@@ -3,7 +3,7 @@
 #include <stdio.h>
 
 int main(void) {
-  struct rtp_init_params ip = {1 << 20, NULL, false};
+  struct rtp_init_params ip = {.mem_size = 1 << 20, .no_alloc = false};
   struct rtp_context *ctx = rtp_init(ip);
   struct rtp_tensor *x = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 1);
   rtp_set_param(x);

@@ -1,0 +1,409 @@
+// The executor's stream path (what a GPU backend runs) tested without a GPU: a simulated
+// device whose memory is host memory but whose work waits in two in-order queues until
+// sync, then runs in an order a scheduler picks among those the events allow. Kernels are
+// the CPU's and transfers the real TCP communicator's, so results must equal the CPU
+// executor's whatever the order; an event the executor forgot lets a node run before
+// what it depends on, and the results differ (the control test shows that they do).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "gpt.h"
+extern "C" {
+#include "rtp-backend.h"
+}
+#include "test-comm-util.h"
+
+namespace {
+
+enum class Order { kComputeFirst, kCommFirst, kRandom };
+
+struct Item {
+  enum Kind { kWork, kRecord, kWait } kind;
+  std::function<int()> work;
+  int event = -1;
+  long seq = 0;  // kRecord: its number; kWait: the record it waits for (0: none)
+};
+
+struct Sim {
+  rtp_backend base{};
+  Order order = Order::kRandom;
+  bool drop_waits = false;  // the control: ignore every wait
+  std::mt19937 rng{1};
+  std::deque<Item> q[2];
+  std::vector<long> last_enqueued, last_done;  // per event: record numbers
+  long n_records = 0;
+  int status = 0;
+  int kernel_status = 0;
+  long host_touch_while_busy = 0;  // set/get with work queued: a host-side bug
+
+  bool busy() const {
+    return !q[0].empty() || !q[1].empty();
+  }
+  bool runnable(int s) const {
+    if (q[s].empty()) return false;
+    const Item &it = q[s].front();
+    return it.kind != Item::kWait || it.seq == 0 || last_done[it.event] >= it.seq;
+  }
+  // Runs everything queued, in an order the events allow.
+  int drain() {
+    while (busy()) {
+      bool r0 = runnable(0), r1 = runnable(1);
+      if (!r0 && !r1) return rtp__error(RTP_ESTATE, "simulated device: the streams deadlock");
+      int s;
+      if (r0 && r1)
+        s = order == Order::kComputeFirst ? 0
+            : order == Order::kCommFirst  ? 1
+                                          : (int)(rng() & 1);
+      else
+        s = r0 ? 0 : 1;
+      Item it = std::move(q[s].front());
+      q[s].pop_front();
+      if (it.kind == Item::kRecord) last_done[it.event] = it.seq;
+      if (it.kind == Item::kWork) {
+        int rc = it.work();
+        if (rc && !status) status = rc;
+      }
+    }
+    return status;
+  }
+  void push(int s, Item it) {
+    if (it.kind == Item::kWait && drop_waits) return;
+    q[s].push_back(std::move(it));
+  }
+};
+
+Sim *sim_of(rtp_backend *b) {
+  return static_cast<Sim *>(b->impl);
+}
+
+int sim_alloc(rtp_backend *, size_t size, void **out) {
+  *out = aligned_alloc(64, (size + 63) / 64 * 64);
+  if (!*out) return rtp__error(RTP_ENOMEM, "simulated device: out of memory");
+  memset(*out, 0xff, size);  // NaN: a read of memory nothing wrote shows in the results
+  return RTP_OK;
+}
+
+void sim_release(rtp_backend *, void *p) {
+  free(p);
+}
+
+int sim_set(rtp_backend *b, void *dst, const void *src, size_t n) {
+  if (sim_of(b)->busy()) sim_of(b)->host_touch_while_busy++;
+  memcpy(dst, src, n);
+  return RTP_OK;
+}
+
+int sim_get(rtp_backend *b, void *dst, const void *src, size_t n) {
+  if (sim_of(b)->busy()) sim_of(b)->host_touch_while_busy++;
+  memcpy(dst, src, n);
+  return RTP_OK;
+}
+
+int sim_zero(rtp_backend *b, void *dst, size_t n) {
+  if (sim_of(b)->busy()) sim_of(b)->host_touch_while_busy++;
+  memset(dst, 0, n);
+  return RTP_OK;
+}
+
+size_t sim_work_size(rtp_backend *, const rtp_tensor *t) {
+  return rtp__op_work_size(t);
+}
+
+int sim_events_reserve(rtp_backend *b, int n) {
+  Sim *s = sim_of(b);
+  if ((int)s->last_done.size() < n) {
+    s->last_done.resize(n, 0);
+    s->last_enqueued.resize(n, 0);
+  }
+  return RTP_OK;
+}
+
+int sim_compute(rtp_backend *b, rtp_tensor *t, void *work) {
+  Sim *s = sim_of(b);
+  s->push(0, {Item::kWork, [s, t, work] {
+                rtp_compute_params p{};
+                p.nth = 1;
+                p.work = work;
+                p.status = &s->kernel_status;
+                rtp__compute_forward(&p, t);
+                return s->kernel_status ? rtp__error(RTP_EINVAL, "%s: an index is out of range",
+                                                     rtp_op_name(t->op))
+                                        : RTP_OK;
+              }});
+  return RTP_OK;
+}
+
+// The transfer itself, blocking, when the comm queue reaches it.
+int run_comm(rtp_comm *c, rtp_tensor *t) {
+  switch (t->op_params[0]) {
+    case RTP__COMM_SENDRECV:
+      return rtp_comm_sendrecv(c, t->src[0]->data, rtp_nbytes(t->src[0]), t->op_params[1],
+                               t->data, rtp_nbytes(t), t->op_params[2], nullptr);
+    case RTP__COMM_ALLGATHER: {
+      int d = rtp_n_dims(t) - 1;
+      return rtp_comm_allgather(c, t->data, (size_t)t->ne[d], t->nb[d], nullptr);
+    }
+    default:
+      return rtp_comm_allreduce(c, (float *)t->data, (size_t)rtp_nelements(t), nullptr);
+  }
+}
+
+int sim_comm(rtp_backend *b, rtp_comm *c, rtp_tensor *t) {
+  sim_of(b)->push(1, {Item::kWork, [c, t] { return run_comm(c, t); }});
+  return RTP_OK;
+}
+
+int sim_record(rtp_backend *b, rtp_stream st, int e) {
+  Sim *s = sim_of(b);
+  if (e < 0 || e >= (int)s->last_done.size())
+    return rtp__error(RTP_EINVAL, "simulated device: event %d was not reserved", e);
+  s->last_enqueued[e] = ++s->n_records;
+  s->push(st, {Item::kRecord, nullptr, e, s->n_records});
+  return RTP_OK;
+}
+
+int sim_wait(rtp_backend *b, rtp_stream st, int e) {
+  Sim *s = sim_of(b);
+  if (e < 0 || e >= (int)s->last_done.size())
+    return rtp__error(RTP_EINVAL, "simulated device: event %d was not reserved", e);
+  s->push(st, {Item::kWait, nullptr, e, s->last_enqueued[e]});
+  return RTP_OK;
+}
+
+int sim_sync(rtp_backend *b) {
+  return sim_of(b)->drain();
+}
+
+int sim_adam(rtp_backend *b, const rtp_adam_args *a) {
+  rtp_adam_args args = *a;
+  sim_of(b)->push(0, {Item::kWork, [args] {
+                        for (int64_t i = 0; i < args.n; i++) {
+                          float gi = args.g[i] * args.gscale;
+                          args.m[i] = args.beta1 * args.m[i] + (1.0f - args.beta1) * gi;
+                          args.v[i] = args.beta2 * args.v[i] + (1.0f - args.beta2) * gi * gi;
+                          float denom = sqrtf(args.v[i]) / args.bc2 + args.eps;
+                          args.w[i] = args.w[i] * args.decay - args.lr_t * args.m[i] / denom;
+                        }
+                        return RTP_OK;
+                      }});
+  return RTP_OK;
+}
+
+int sim_sumsq(rtp_backend *b, const float *g, int64_t n, double *out) {
+  int rc = sim_of(b)->drain();
+  double s = 0;
+  for (int64_t i = 0; i < n; i++) s += (double)g[i] * g[i];
+  *out = s;
+  return rc;
+}
+
+void sim_free(rtp_backend *) {}
+
+const rtp_backend_i kSimI = {
+    "sim",    sim_free,      sim_alloc,          sim_release, sim_set,  sim_get,
+    sim_zero, sim_work_size, sim_events_reserve, sim_compute, sim_comm, sim_record,
+    sim_wait, sim_sync,      sim_adam,           sim_sumsq};
+
+struct SimDevice {
+  Sim sim;
+  explicit SimDevice(Order order, bool drop_waits = false, unsigned seed = 1) {
+    sim.base.i = &kSimI;
+    sim.base.impl = &sim;
+    sim.order = order;
+    sim.drop_waits = drop_waits;
+    sim.rng.seed(seed);
+  }
+  rtp_backend *get() {
+    return &sim.base;
+  }
+};
+
+// ---- a graph of chained rotations, compute between them, and an all-reduce -----------
+
+// Each rank rotates a vector two hops down the ring, computing on the way, and sums a
+// result over ranks; returns the 37 outputs of 3 runs (0 on success, else a code).
+int rotations(int rank, int world, int port, rtp_backend *b, std::vector<float> *out) {
+  rtp_comm_params cp = rtptest::params(rank, world, port);
+  rtp_comm *comm = nullptr;
+  if (rtp_comm_init(&cp, &comm)) return 10;
+  rtp_init_params ip = {8 << 20, nullptr, false, b, b ? 8u << 20 : 0};
+  rtp_context *ctx = rtp_init(ip);
+  if (!ctx) return 11;
+  const int n = 37;
+  rtp_tensor *mine = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, n);
+  rtp_tensor *slot[2] = {rtp_new_tensor_1d(ctx, RTP_TYPE_F32, n),
+                         rtp_new_tensor_1d(ctx, RTP_TYPE_F32, n)};
+  int left = (rank + world - 1) % world, right = (rank + 1) % world;
+  rtp_tensor *hop1 =
+      rtp_sendrecv(ctx, comm, rtp_gelu(ctx, mine), left, slot[0], right, nullptr);
+  rtp_tensor *busy = rtp_gelu(ctx, rtp_scale(ctx, mine, 0.5f));
+  rtp_tensor *hop2 = rtp_sendrecv(ctx, comm, hop1, left, slot[1], right, hop1);
+  rtp_tensor *got = rtp_add(ctx, rtp_scale(ctx, hop2, 2.0f), busy);
+  rtp_tensor *summed = rtp_allreduce(ctx, comm, got, nullptr);
+  rtp_tensor *res = rtp_mul(ctx, summed, rtp_scale(ctx, hop1, 3.0f));
+  rtp_set_output(res);
+  rtp_graph *g = rtp_graph_new(ctx, 64);
+  if (rtp_graph_build(g, res) || rtp_graph_plan(ctx, g)) return 12;
+  for (int rep = 0; rep < 3; rep++) {
+    std::vector<float> x(n);
+    for (int i = 0; i < n; i++) x[i] = 0.01f * (float)(100 * rank + i + 7 * rep);
+    if (rtp_tensor_set(mine, x.data(), 0, n * sizeof(float))) return 13;
+    if (rtp_graph_compute(g, nullptr)) {
+      fprintf(stderr, "rank %d: %s\n", rank, rtp_last_error());
+      return 14;
+    }
+    std::vector<float> y(n);
+    if (rtp_tensor_get(res, y.data(), 0, n * sizeof(float))) return 15;
+    out->insert(out->end(), y.begin(), y.end());
+  }
+  rtp_free(ctx);
+  rtp_comm_free(comm);
+  return 0;
+}
+
+// Every rank's results on the simulated device under `order`, compared with the CPU
+// executor's: 0 if equal, 1 if they differ, else the failure code.
+int rotations_agree(int rank, int world, int port_cpu, int port_dev, Order order,
+                    bool drop_waits) {
+  std::vector<float> want, got;
+  int rc = rotations(rank, world, port_cpu, nullptr, &want);
+  if (rc) return rc;
+  SimDevice dev(order, drop_waits, 7u + (unsigned)rank);
+  rc = rotations(rank, world, port_dev, dev.get(), &got);
+  if (rc) return rc;
+  if (dev.sim.host_touch_while_busy) return 20;
+  for (size_t i = 0; i < want.size(); i++)
+    if (!(got[i] == want[i])) return 1;
+  return 0;
+}
+
+void expect_rotations(Order order, bool drop_waits, int want_code) {
+  for (int world : {1, 2, 3}) {
+    int p1 = rtptest::free_port(), p2 = rtptest::free_port();
+    auto res = rtptest::run_procs(world, [&](int rank) {
+      return rotations_agree(rank, world, p1, p2, order, drop_waits);
+    });
+    for (int r = 0; r < world; r++)
+      EXPECT_EQ(res[r].code, want_code) << "world " << world << " rank " << r;
+  }
+}
+
+TEST(Streams, RotationsMatchCpuWhenComputeRunsFirst) {
+  expect_rotations(Order::kComputeFirst, false, 0);
+}
+
+TEST(Streams, RotationsMatchCpuWhenTransfersRunFirst) {
+  expect_rotations(Order::kCommFirst, false, 0);
+}
+
+TEST(Streams, RotationsMatchCpuInRandomOrders) {
+  expect_rotations(Order::kRandom, false, 0);
+}
+
+// Without its events the same schedule reads results before the transfers made them.
+TEST(Streams, ControlWithoutEventsResultsDiffer) {
+  expect_rotations(Order::kComputeFirst, true, 1);
+}
+
+// ---- the GPT reference model under each strategy ---------------------------------------
+
+const gpt_config kCfg = {64, 16, 32, 2, 4};
+const int kBatch = 2, kSteps = 3;
+
+// K training steps of this rank's parallel graph; losses and the final parameter bytes.
+int train(int rank, int world, int port, rtp_strategy strategy, rtp_backend *b,
+          std::vector<float> *losses, std::vector<float> *params) {
+  rtp_comm_params cp = rtptest::params(rank, world, port);
+  rtp_comm *comm = nullptr;
+  if (rtp_comm_init(&cp, &comm)) return 30;
+  rtp_init_params mip = {16 << 20, nullptr, true, nullptr, 0};
+  rtp_context *meta = rtp_init(mip);
+  gpt m{};
+  rtp_graph *fwd = rtp_graph_new(meta, 8192);
+  if (gpt_build(meta, &m, kCfg, kBatch) || rtp_graph_build(fwd, m.loss)) return 31;
+  size_t bytes = gpt_arena_size(kCfg, kBatch) + (16 << 20);
+  rtp_init_params ip = {bytes, nullptr, false, b, b ? bytes : 0};
+  rtp_context *ctx = rtp_init(ip);
+  rtp_parallel_params pp = {strategy, comm, 0, 0};
+  rtp_parallel *par = ctx ? rtp_parallelize(ctx, fwd, m.loss, &pp) : nullptr;
+  if (!par) {
+    fprintf(stderr, "rank %d: %s\n", rank, rtp_last_error());
+    return 32;
+  }
+  rtp_graph *g = rtp_parallel_graph(par);
+  if (rtp_graph_plan(ctx, g)) return 33;
+  for (int i = 0; i < m.n_params; i++) {
+    rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
+    std::vector<float> full(rtp_nelements(m.params[i])), part(rtp_nelements(mine));
+    gpt_init_tensor(&m, i, 42, full.data());
+    if (rtp_parallel_shard_copy(par, m.params[i], full.data(), part.data()) ||
+        rtp_tensor_set(mine, part.data(), 0, rtp_nbytes(mine)))
+      return 34;
+  }
+  const int T = kCfg.seq_len;
+  std::vector<int32_t> idx(kBatch * T), tgt(kBatch * T);
+  int seq = strategy == RTP_STRATEGY_TP ? 0 : rank;  // tp: every rank on the same batch
+  for (int i = 0; i < kBatch * T; i++) {
+    idx[i] = (int32_t)((7 * i + 3 * seq + 1) % kCfg.vocab);
+    tgt[i] = (int32_t)((5 * i + seq) % kCfg.vocab);
+  }
+  if (rtp_tensor_set(rtp_parallel_tensor(par, m.idx), idx.data(), 0, idx.size() * 4) ||
+      rtp_tensor_set(rtp_parallel_tensor(par, m.targets), tgt.data(), 0, tgt.size() * 4))
+    return 35;
+  rtp_adamw_params hp = rtp_adamw_default();
+  hp.lr = 1e-2f;
+  hp.clip_norm = 0.5f;
+  rtp_optimizer *opt = rtp_parallel_optimizer(par, hp);
+  if (!opt) return 36;
+  for (int s = 0; s < kSteps; s++) {
+    if (rtp_graph_compute(g, nullptr) || rtp_optimizer_step(opt, nullptr)) {
+      fprintf(stderr, "rank %d: %s\n", rank, rtp_last_error());
+      return 37;
+    }
+    losses->push_back(rtp_get_f32_1d(rtp_parallel_tensor(par, m.loss), 0));
+  }
+  for (int i = 0; i < m.n_params; i++) {
+    rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
+    std::vector<float> v(rtp_nelements(mine));
+    if (rtp_tensor_get(mine, v.data(), 0, rtp_nbytes(mine))) return 38;
+    params->insert(params->end(), v.begin(), v.end());
+  }
+  rtp_free(ctx);
+  rtp_free(meta);
+  rtp_comm_free(comm);
+  return 0;
+}
+
+int train_agrees(int rank, int world, int port_cpu, int port_dev, rtp_strategy strategy) {
+  std::vector<float> l0, p0, l1, p1;
+  int rc = train(rank, world, port_cpu, strategy, nullptr, &l0, &p0);
+  if (rc) return rc;
+  SimDevice dev(Order::kRandom, false, 11u + (unsigned)rank);
+  rc = train(rank, world, port_dev, strategy, dev.get(), &l1, &p1);
+  if (rc) return rc;
+  if (dev.sim.host_touch_while_busy) return 20;
+  if (l0 != l1) return 1;
+  if (p0 != p1) return 2;
+  return 0;
+}
+
+TEST(Streams, TrainingMatchesCpuForEveryStrategy) {
+  for (rtp_strategy s :
+       {RTP_STRATEGY_RTP, RTP_STRATEGY_DDP, RTP_STRATEGY_FSDP, RTP_STRATEGY_TP}) {
+    const int world = 2;
+    int p1 = rtptest::free_port(), p2 = rtptest::free_port();
+    auto res = rtptest::run_procs(
+        world, [&](int rank) { return train_agrees(rank, world, p1, p2, s); }, 120);
+    for (int r = 0; r < world; r++)
+      EXPECT_EQ(res[r].code, 0) << rtp_strategy_name(s) << " rank " << r;
+  }
+}
+
+}  // namespace
