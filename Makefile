@@ -22,13 +22,13 @@ test-release: build
 
 test-asan: deps
 	cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=Debug -DRTP_SANITIZE='address;undefined' \
-	  -DRTP_BUILD_BENCH=OFF $(CMAKE_FLAGS) >/dev/null
+	  -DRTP_BUILD_BENCH=OFF -DRTP_CUDA=OFF $(CMAKE_FLAGS) >/dev/null
 	cmake --build $(BUILD)-asan -j $(JOBS)
 	cd $(BUILD)-asan && ctest --output-on-failure -j $(JOBS) -LE slow
 
 test-tsan: deps
 	cmake -S . -B $(BUILD)-tsan -DCMAKE_BUILD_TYPE=Debug -DRTP_SANITIZE=thread \
-	  -DRTP_BUILD_BENCH=OFF -DRTP_BUILD_EXAMPLES=ON $(CMAKE_FLAGS) >/dev/null
+	  -DRTP_BUILD_BENCH=OFF -DRTP_BUILD_EXAMPLES=ON -DRTP_CUDA=OFF $(CMAKE_FLAGS) >/dev/null
 	cmake --build $(BUILD)-tsan -j $(JOBS)
 	cd $(BUILD)-tsan && ctest --output-on-failure -j $(JOBS) -L tsan
 

@@ -8,7 +8,7 @@
  * (padded with spaces), then the data section; offsets are relative to its start.
  */
 #define _POSIX_C_SOURCE 200809L
-#include "rtp-impl.h"
+#include "rtp-backend.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -890,6 +890,45 @@ static void st_copy_rows(struct rtp_tensor *t, int64_t r0, int64_t nr, char *buf
   }
 }
 
+/* Device tensors go through a host buffer of ST_CHUNK bytes at a time; a strided view of
+ * device memory would need a device-side gather first, so it is refused. */
+static int st_device_check(const struct rtp_tensor *t, const char *path, const char *name) {
+  if (st_is_packed(t)) return RTP_OK;
+  return rtp__error(RTP_EINVAL,
+                    "%s: tensor '%s' is a strided view of %s memory (use a "
+                    "contiguous tensor)",
+                    path, name, rtp_backend_name(rtp__tensor_backend(t)));
+}
+
+static int st_read_device(struct rtp_safetensors *st, struct rtp_tensor *t, uint64_t off,
+                          size_t bytes) {
+  size_t cap = bytes < ST_CHUNK ? bytes : ST_CHUNK;
+  char *buf = malloc(cap);
+  if (!buf) return rtp__error(RTP_ENOMEM, "%s: out of memory reading '%s'", st->path, t->name);
+  int rc = RTP_OK;
+  for (size_t at = 0; at < bytes && !rc; at += cap) {
+    size_t n = bytes - at < cap ? bytes - at : cap;
+    rc = st_pread(st, buf, n, off + at);
+    if (!rc) rc = rtp_tensor_set(t, buf, at, n);
+  }
+  free(buf);
+  return rc;
+}
+
+static int st_write_device(int fd, const char *tmp, struct rtp_tensor *t, size_t bytes) {
+  size_t cap = bytes < ST_CHUNK ? bytes : ST_CHUNK;
+  char *buf = malloc(cap);
+  if (!buf) return rtp__error(RTP_ENOMEM, "%s: out of memory writing '%s'", tmp, t->name);
+  int rc = RTP_OK;
+  for (size_t at = 0; at < bytes && !rc; at += cap) {
+    size_t n = bytes - at < cap ? bytes - at : cap;
+    rc = rtp_tensor_get(t, buf, at, n);
+    if (!rc) rc = st_write_all(fd, buf, n, tmp);
+  }
+  free(buf);
+  return rc;
+}
+
 /* ---- reading --------------------------------------------------------------------- */
 
 int rtp_safetensors_read_rows(struct rtp_safetensors *st, const char *name, int64_t first,
@@ -930,6 +969,10 @@ int rtp_safetensors_read_rows(struct rtp_safetensors *st, const char *name, int6
   uint64_t off = st->data_start + e->begin + (uint64_t)first * step;
   uint64_t bytes = (uint64_t)n * step;
   if (bytes == 0) return RTP_OK;
+  if (rtp__tensor_backend(t)) {
+    int rc = st_device_check(t, st->path, name);
+    return rc ? rc : st_read_device(st, t, off, (size_t)bytes);
+  }
   if (st_is_packed(t)) return st_pread(st, t->data, (size_t)bytes, off);
 
   size_t row = (size_t)t->ne[0] * st_type_size(t->type);
@@ -1176,6 +1219,10 @@ static int st_write_tensor(int fd, const char *tmp, struct rtp_tensor *t) {
   size_t row = (size_t)t->ne[0] * ts;
   int64_t nrows = t->ne[1] * t->ne[2] * t->ne[3];
   if (row == 0 || nrows == 0) return RTP_OK;
+  if (rtp__tensor_backend(t)) {
+    int rc = st_device_check(t, tmp, t->name);
+    return rc ? rc : st_write_device(fd, tmp, t, row * (size_t)nrows);
+  }
   if (st_is_packed(t)) return st_write_all(fd, t->data, row * (size_t)nrows, tmp);
   int64_t chunk = row >= ST_CHUNK ? 1 : (int64_t)(ST_CHUNK / row);
   if (chunk > nrows) chunk = nrows;

@@ -12,6 +12,7 @@
 #include <deque>
 #include <functional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gpt.h"
@@ -404,6 +405,43 @@ TEST(Streams, TrainingMatchesCpuForEveryStrategy) {
     for (int r = 0; r < world; r++)
       EXPECT_EQ(res[r].code, 0) << rtp_strategy_name(s) << " rank " << r;
   }
+}
+
+// ---- host copies: safetensors to and from device memory ---------------------------------
+
+TEST(Device, SafetensorsRoundTripThroughDeviceMemory) {
+  SimDevice dev(Order::kRandom);
+  rtp_init_params ip = {1 << 20, nullptr, false, dev.get(), 8 << 20};
+  rtp_context *ctx = rtp_init(ip);
+  ASSERT_NE(ctx, nullptr);
+  // Larger than the 1 MiB staging buffer, so the copy takes several chunks.
+  const int64_t rows = 700, cols = 500;
+  rtp_tensor *w = rtp_set_name(rtp_new_tensor_2d(ctx, RTP_TYPE_F32, cols, rows), "w");
+  std::vector<float> v(rows * cols);
+  for (size_t i = 0; i < v.size(); i++) v[i] = 0.25f * (float)i - 3.0f;
+  ASSERT_EQ(rtp_tensor_set(w, v.data(), 0, v.size() * 4), RTP_OK);
+  std::string path = testing::TempDir() + "rtp-device.safetensors";
+  ASSERT_EQ(rtp_safetensors_save(path.c_str(), &w, 1, nullptr), RTP_OK) << rtp_last_error();
+
+  rtp_safetensors *st = nullptr;
+  ASSERT_EQ(rtp_safetensors_open(path.c_str(), &st), RTP_OK);
+  rtp_tensor *back = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, cols, 300);  // rows 200..499
+  ASSERT_EQ(rtp_safetensors_read_rows(st, "w", 200, back), RTP_OK) << rtp_last_error();
+  std::vector<float> got(300 * cols);
+  ASSERT_EQ(rtp_tensor_get(back, got.data(), 0, got.size() * 4), RTP_OK);
+  for (size_t i = 0; i < got.size(); i++) ASSERT_EQ(got[i], v[200 * cols + i]) << i;
+
+  // A strided view of device memory (one column) is refused, not copied element by element.
+  const int64_t ne[2] = {1, rows};
+  const size_t nb[2] = {4, (size_t)cols * 4};
+  rtp_tensor *col = rtp_set_name(rtp_view(ctx, w, 2, ne, nb, 0), "col");
+  ASSERT_NE(col, nullptr);
+  EXPECT_EQ(rtp_safetensors_save(path.c_str(), &col, 1, nullptr), RTP_EINVAL);
+  EXPECT_NE(std::string(rtp_last_error()).find("strided view"), std::string::npos)
+      << rtp_last_error();
+  EXPECT_EQ(dev.sim.host_touch_while_busy, 0);
+  rtp_safetensors_close(st);
+  rtp_free(ctx);
 }
 
 }  // namespace
