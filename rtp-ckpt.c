@@ -15,10 +15,18 @@
  * and the marker is on disk, so a crash or a full disk at any point leaves the previous
  * checkpoint loadable.
  *
+ * A save that fails removes the step directory it made (a full disk gets its space back).
+ *
+ * tp holds some parameters in pieces that are not one block of rows (a row-parallel
+ * weight's columns, a fused q, k, v weight's three row ranges): its ranks write the row
+ * blocks rtp's would (rtp_comm_block of the outermost dimension), rebuilt from every
+ * rank's pieces by all-gathers, so the files have one layout whatever the strategy.
+ *
  * Loading reads, for each parameter, the rows this rank needs from whichever rank files
  * hold them (their row ranges follow from the files' shapes, in rank order), so a
- * checkpoint loads onto any world size and strategy. Each file's checksum is verified
- * before its first read.
+ * checkpoint loads onto any world size and strategy; a rank that holds a parameter in
+ * other pieces (tp) reads it whole and keeps its part (rtp_parallel_shard_copy). Each
+ * file's checksum is verified before its first read.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "rtp-impl.h"
@@ -66,6 +74,11 @@ static void ck_rank_world(const struct rtp_ckpt_params *p, int *rank, int *world
 /* ddp replicates everything: one copy is enough. */
 static bool ck_writes_file(enum rtp_strategy s, int rank) {
   return !(s == RTP_STRATEGY_DDP && rank > 0);
+}
+
+/* tp's ranks write the row blocks of rtp_comm_block, not the pieces they hold. */
+static bool ck_relayout(const struct rtp_ckpt_params *p) {
+  return p->strategy == RTP_STRATEGY_TP;
 }
 
 static int ck_path(char *buf, const char *a, const char *b) {
@@ -237,36 +250,142 @@ static void ck_find_state(const struct rtp_optimizer *opt, const struct rtp_tens
   *m = *v = NULL;
 }
 
-/* Writes this rank's blocks, named after the one-device tensors, into dir/rank-<rank>. */
-static int ck_save_rank(const struct rtp_ckpt_params *p, const char *stepdir, int rank,
+/* The tensors of this rank's file, named after the one-device ones. */
+struct ck_out {
+  struct rtp_context *ctx; /* their headers; under tp also the row blocks rebuilt */
+  struct rtp_tensor **ts;
+  int n;
+  uint32_t *iota, *where; /* tp: element indices of a whole tensor; of every rank's piece */
+  float *pieces;          /* tp: every rank's piece of one tensor, in rank order */
+};
+
+static void ck_out_free(struct ck_out *o) {
+  rtp_free(o->ctx);
+  free(o->ts);
+  free(o->iota);
+  free(o->where);
+  free(o->pieces);
+}
+
+/* Parameter i's tensor on this rank and its Adam states (NULL if opt does not update it). */
+static void ck_states(const struct rtp_ckpt_params *p, int i, struct rtp_tensor *st[3]) {
+  st[0] = rtp_parallel_tensor(p->par, p->params[i]);
+  ck_find_state(p->opt, st[0], &st[1], &st[2]);
+}
+
+/* Whether this rank holds parameter i in pieces that tp's save rebuilds (not whole). */
+static bool ck_tp_split(const struct rtp_ckpt_params *p, int i, const struct rtp_tensor *t) {
+  return ck_relayout(p) && rtp_nelements(t) != rtp_nelements(p->params[i]);
+}
+
+/* What this rank writes, without communication: views of the blocks it holds (under tp,
+ * of its rows in `blocks` of a tensor it holds whole) and, under tp, the row blocks of the
+ * tensors it holds in pieces, for ck_tp_fill to fill, with its scratch. */
+static int ck_rank_tensors(const struct rtp_ckpt_params *p, int rank, const int64_t *blocks,
+                           struct ck_out *o) {
+  size_t bytes = (size_t)(3 * p->n_params + 8) * 1024, largest = 0;
+  for (int i = 0; i < p->n_params; i++) {
+    const struct rtp_tensor *g = p->params[i];
+    if (!ck_tp_split(p, i, rtp_parallel_tensor(p->par, g))) continue;
+    size_t whole = (size_t)rtp_nelements(g),
+           rows = (size_t)blocks[(rank * p->n_params + i) * 2 + 1];
+    bytes += 3 * (whole / (size_t)g->ne[rtp_n_dims(g) - 1] * rows * sizeof(float) + 256);
+    largest = whole > largest ? whole : largest;
+  }
+  if (largest > UINT32_MAX)
+    return rtp__error(RTP_ENOSYS, "rtp_ckpt_save: tp parameters of 2^32 elements or more");
+  o->ctx = rtp_init((struct rtp_init_params){.mem_size = bytes});
+  o->ts = malloc(3 * (size_t)p->n_params * sizeof(*o->ts));
+  if (largest) {
+    o->iota = malloc(largest * sizeof(uint32_t));
+    o->where = malloc(largest * sizeof(uint32_t));
+    o->pieces = malloc(largest * sizeof(float));
+  }
+  if (!o->ctx || !o->ts || (largest && (!o->iota || !o->where || !o->pieces)))
+    return rtp__error(RTP_ENOMEM, "rtp_ckpt_save: out of memory");
+  for (size_t e = 0; e < largest; e++) o->iota[e] = (uint32_t)e;
+  for (int i = 0; i < p->n_params; i++) {
+    const struct rtp_tensor *g = p->params[i];
+    struct rtp_tensor *st[3];
+    ck_states(p, i, st);
+    int dim = rtp_n_dims(g) - 1;
+    int64_t first = 0, rows = st[0]->ne[rtp_n_dims(st[0]) - 1], ne[RTP_MAX_DIMS];
+    if (ck_relayout(p)) {
+      first = blocks[(rank * p->n_params + i) * 2];
+      rows = blocks[(rank * p->n_params + i) * 2 + 1];
+    }
+    memcpy(ne, g->ne, sizeof(ne));
+    ne[dim] = rows;
+    for (int j = 0; j < 3 && st[j]; j++) {
+      struct rtp_tensor *t = ck_tp_split(p, i, st[0])
+                                 ? rtp_new_tensor(o->ctx, RTP_TYPE_F32, dim + 1, ne)
+                                 : rtp_view_rows(o->ctx, st[j], first, rows);
+      if (!t) return rtp__error(RTP_ENOMEM, "rtp_ckpt_save: out of memory");
+      o->ts[o->n++] =
+          rtp_set_name(t, "%s%.54s", j ? (j == 1 ? "adam.m." : "adam.v.") : "", g->name);
+    }
+  }
+  return RTP_OK;
+}
+
+/* tp: fills the row blocks of the tensors this rank holds in pieces. Every rank's piece is
+ * gathered, with where each of its elements lies in the whole tensor (each rank's
+ * rtp_parallel_shard_copy of the element indices), and the elements in this rank's rows
+ * are put in place. Collective; one gather of indices and one of values per tensor. */
+static int ck_tp_fill(const struct rtp_ckpt_params *p, int rank, int world,
+                      const int64_t *blocks, struct ck_out *o) {
+  for (int i = 0, k = 0; i < p->n_params; i++) {
+    const struct rtp_tensor *g = p->params[i];
+    struct rtp_tensor *st[3];
+    ck_states(p, i, st);
+    int n_st = st[1] ? 3 : 1;
+    if (!ck_tp_split(p, i, st[0])) {
+      k += n_st;
+      continue;
+    }
+    size_t local = (size_t)rtp_nelements(st[0]), whole = (size_t)rtp_nelements(g);
+    size_t row = whole / (size_t)g->ne[rtp_n_dims(g) - 1];
+    size_t lo = (size_t)blocks[(rank * p->n_params + i) * 2] * row;
+    size_t hi = lo + (size_t)blocks[(rank * p->n_params + i) * 2 + 1] * row;
+    if (local * (size_t)world != whole)
+      return rtp__error(RTP_ENOSYS, "rtp_ckpt_save: '%s' is not split evenly between ranks",
+                        g->name);
+    /* The indices travel as the bits of floats: shard_copy and the gather only copy them. */
+    int rc = rtp_parallel_shard_copy(p->par, g, (const float *)(const void *)o->iota,
+                                     (float *)(void *)(o->where + rank * local));
+    if (!rc)
+      rc = rtp_comm_allgather(p->comm, o->where, (size_t)world, local * sizeof(uint32_t), NULL);
+    for (int j = 0; j < n_st && !rc; j++) {
+      memcpy(o->pieces + rank * local, st[j]->data, local * sizeof(float));
+      rc = rtp_comm_allgather(p->comm, o->pieces, (size_t)world, local * sizeof(float), NULL);
+      float *dst = o->ts[k + j]->data;
+      size_t got = 0;
+      for (size_t e = 0; e < whole && !rc; e++)
+        if (o->where[e] >= lo && o->where[e] < hi) {
+          dst[o->where[e] - lo] = o->pieces[e];
+          got++;
+        }
+      if (!rc && got != hi - lo)
+        rc = rtp__error(RTP_EINVAL, "rtp_ckpt_save: the ranks' pieces of '%s' do not tile it",
+                        g->name);
+    }
+    if (rc) return rc;
+    k += n_st;
+  }
+  return RTP_OK;
+}
+
+/* Writes o's tensors into dir/rank-<rank>. */
+static int ck_save_rank(const struct ck_out *o, const char *stepdir, int rank,
                         struct ck_rank_rec *rec) {
   char path[CK_PATH], name[32];
   snprintf(name, sizeof(name), "rank-%d.safetensors", rank);
   int rc = ck_path(path, stepdir, name);
-  size_t hdr = (size_t)(3 * p->n_params + 8) * 1024;
-  struct rtp_context *views =
-      rc ? NULL : rtp_init((struct rtp_init_params){.mem_size = hdr, .no_alloc = true});
-  struct rtp_tensor **ts = malloc(3 * (size_t)p->n_params * sizeof(*ts));
-  if (!rc && (!views || !ts)) rc = rtp__error(RTP_ENOMEM, "%s: out of memory", path);
-  int n = 0;
-  for (int i = 0; i < p->n_params && !rc; i++) {
-    struct rtp_tensor *t = rtp_parallel_tensor(p->par, p->params[i]), *st[3] = {t};
-    ck_find_state(p->opt, t, &st[1], &st[2]);
-    for (int j = 0; j < 3 && st[j]; j++) {
-      struct rtp_tensor *v = rtp_view_rows(views, st[j], 0, st[j]->ne[rtp_n_dims(t) - 1]);
-      if (!v) rc = rtp__error(RTP_ENOMEM, "%s: out of memory", path);
-      if (!rc)
-        ts[n++] = rtp_set_name(v, "%s%.54s", j ? (j == 1 ? "adam.m." : "adam.v.") : "",
-                               p->params[i]->name);
-    }
-  }
   char rs[16];
   snprintf(rs, sizeof(rs), "%d", rank);
   const char *meta[] = {"format", "rtp-checkpoint", "rank", rs, NULL};
-  if (!rc) rc = rtp_safetensors_save(path, ts, n, meta);
+  if (!rc) rc = rtp_safetensors_save(path, o->ts, o->n, meta);
   if (!rc) rc = ck_sha256_file(path, rec->sha, &rec->bytes);
-  rtp_free(views);
-  free(ts);
   return rc;
 }
 
@@ -283,17 +402,23 @@ static int ck_gather_blocks(const struct rtp_ckpt_params *p, int rank, int world
   *blocks = calloc((size_t)world * per, sizeof(int64_t));
   if (!*blocks) return rtp__error(RTP_ENOMEM, "rtp_ckpt_save: out of memory");
   for (int i = 0; i < p->n_params; i++) {
-    int dim;
+    const struct rtp_tensor *g = p->params[i];
+    int dim = rtp_n_dims(g) - 1;
     int64_t *b = *blocks + (size_t)rank * per + 2 * (size_t)i;
-    if (rtp_parallel_block(p->par, p->params[i], &b[0], &b[1], &dim) ||
-        dim != rtp_n_dims(p->params[i]) - 1)
+    size_t first, len;
+    if (ck_relayout(p)) {
+      rtp_comm_block((size_t)g->ne[dim], world, rank, &first, &len);
+      b[0] = (int64_t)first;
+      b[1] = (int64_t)len;
+    } else if (rtp_parallel_block(p->par, g, &b[0], &b[1], &dim) || dim != rtp_n_dims(g) - 1) {
       b[0] = -1; /* not one block of rows: every rank sees it after the gather */
+    }
   }
   return ck_allgather(p, *blocks, per * sizeof(int64_t));
 }
 
-/* The files must tile every parameter's rows in rank order: true of ddp, fsdp and rtp;
- * not of tp, whose blocks are columns or whole replicated tensors. */
+/* The files must tile every parameter's rows in rank order: true of every strategy (tp's
+ * by ck_relayout), checked in case a strategy holds parameters otherwise. */
 static int ck_check_blocks(const struct rtp_ckpt_params *p, int world, const int64_t *blocks) {
   for (int i = 0; i < p->n_params; i++) {
     const struct rtp_tensor *g = p->params[i];
@@ -395,6 +520,19 @@ static int ck_prepare_dir(const struct rtp_ckpt_params *p, const char *stepdir) 
   return RTP_OK;
 }
 
+static int ck_read_latest(const char *dir, char *stepdir);
+
+/* After a failed save, rank 0 removes the step directory it made (every rank is done
+ * writing), unless latest names it (moved, then a failure): what a full disk needs. */
+static void ck_discard(const char *dir, const char *stepdir) {
+  char latest[CK_PATH];
+  char why[1024]; /* the failure's message, which ck_read_latest would replace */
+  snprintf(why, sizeof(why), "%s", rtp_last_error());
+  bool named = !ck_read_latest(dir, latest) && strcmp(latest, stepdir) == 0;
+  if (!named) ck_remove_dir(stepdir);
+  rtp__error(RTP_EIO, "%s", why);
+}
+
 /* Every rank leaves with rank 0's status; the first failure's message stays local. */
 static int ck_agree(const struct rtp_ckpt_params *p, int rc, const char *what) {
   int32_t verdict = rc;
@@ -430,25 +568,36 @@ int rtp_ckpt_save(const struct rtp_ckpt_params *p, int64_t step) {
   int64_t *blocks = NULL;
   rc = ck_gather_blocks(p, rank, world, &blocks);
   if (!rc) rc = ck_check_blocks(p, world, blocks);
+  /* What each rank writes, before anything changes on disk: tp's gathers run here. */
+  struct ck_out out = {0};
+  bool writes = ck_writes_file(p->strategy, rank);
+  if (!rc)
+    rc = ck_any_failed(p, writes ? ck_rank_tensors(p, rank, blocks, &out) : RTP_OK,
+                       "to prepare its checkpoint file");
+  if (!rc && ck_relayout(p) && p->comm)
+    rc = ck_any_failed(p, ck_tp_fill(p, rank, world, blocks, &out), "to gather its blocks");
   if (!rc)
     rc =
         ck_agree(p, rank == 0 ? ck_prepare_dir(p, stepdir) : RTP_OK, "to create the directory");
   struct ck_rank_rec *recs = rc ? NULL : calloc((size_t)world, sizeof(*recs));
   if (!rc && !recs) rc = rtp__error(RTP_ENOMEM, "rtp_ckpt_save: out of memory");
   if (rc) {
+    ck_out_free(&out);
     free(blocks);
     return rc;
   }
-  recs[rank].wrote = ck_writes_file(p->strategy, rank);
-  if (recs[rank].wrote) recs[rank].status = ck_save_rank(p, stepdir, rank, &recs[rank]);
+  recs[rank].wrote = writes;
+  if (writes) recs[rank].status = ck_save_rank(&out, stepdir, rank, &recs[rank]);
+  ck_out_free(&out);
   rc = ck_allgather(p, recs, sizeof(*recs));
+  if (!rc && recs[rank].status) rc = recs[rank].status; /* its own failure's message */
   for (int r = 0; r < world && !rc; r++)
     if (recs[r].status)
-      rc = r == rank ? recs[r].status
-                     : rtp__error(recs[r].status, "rank %d could not write its file in %s", r,
-                                  stepdir);
-  rc = ck_agree(p, rank == 0 && !rc ? ck_commit(p, stepdir, step, world, recs, blocks) : rc,
-                "to commit the checkpoint");
+      rc = rtp__error(recs[r].status, "rank %d could not write its file in %s", r, stepdir);
+  /* Rank 0 cleans up before it tells the others, which may then exit at once. */
+  int commit = rank == 0 && !rc ? ck_commit(p, stepdir, step, world, recs, blocks) : rc;
+  if (rank == 0 && commit) ck_discard(p->dir, stepdir);
+  rc = ck_agree(p, commit, "to commit the checkpoint");
   free(recs);
   free(blocks);
   return rc;
@@ -696,9 +845,24 @@ static int ck_read_block(struct ck_files *f, struct rtp_context *views, const ch
   return RTP_OK;
 }
 
+/* A tensor this rank holds in pieces other than one block of rows (tp): the whole saved
+ * tensor, read into a scratch tensor, then this rank's part of it. */
+static int ck_read_piece(const struct rtp_ckpt_params *p, struct ck_files *f,
+                         struct rtp_context *views, const char *name,
+                         const struct rtp_tensor *g, struct rtp_tensor *t) {
+  struct rtp_tensor *whole = rtp_new_tensor(views, RTP_TYPE_F32, rtp_n_dims(g), g->ne);
+  float *buf = whole ? malloc((size_t)rtp_nelements(g) * sizeof(float)) : NULL;
+  if (!buf) return rtp__error(RTP_ENOMEM, "rtp_ckpt_load: out of memory for '%s'", name);
+  whole->data = buf;
+  int rc = ck_read_block(f, views, name, g, whole, 0);
+  if (!rc) rc = rtp_parallel_shard_copy(p->par, g, buf, t->data);
+  free(buf);
+  return rc;
+}
+
 static int ck_load_tensors(const struct rtp_ckpt_params *p, struct ck_files *f) {
-  /* at most one view per file for each of the 3 tensors of a parameter */
-  size_t hdr = ((size_t)3 * p->n_params * f->n + 8) * 1024;
+  /* at most one view per file for each of the 3 tensors of a parameter, and a whole one */
+  size_t hdr = ((size_t)3 * p->n_params * (f->n + 1) + 8) * 1024;
   struct rtp_context *views =
       rtp_init((struct rtp_init_params){.mem_size = hdr, .no_alloc = true});
   if (!views) return rtp__error(RTP_ENOMEM, "rtp_ckpt_load: out of memory");
@@ -708,15 +872,15 @@ static int ck_load_tensors(const struct rtp_ckpt_params *p, struct ck_files *f) 
     struct rtp_tensor *t = rtp_parallel_tensor(p->par, g), *st[3] = {t};
     int64_t first, len;
     int dim;
-    rc = rtp_parallel_block(p->par, g, &first, &len, &dim);
-    if (!rc && dim != rtp_n_dims(g) - 1)
-      rc =
-          rtp__error(RTP_ENOSYS, "rtp_ckpt_load: '%s' is not held as a block of rows", g->name);
+    /* A block of rows is read in place; anything else (tp) through the whole tensor. */
+    bool rows =
+        rtp_parallel_block(p->par, g, &first, &len, &dim) == RTP_OK && dim == rtp_n_dims(g) - 1;
     ck_find_state(p->opt, t, &st[1], &st[2]);
     for (int j = 0; j < 3 && st[j] && !rc; j++) {
       char name[RTP_MAX_NAME + 8];
       snprintf(name, sizeof(name), "%s%s", j ? (j == 1 ? "adam.m." : "adam.v.") : "", g->name);
-      rc = ck_read_block(f, views, name, g, st[j], first);
+      rc = rows ? ck_read_block(f, views, name, g, st[j], first)
+                : ck_read_piece(p, f, views, name, g, st[j]);
     }
   }
   rtp_free(views);

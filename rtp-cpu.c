@@ -65,18 +65,75 @@ static void report(const struct rtp_compute_params *p, int status) {
 
 /* ---- copies and elementwise ----------------------------------------------------- */
 
+/* Copies n elements of `size` bytes (4, or 2 for bf16) of a row that may be strided. */
+static void copy_row(char *dst, const char *src, size_t stride, int64_t n, size_t size) {
+  if (stride == size)
+    memcpy(dst, src, (size_t)n * size);
+  else if (size == 2)
+    for (int64_t i = 0; i < n; i++)
+      ((uint16_t *)dst)[i] = *(const uint16_t *)(src + i * stride);
+  else
+    for (int64_t i = 0; i < n; i++)
+      ((uint32_t *)dst)[i] = *(const uint32_t *)(src + i * stride);
+}
+
 static void k_dup(const struct rtp_compute_params *p, struct rtp_tensor *t) {
-  const int64_t ne0 = t->ne[0];
   const struct rtp_tensor *a = t->src[0];
+  size_t size = rtp_type_size(t->type);
+  int64_t r0, r1;
+  split(rtp_nrows(t), p, &r0, &r1);
+  for (int64_t r = r0; r < r1; r++)
+    copy_row(row_ptr(t, r), row_ptr(a, r), a->nb[0], t->ne[0], size);
+}
+
+/* f32 -> bf16, rounding to nearest even: adding 0x7fff plus the lowest kept bit carries
+ * into the kept half exactly when the dropped half is more than one half of the last kept
+ * bit, or exactly one half with that bit odd. Past the largest finite bf16 the carry
+ * reaches the exponent, giving inf, as rounding should. A NaN could carry into inf (or
+ * lose its payload to zero), so NaNs keep their top half with the quiet bit set. */
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof(u));
+  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
+}
+
+/* bf16 is the top half of an f32: exact. */
+static inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+/* Rows of any strides in, contiguous rows out. Packed rows get their own loops, which
+ * vectorise. */
+static void k_cast(const struct rtp_compute_params *p, struct rtp_tensor *t) {
+  const struct rtp_tensor *a = t->src[0];
+  const int64_t ne0 = t->ne[0];
+  const size_t stride = a->nb[0];
+  size_t in = rtp_type_size(a->type), out = rtp_type_size(t->type);
   int64_t r0, r1;
   split(rtp_nrows(t), p, &r0, &r1);
   for (int64_t r = r0; r < r1; r++) {
-    uint32_t *dst = (uint32_t *)row_ptr(t, r);
-    const char *src = row_ptr(a, r);
-    if (a->nb[0] == 4)
-      memcpy(dst, src, (size_t)t->ne[0] * 4);
-    else
-      for (int64_t i = 0; i < ne0; i++) dst[i] = *(const uint32_t *)(src + i * a->nb[0]);
+    const char *x = row_ptr(a, r);
+    char *y = row_ptr(t, r);
+    if (in == out) { /* the same type: a copy */
+      copy_row(y, x, stride, ne0, out);
+    } else if (out == 2) {
+      uint16_t *h = (uint16_t *)y;
+      if (stride == 4)
+        for (int64_t i = 0; i < ne0; i++) h[i] = f32_to_bf16(((const float *)x)[i]);
+      else
+        for (int64_t i = 0; i < ne0; i++) h[i] = f32_to_bf16(*(const float *)(x + i * stride));
+    } else {
+      float *f = (float *)y;
+      if (stride == 2)
+        for (int64_t i = 0; i < ne0; i++) f[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+      else
+        for (int64_t i = 0; i < ne0; i++)
+          f[i] = bf16_to_f32(*(const uint16_t *)(x + i * stride));
+    }
   }
 }
 
@@ -447,32 +504,25 @@ static void k_acc(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   }
 }
 
-/* Copies n elements of a row that may be strided. */
-static void copy_row(uint32_t *dst, const char *src, size_t stride, int64_t n) {
-  if (stride == 4)
-    memcpy(dst, src, (size_t)n * 4);
-  else
-    for (int64_t i = 0; i < n; i++) dst[i] = *(const uint32_t *)(src + i * stride);
-}
-
 /* Row r of t comes from a's row or b's (dim > 0), or is a's row then b's (dim 0). */
 static void k_concat(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   const struct rtp_tensor *a = t->src[0], *b = t->src[1];
   int dim = t->op_params[0];
+  size_t size = rtp_type_size(t->type);
   int64_t r0, r1;
   split(rtp_nrows(t), p, &r0, &r1);
   for (int64_t r = r0; r < r1; r++) {
     int64_t idx[4] = {0, r % t->ne[1], r / t->ne[1] % t->ne[2], r / t->ne[1] / t->ne[2]};
-    uint32_t *y = (uint32_t *)row_ptr(t, r);
+    char *y = row_ptr(t, r);
     if (dim == 0) {
-      copy_row(y, row_ptr(a, r), a->nb[0], a->ne[0]);
-      copy_row(y + a->ne[0], row_ptr(b, r), b->nb[0], b->ne[0]);
+      copy_row(y, row_ptr(a, r), a->nb[0], a->ne[0], size);
+      copy_row(y + (size_t)a->ne[0] * size, row_ptr(b, r), b->nb[0], b->ne[0], size);
       continue;
     }
     const struct rtp_tensor *s = idx[dim] < a->ne[dim] ? a : b;
     if (s == b) idx[dim] -= a->ne[dim];
     copy_row(y, DATA(s) + idx[1] * s->nb[1] + idx[2] * s->nb[2] + idx[3] * s->nb[3], s->nb[0],
-             t->ne[0]);
+             t->ne[0], size);
   }
 }
 
@@ -548,6 +598,9 @@ void rtp__compute_forward(const struct rtp_compute_params *p, struct rtp_tensor 
       break;
     case RTP_OP_CONCAT:
       k_concat(p, t);
+      break;
+    case RTP_OP_CAST:
+      k_cast(p, t);
       break;
     default:
       break; /* views and leafs compute nothing */

@@ -318,6 +318,15 @@ static int stream_compute(struct rtp_backend *b, struct rtp_tensor *t, void *wor
   return rc ? rc : b->i->compute(b, t, work);
 }
 
+/* A transport that gives up on a peer aborts its device kernels, which then end without an
+ * error of their own; the communicator knows why. */
+static int comm_failed(const struct rtp_tensor *t) {
+  struct rtp_comm *comm = (struct rtp_comm *)(uintptr_t)rtp__get_param_u64(t, 4);
+  const char *msg = NULL;
+  int st = comm ? rtp_comm_status(comm, &msg) : RTP_OK;
+  return st ? rtp__error(st, "%s", msg) : RTP_OK;
+}
+
 static int stream_graph_compute(struct rtp_graph *g, const struct rtp_plan *plan) {
   struct rtp_backend *b = plan->backend;
   int rc = RTP_OK;
@@ -327,9 +336,14 @@ static int stream_graph_compute(struct rtp_graph *g, const struct rtp_plan *plan
     rc = t->op == RTP_OP_COMM ? stream_comm(b, t, k++) : stream_compute(b, t, plan->work);
   }
   int src = b->i->sync(b); /* nothing stays queued once compute returns */
-  for (int i = 0; i < g->n_nodes; i++)
-    if (g->nodes[i]->op == RTP_OP_COMM) g->nodes[i]->extra = NULL;
-  return rc ? rc : src;
+  if (!rc) rc = src;
+  for (int i = 0; i < g->n_nodes; i++) {
+    struct rtp_tensor *t = g->nodes[i];
+    if (t->op != RTP_OP_COMM) continue;
+    t->extra = NULL;
+    if (!rc) rc = comm_failed(t);
+  }
+  return rc;
 }
 
 int rtp_graph_compute(struct rtp_graph *g, struct rtp_threadpool *tp) {

@@ -102,16 +102,23 @@ static bool needs_grad(struct backward *bw, const struct rtp_tensor *t) {
   return graph_has(bw->go, t) && (*mark_of(bw->go, t) & MARK_NEEDS_GRAD);
 }
 
-static void add_grad(struct backward *bw, struct rtp_tensor *t, struct rtp_tensor *c) {
-  if (!needs_grad(bw, t)) return;
-  t->grad = t->grad ? rtp_add(bw->ctx, t->grad, c) : c;
-}
-
 static int backward_error(struct backward *bw, const struct rtp_tensor *t, const char *why) {
   char s[128];
   rtp__shape_str(t, s, sizeof(s));
   return rtp__ctx_error(bw->ctx, RTP_EINVAL, "backward of %s %s: %s", rtp_op_name(t->op), s,
                         why);
+}
+
+static void add_grad(struct backward *bw, struct rtp_tensor *t, struct rtp_tensor *c) {
+  if (!needs_grad(bw, t)) return;
+  if (t->grad && c && (c->type != RTP_TYPE_F32 || t->grad->type != RTP_TYPE_F32)) {
+    /* Kernels add in f32 only, and a sum of bf16 gradients would round at every term. */
+    backward_error(bw, t,
+                   "a bf16 tensor read by several nodes: its gradients cannot be summed "
+                   "(cast it to f32 once and let the readers share that)");
+    return;
+  }
+  t->grad = t->grad ? rtp_add(bw->ctx, t->grad, c) : c;
 }
 
 static void backward_mul_mat(struct backward *bw, struct rtp_tensor *t, struct rtp_tensor *dy) {
@@ -131,6 +138,10 @@ static void backward_mul_mat(struct backward *bw, struct rtp_tensor *t, struct r
 static void backward_view(struct backward *bw, struct rtp_tensor *t, struct rtp_tensor *dy) {
   struct rtp_tensor *a = t->src[0];
   if (!needs_grad(bw, a)) return;
+  if (a->type != RTP_TYPE_F32) {
+    backward_error(bw, t, "only views of f32 tensors have gradients (cast to f32 first)");
+    return;
+  }
   if (!rtp_is_contiguous(a) || t->nb[0] != sizeof(float)) {
     backward_error(bw, t, "the source of a differentiated view must be contiguous");
     return;
@@ -176,6 +187,9 @@ static void backward_node(struct backward *bw, struct rtp_tensor *t) {
       break;
     case RTP_OP_SCALE:
       add_grad(bw, a, rtp_scale(ctx, dy, rtp__get_param_f32(t, 0)));
+      break;
+    case RTP_OP_CAST: /* the gradient of a conversion is the conversion back */
+      add_grad(bw, a, dy->type == a->type ? dy : rtp_cast(ctx, dy, a->type));
       break;
     case RTP_OP_SUM:
     case RTP_OP_REPEAT_BACK:

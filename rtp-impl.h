@@ -9,6 +9,11 @@
 #define RTP_ALIGN 64
 #define RTP_PAD(x, n) (((x) + (n)-1) / (n) * (n))
 
+/* A flag bit only tensors made by a context carry: a caller may hand the library a tensor
+ * header of its own (e.g. to write a strided view to a file), which has no context behind it.
+ */
+#define RTP__FLAG_OWNED (1 << 30)
+
 /* Records msg as the calling thread's last error and returns status. */
 int rtp__error(int status, const char *fmt, ...) RTP_PRINTF(2, 3);
 int rtp__verror(int status, const char *fmt, va_list ap);

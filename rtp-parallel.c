@@ -26,13 +26,14 @@ struct rtp_parallel {
   struct rtp_context *ctx;
   struct rtp_comm *comm;
   enum rtp_strategy strategy;
+  enum rtp_type comm_type; /* rtp: what the travelling copies are (f32 or bf16) */
   int rank, world;
   const struct rtp_graph *src; /* the one-device forward graph */
   struct rtp_tensor **map;     /* rank tensor of src node i, then of src leaf i */
   struct rtp_graph *graph;
   struct rtp_tensor *loss, *global_loss;
   /* rtp's flyweight pool: two (block, gradient) slots sized for the largest block,
-   * shared by every op; forward rotation uses the block slots. */
+   * shared by every op; forward rotation uses the block slots. Of comm_type. */
   struct rtp_tensor *pool_w[2], *pool_g[2];
   size_t pool_elems;
   /* fsdp: the last node that read each slot, so the next write into it waits for it;
@@ -265,14 +266,14 @@ static struct rtp_tensor *handle(struct rtp_parallel *p, const struct rtp_tensor
 
 /* ---- rtp: the forward schedule -------------------------------------------------- */
 
-/* The pool slot `slot` seen as block s of full (its shape). */
+/* The pool slot `slot` seen as block s of full (its shape, the slot's type). */
 static struct rtp_tensor *slot_as(struct rtp_parallel *p, struct rtp_tensor *slot,
                                   const struct rtp_tensor *full, int s) {
   int64_t first, len, ne[4];
   block_of(full, p->world, s, &first, &len);
   memcpy(ne, full->ne, sizeof(ne));
   ne[split_dim(full)] = len;
-  size_t nb[4] = {sizeof(float)};
+  size_t nb[4] = {rtp_type_size(slot->type)};
   for (int i = 1; i < 4; i++) nb[i] = nb[i - 1] * (size_t)ne[i - 1];
   return rtp_view(p->ctx, slot, RTP_MAX_DIMS, ne, nb, 0);
 }
@@ -284,6 +285,22 @@ static struct rtp_tensor *slice(struct rtp_context *ctx, struct rtp_tensor *x, i
   memcpy(ne, x->ne, sizeof(ne));
   ne[dim] = len;
   return rtp_view(ctx, x, RTP_MAX_DIMS, ne, x->nb, (size_t)first * x->nb[dim]);
+}
+
+/* What travels for block or gradient t (f32): t itself, or its bf16 rounding. The
+ * identity for f32, so the default graph is the one without this option. */
+static struct rtp_tensor *to_wire(struct rtp_parallel *p, struct rtp_tensor *t) {
+  return p->comm_type == RTP_TYPE_F32 ? rtp_cont(p->ctx, t) : rtp_cast(p->ctx, t, p->comm_type);
+}
+
+/* A travelling copy as kernels take it (f32): the cast is ordered after `after` so that
+ * it, which now reads the transfer, waits for it where the compute it feeds did. */
+static struct rtp_tensor *from_wire(struct rtp_parallel *p, struct rtp_tensor *t,
+                                    struct rtp_tensor *after) {
+  if (!t || t->type == RTP_TYPE_F32) return t;
+  struct rtp_tensor *c = rtp_cast(p->ctx, t, RTP_TYPE_F32);
+  if (c) c->src[RTP_SRC_ORDER] = after;
+  return c;
 }
 
 /* The part of the op that block w (= block s of the parameter) serves. */
@@ -389,6 +406,9 @@ static struct rtp_tensor *rot_forward(struct rtp_parallel *p, const struct rtp_t
   for (int k = 0; k < N; k++) {
     int s = (r + k) % N;
     struct rtp_tensor *next = NULL;
+    /* With bf16 the owned block is rounded once per op: that copy travels, and this rank
+     * computes with it too, so every rank applies the same (rounded) weights. */
+    if (k == 0 && !(held = to_wire(p, own))) return NULL;
     if (k + 1 < N) {
       struct rtp_tensor *after = k == 0 ? (last ? last->src[RTP_SRC_ORDER] : NULL) : prev;
       next = rtp_sendrecv(p->ctx, p->comm, held, left,
@@ -397,7 +417,9 @@ static struct rtp_tensor *rot_forward(struct rtp_parallel *p, const struct rtp_t
       next->src[RTP_SRC_ORDER] = *rot_reader(p, j, k + 1);
       if (k == 0 && last) last->src[RTP_SRC_ORDER] = next; /* post it before that step */
     }
-    parts[s] = apply_block(p, kind, full, held, s, x);
+    /* Step k's block as f32, cast once the next hop is posted. */
+    struct rtp_tensor *w = from_wire(p, held, next ? next : prev);
+    parts[s] = w ? apply_block(p, kind, full, w, s, x) : NULL;
     if (!parts[s] || (kind != ROT_GET_ROWS && write_into(p, kind, full, s, parts[s], &y)))
       return NULL;
     parts[s]->src[RTP_SRC_ORDER] = k == 0 ? (last ? NULL : next) : (next ? next : prev);
@@ -497,8 +519,8 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
   int j = p->n_backward++;
   struct rtp_tensor *parts[RTP_MAX_WORLD] = {0}, *dx_sum = NULL, *w = NULL;
   if (need_w) {
-    w = rtp_sendrecv(ctx, p->comm, own, right, slot_as(p, p->pool_w[j % 2], full, left), left,
-                     p->w_reader[j % 2]);
+    w = rtp_sendrecv(ctx, p->comm, to_wire(p, own), right,
+                     slot_as(p, p->pool_w[j % 2], full, left), left, p->w_reader[j % 2]);
     if (w && p->last_step) p->last_step->src[RTP_SRC_ORDER] = w;
   }
   struct rtp_tensor *g_in = NULL, *g = NULL, *last_read = NULL;
@@ -523,9 +545,17 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
       if (next_w) next_w->src[RTP_SRC_ORDER] = p->w_reader[slot];
     }
     if (dx) {
-      struct rtp_tensor *d = block_dx(p, kind, held, dys);
+      /* dx reads the block as f32; at k = 0 the owned block rounded like every rank's
+       * copy of it. The casts come where d comes: after the next hop is posted. */
+      struct rtp_tensor *after = next_w ? next_w : contrib, *hw = held;
+      if (need_w) {
+        struct rtp_tensor *wire = k == 0 ? to_wire(p, own) : held;
+        if (wire && wire != held && wire->op == RTP_OP_CAST) wire->src[RTP_SRC_ORDER] = after;
+        hw = from_wire(p, wire, after);
+      }
+      struct rtp_tensor *d = hw ? block_dx(p, kind, hw, dys) : NULL;
       if (d) {
-        d->src[RTP_SRC_ORDER] = next_w ? next_w : contrib;
+        d->src[RTP_SRC_ORDER] = after;
         last_read = d;
       }
       if (need_w && k > 0) { /* d reads this step's slot and waited for the hop that
@@ -536,11 +566,13 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
       if (kind == ROT_MUL_MAT) dx_sum = dx_sum ? rtp_add(ctx, dx_sum, d) : d;
       parts[s] = d;
     }
-    g = g_in ? rtp_add(ctx, g_in, contrib) : contrib;
+    /* The partial sum arrives as it travels (bf16: rounded) and is summed in f32; its
+     * cast waits for the transfer after this step's contribution, as the add did. */
+    g = g_in ? rtp_add(ctx, from_wire(p, g_in, contrib), contrib) : contrib;
     if (g_in) p->g_reader[g_slot] = g;
     if (k > 0) { /* the summed gradient of s goes on to the next holder */
       g_slot = (k - 1) % 2;
-      g_in = rtp_sendrecv(ctx, p->comm, rtp_cont(ctx, g), right,
+      g_in = rtp_sendrecv(ctx, p->comm, to_wire(p, g), right,
                           slot_as(p, p->pool_g[g_slot], full, (s + N - 1) % N), left, g_in);
       if (g_in && !g_in->src[RTP_SRC_ORDER]) g_in->src[RTP_SRC_ORDER] = p->g_reader[g_slot];
     }
@@ -961,9 +993,9 @@ static int make_pool(struct rtp_parallel *p) {
   }
   p->pool_elems = largest;
   size_t w_elems = p->strategy == RTP_STRATEGY_FSDP ? whole : largest;
-  for (int i = 0; i < 2; i++) {
-    p->pool_w[i] = rtp_new_tensor_1d(p->ctx, RTP_TYPE_F32, (int64_t)w_elems);
-    p->pool_g[i] = rtp_new_tensor_1d(p->ctx, RTP_TYPE_F32, (int64_t)largest);
+  for (int i = 0; i < 2; i++) { /* bf16 copies travel in a pool of half the bytes */
+    p->pool_w[i] = rtp_new_tensor_1d(p->ctx, p->comm_type, (int64_t)w_elems);
+    p->pool_g[i] = rtp_new_tensor_1d(p->ctx, p->comm_type, (int64_t)largest);
     for (int j = 0; j < 2; j++) {
       struct rtp_tensor *s = j ? p->pool_g[i] : p->pool_w[i];
       if (!s || (!s->data && !rtp__tensor_alloc(p->ctx, s, RTP_ROLE_COMM)))
@@ -1079,13 +1111,15 @@ static int check_same_model(struct rtp_parallel *p) {
     for (int d = 0; d < 4; d++) h = (h ^ (uint64_t)t->ne[d]) * 1099511628211ull;
     for (int d = 0; d < 2; d++) h = (h ^ (uint64_t)t->op_params[d]) * 1099511628211ull; /* tp */
   }
+  if (p->comm_type) /* transfers must agree in size (f32 leaves the fingerprint as it was) */
+    h = (h ^ (uint64_t)p->comm_type) * 1099511628211ull;
   uint64_t root = h;
   int rc = rtp_comm_broadcast(p->comm, &root, sizeof(root), 0, NULL);
   if (rc) return rc;
   if (root != h)
     return rtp__error(RTP_EPEER,
                       "rtp_parallelize: rank %d built a different model than "
-                      "rank 0 (parameter names or shapes differ)",
+                      "rank 0 (parameter names or shapes, or comm_type, differ)",
                       p->rank);
   return RTP_OK;
 }
@@ -1103,6 +1137,20 @@ struct rtp_parallel *rtp_parallelize(struct rtp_context *ctx, const struct rtp_g
                    rtp_strategy_name(pp->strategy), world, RTP_MAX_WORLD);
     return NULL;
   }
+  /* Only rtp's rotations move bf16: ddp's and tp's all-reduces sum on the wire, which the
+   * transport does in f32 only, and fsdp gathers and reduce-scatters f32 (not yet bf16). */
+  if (pp->comm_type != RTP_TYPE_F32 &&
+      (pp->comm_type != RTP_TYPE_BF16 || pp->strategy != RTP_STRATEGY_RTP)) {
+    if (pp->comm_type != RTP_TYPE_BF16)
+      rtp__ctx_error(ctx, RTP_EINVAL, "rtp_parallelize: comm_type %s (%d): f32 or bf16 only",
+                     rtp_type_name(pp->comm_type), (int)pp->comm_type);
+    else
+      rtp__ctx_error(ctx, RTP_EINVAL,
+                     "rtp_parallelize: strategy %s cannot send bf16 (comm_type bf16 is for "
+                     "rtp only)",
+                     rtp_strategy_name(pp->strategy));
+    return NULL;
+  }
   struct rtp_parallel *p = rtp__ctx_alloc(ctx, sizeof(*p), "the parallel plan");
   struct rtp_tensor **map = rtp__ctx_alloc(
       ctx, sizeof(*map) * (size_t)(fwd->n_nodes + fwd->n_leafs + 1), "the parallel map");
@@ -1110,6 +1158,7 @@ struct rtp_parallel *rtp_parallelize(struct rtp_context *ctx, const struct rtp_g
   *p = (struct rtp_parallel){.ctx = ctx,
                              .comm = pp->comm,
                              .strategy = pp->strategy,
+                             .comm_type = pp->comm_type,
                              .rank = pp->comm ? rtp_comm_rank(pp->comm) : 0,
                              .world = world,
                              .src = fwd,

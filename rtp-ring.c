@@ -15,7 +15,9 @@
  * or for a reduction a per-connection scratch segment). docs/transport.md has the wire
  * format and the algorithms.
  */
-#include "rtp-impl.h"
+#define _GNU_SOURCE /* process_vm_writev */
+#include "rtp-backend.h"
+#include "rtp-nccl.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -24,7 +26,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
@@ -32,11 +37,12 @@
 #include <openssl/rand.h>
 #include <uv.h>
 
-#define RC_VERSION 1
+#define RC_VERSION 2
 #define RC_FRAME_MAGIC 0x46505452u /* "RTPF" on the wire (little-endian) */
 #define RC_HELLO_MAGIC 0x48505452u /* "RTPH" */
-#define RC_HDR_SIZE 40
-#define RC_HELLO_SIZE 64
+#define RC_HDR_SIZE 48
+#define RC_HELLO_SIZE 80
+#define RC_HELLO_DIRECT 1 /* HELLO flag: this rank accepts direct writes (RC_T_DONE) */
 #define RC_MAC_SIZE 32
 #define RC_NONCE_SIZE 32
 #define RC_SEGMENT ((uint64_t)1 << 20) /* ring collectives: bytes per pipelined segment */
@@ -55,6 +61,7 @@ enum rc_type {
   RC_T_ABORT,     /* the sender failed; payload: the reason */
   RC_T_REGISTER,  /* rank r > 0 to rank 0: where r listens */
   RC_T_PEERS,     /* rank 0 to every rank: where everyone listens */
+  RC_T_DONE,      /* a DATA frame's payload was written into the receiver's memory */
   RC_T_COUNT
 };
 enum rc_cls { RC_P2P = 0, RC_COLL = 1 };
@@ -95,6 +102,7 @@ struct rc_hdr {
   uint64_t len;   /* payload bytes that follow this header */
   uint64_t total; /* RTR: bytes the receiver expects in all; DATA: frame index */
   uint64_t arg;   /* RTR: root (broadcast) or element size (allgather) */
+  uint64_t addr;  /* RTR: the receive buffer's address for direct writes, or 0 */
 };
 
 static void put32(uint8_t *p, uint32_t v) {
@@ -124,6 +132,7 @@ static void hdr_put(uint8_t *p, const struct rc_hdr *h) {
   put64(p + 16, h->len);
   put64(p + 24, h->total);
   put64(p + 32, h->arg);
+  put64(p + 40, h->addr);
 }
 
 static void hdr_get(const uint8_t *p, struct rc_hdr *h) {
@@ -136,6 +145,7 @@ static void hdr_get(const uint8_t *p, struct rc_hdr *h) {
   h->len = get64(p + 16);
   h->total = get64(p + 24);
   h->arg = get64(p + 32);
+  h->addr = get64(p + 40);
 }
 
 /* ---- structures ----------------------------------------------------------------- */
@@ -161,7 +171,9 @@ struct rc_leg {
   uint64_t next_k; /* tx: frames issued; rx: frames received */
   uint64_t done;   /* tx: frames whose write completed */
   int inflight;
-  int64_t dep; /* tx: frame k waits for rx frame k - dep (< 0: never waits) */
+  int64_t dep;     /* tx: frame k waits for rx frame k - dep (< 0: never waits) */
+  uint64_t direct; /* tx: the receiver's buffer address when frames go by direct write */
+  bool offered;    /* rx: direct writes were offered, so the peer may write the buffer */
   unsigned slot_i;
   struct rc_wslot slot[RC_WINDOW];
 };
@@ -204,7 +216,7 @@ struct rc_cslot { /* a control frame being written */
 
 struct rc_rtr {
   uint8_t kind, cls;
-  uint64_t seq, total, arg;
+  uint64_t seq, total, arg, addr;
 };
 
 enum rc_link_state { LS_CONNECTING, LS_HANDSHAKE, LS_UP, LS_CLOSING };
@@ -248,6 +260,10 @@ struct rc_link {
   uint64_t close_at; /* aborting: close by then */
   uv_shutdown_t shut;
   uint64_t last_rx, last_tx;
+  /* Same host (and network and pid namespaces): payloads go by process_vm_writev into
+   * the peer's memory, one copy instead of two through the loopback. */
+  bool direct;
+  int peer_pid;
 };
 
 struct rc_peer {
@@ -261,12 +277,14 @@ struct rtp_comm {
   bool local;
   struct rtp_comm_params params;
   uint64_t job_id;
+  uint64_t host_key; /* this host and its namespaces; 0: direct writes off */
 
   pthread_mutex_t mu;
   pthread_cond_t cv;
   struct rtp_comm_req *pool, *free_list, *q_head, *q_tail;
   int failed; /* sticky status, under mu */
   char fail_msg[RC_MSG];
+  bool fail_told; /* failed by rtp__comm_fail, not yet told to the loop; under mu */
   bool ready, stopping, thread_started;
   uint64_t coll_seq;
   uint64_t *p2p_tx_seq, *p2p_rx_seq;
@@ -295,6 +313,8 @@ struct rtp_comm {
   char my_addr[RC_ADDR_REC];
   int my_port;
   struct rtp_comm_req *active;
+
+  struct rtp_nccl *nccl; /* backend "nccl": the device communicator (rtp-nccl.c) */
 };
 
 /* ---- small helpers -------------------------------------------------------------- */
@@ -770,10 +790,15 @@ static void comm_fail(struct rtp_comm *c, int status, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(msg, sizeof(msg), fmt, ap);
   va_end(ap);
-  c->loop_failed = status;
   pthread_mutex_lock(&c->mu);
-  snprintf(c->fail_msg, sizeof(c->fail_msg), "%s", msg);
+  if (!c->failed) { /* else rtp__comm_fail came first: tell its reason */
+    snprintf(c->fail_msg, sizeof(c->fail_msg), "%s", msg);
+  } else {
+    status = c->failed;
+    snprintf(msg, sizeof(msg), "%s", c->fail_msg);
+  }
   pthread_mutex_unlock(&c->mu);
+  c->loop_failed = status;
   if (!c->shutting_down) RTP_LOG_ERROR("comm rank %d: %s", c->rank, msg);
   /* The ABORT goes behind the data already queued; each connection closes when its
      ABORT is written, or a little later if the peer does not read any more. */
@@ -876,6 +901,10 @@ static void req_complete(struct rtp_comm_req *r) {
 static void req_check(struct rtp_comm_req *r) {
   if (r->finished) return;
   if (r->tx.inflight) return; /* the user's buffer is still being written from */
+  /* A failed receive that offered direct writes and still expects frames waits until
+   * they came or the peer's connection closed (the peer stops writing before it closes):
+   * the user may free the buffer as soon as the request is done. */
+  if (r->fail && r->rx.offered && r->rx.link && r->rx.next_k < r->rx.nframes) return;
   bool tx_done = r->tx.peer < 0 || (r->tx.ready && r->tx.done == r->tx.nframes);
   bool rx_done = r->rx.peer < 0 || r->rx.next_k == r->rx.nframes;
   if (r->fail || (tx_done && rx_done)) req_complete(r);
@@ -906,6 +935,31 @@ static void data_write_cb(uv_write_t *w, int status) {
   req_check(r);
 }
 
+/* Whether the receiver of frame k adds it into its buffer (a reduce-scatter step): such
+ * frames need the receiver's scratch and always travel over TCP. */
+static bool rx_reduces(const struct rtp_comm *c, const struct rtp_comm_req *r, uint64_t k) {
+  if (r->kind == RC_K_REDUCE_SCATTER) return true;
+  return r->kind == RC_K_ALLREDUCE && (int)(k / r->nseg) < c->size - 1;
+}
+
+/* Frame k's payload straight into the receiver's buffer, where its own receive would put
+ * it (both sides lay out the buffer alike). 0, or a negative errno; then the link falls
+ * back to TCP for good (e.g. EPERM where ptrace is restricted). */
+static int direct_write(struct rc_leg *g, const uint8_t *src, uint64_t len) {
+  const struct rtp_comm_req *r = g->req;
+  const uint8_t *base = r->kind == RC_K_P2P ? r->sbuf : r->buf;
+  uintptr_t dst = (uintptr_t)g->direct + (uintptr_t)(src - base);
+  for (uint64_t done = 0; done < len;) {
+    struct iovec lo = {(void *)(src + done), (size_t)(len - done)};
+    struct iovec re = {(void *)(dst + done), (size_t)(len - done)};
+    ssize_t n = process_vm_writev(g->link->peer_pid, &lo, 1, &re, 1, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return n < 0 ? -errno : -EIO;
+    done += (uint64_t)n;
+  }
+  return 0;
+}
+
 static void tx_pump(struct rtp_comm_req *r) {
   struct rtp_comm *c = r->comm;
   struct rc_leg *g = &r->tx;
@@ -921,7 +975,17 @@ static void tx_pump(struct rtp_comm_req *r) {
     frame_geom(c, r, true, k, &ptr, &len, &reduce);
     struct rc_wslot *s = &g->slot[g->slot_i++ % RC_WINDOW];
     s->leg = g;
-    struct rc_hdr h = {.type = RC_T_DATA,
+    bool direct = g->direct && l->direct && len && !rx_reduces(c, r, k);
+    if (direct) {
+      int err = direct_write(g, ptr, len);
+      if (err) {
+        RTP_LOG_INFO("comm rank %d: direct writes to rank %d failed (%s); using TCP", c->rank,
+                     g->peer, strerror(-err));
+        l->direct = false;
+        direct = false;
+      }
+    }
+    struct rc_hdr h = {.type = direct ? RC_T_DONE : RC_T_DATA,
                        .kind = (uint8_t)r->kind,
                        .cls = (uint8_t)r->cls,
                        .seq = r->seq,
@@ -930,7 +994,7 @@ static void tx_pump(struct rtp_comm_req *r) {
     hdr_put(s->hdr, &h);
     uv_buf_t b[2] = {uv_buf_init((char *)s->hdr, RC_HDR_SIZE), uv_buf_init((char *)ptr, 0)};
     b[1].len = (size_t)len;
-    int rc = uv_write(&s->w, (uv_stream_t *)&l->tcp, b, len ? 2 : 1, data_write_cb);
+    int rc = uv_write(&s->w, (uv_stream_t *)&l->tcp, b, len && !direct ? 2 : 1, data_write_cb);
     if (rc < 0) {
       comm_fail(c, RTP_ECOMM, "writing to rank %d failed: %s", g->peer, uv_strerror(rc));
       return;
@@ -981,6 +1045,7 @@ static bool rtr_match(struct rtp_comm *c, struct rtp_comm_req *r, const struct r
     return false;
   }
   r->tx.ready = true;
+  r->tx.direct = r->tx.link && r->tx.link->direct ? t->addr : 0;
   return true;
 }
 
@@ -1034,7 +1099,9 @@ static void req_start(struct rtp_comm *c, struct rtp_comm_req *r) {
                        .cls = (uint8_t)r->cls,
                        .seq = r->rx_seq,
                        .total = r->rx.total,
-                       .arg = r->kind == RC_K_BROADCAST ? (uint64_t)r->root : r->esize};
+                       .arg = r->kind == RC_K_BROADCAST ? (uint64_t)r->root : r->esize,
+                       .addr = l->direct ? (uint64_t)(uintptr_t)r->buf : 0};
+    r->rx.offered = l->direct;
     int rc = send_ctrl(l, &h, NULL);
     if (rc < 0) {
       comm_fail(c, RTP_ECOMM, "sending to rank %d failed: %s", r->rx.peer, uv_strerror(rc));
@@ -1096,7 +1163,11 @@ static void link_close(struct rc_link *l) {
     c->n_up--;
   }
   while (l->tx_legs) leg_unlink(l->tx_legs);
-  while (l->rx_legs) leg_unlink(l->rx_legs);
+  while (l->rx_legs) {
+    struct rtp_comm_req *r = l->rx_legs->req;
+    leg_unlink(l->rx_legs);
+    if (r->rx.offered) req_check(r); /* it may have been waiting for this close */
+  }
   if (l->tcp_open && !uv_is_closing((uv_handle_t *)&l->tcp))
     uv_close((uv_handle_t *)&l->tcp, link_handle_closed);
   if (l->has_timer && !uv_is_closing((uv_handle_t *)&l->retry))
@@ -1221,16 +1292,28 @@ static void hello_fill(struct rtp_comm *c, uint8_t *p) {
   memset(p, 0, RC_HELLO_SIZE);
   put32(p, RC_HELLO_MAGIC);
   p[4] = RC_VERSION;
+  p[5] = c->host_key ? RC_HELLO_DIRECT : 0;
   put64(p + 8, c->job_id);
   put32(p + 16, (uint32_t)c->size);
   put32(p + 20, (uint32_t)c->rank);
   RTP_ASSERT(RAND_bytes(p + 24, RC_NONCE_SIZE) == 1);
+  put64(p + 56, c->host_key);
+  put32(p + 64, (uint32_t)getpid());
+}
+
+/* Direct writes need both sides to offer them from the same host and namespaces. The
+ * hello is covered by the handshake's MAC, so no one but the peer can claim this. */
+static void hello_note_peer(struct rc_link *l, const uint8_t *p) {
+  uint64_t key = get64(p + 56);
+  l->direct = l->comm->host_key && (p[5] & RC_HELLO_DIRECT) && key == l->comm->host_key;
+  l->peer_pid = (int)get32(p + 64);
 }
 
 /* NULL if p is an acceptable hello of this job, else why not. */
 static const char *hello_check(struct rtp_comm *c, const uint8_t *p, int *rank) {
   if (get32(p) != RC_HELLO_MAGIC) return "not an rtp handshake (bad magic)";
-  if (p[4] != RC_VERSION || p[5] != 0) return "protocol version mismatch";
+  if (p[4] != RC_VERSION || (p[5] & ~RC_HELLO_DIRECT) || p[6] || p[7])
+    return "protocol version mismatch";
   if (get64(p + 8) != c->job_id) return "different job (wrong RTP_TOKEN?)";
   if (get32(p + 16) != (uint32_t)c->size) return "different world size";
   uint32_t r = get32(p + 20);
@@ -1265,6 +1348,7 @@ static void hs_acceptor_hello3(struct rc_link *l) {
   if (CRYPTO_memcmp(mac, l->hs + 2 * RC_HELLO_SIZE + RC_MAC_SIZE, RC_MAC_SIZE) != 0)
     return refuse(l, "authentication failed (wrong RTP_TOKEN)");
   if (c->links[l->rank]) return refuse(l, "duplicate rank");
+  hello_note_peer(l, l->hs);
   link_up(l);
 }
 
@@ -1286,6 +1370,7 @@ static void hs_connector_hello2(struct rc_link *l) {
     comm_fail(c, RTP_ECOMM, "handshake with rank %d (%s): write failed", l->rank, l->addr);
     return;
   }
+  hello_note_peer(l, l->hs + RC_HELLO_SIZE);
   link_up(l);
 }
 
@@ -1333,8 +1418,12 @@ static void link_up(struct rc_link *l) {
 
 static void on_rtr(struct rc_link *l, const struct rc_hdr *h) {
   struct rtp_comm *c = l->comm;
-  struct rc_rtr t = {
-      .kind = h->kind, .cls = h->cls, .seq = h->seq, .total = h->total, .arg = h->arg};
+  struct rc_rtr t = {.kind = h->kind,
+                     .cls = h->cls,
+                     .seq = h->seq,
+                     .total = h->total,
+                     .arg = h->arg,
+                     .addr = h->addr};
   for (struct rc_leg *g = l->tx_legs; g; g = g->next) {
     struct rtp_comm_req *r = g->req;
     if (r->cls == h->cls && r->seq == h->seq) {
@@ -1353,6 +1442,11 @@ static void on_rtr(struct rc_link *l, const struct rc_hdr *h) {
   l->rtrs[l->n_rtrs++] = t;
 }
 
+static void on_payload(struct rc_link *l);
+
+/* DATA and DONE: the frame this leg expects next. DONE says the sender already wrote the
+ * payload into this rank's buffer, which only a same-host peer offered direct writes
+ * may do, and never for a frame this rank reduces. */
 static void on_data_hdr(struct rc_link *l, const struct rc_hdr *h) {
   struct rtp_comm *c = l->comm;
   struct rc_leg *g = l->rx_legs;
@@ -1382,6 +1476,12 @@ static void on_data_hdr(struct rc_link *l, const struct rc_hdr *h) {
   l->rx_dst = ptr;
   l->rx_len = len;
   l->rx_reduce = reduce;
+  if (h->type == RC_T_DONE) {
+    if (!l->direct || reduce || len == 0)
+      return protocol_error(l, "a direct write that was not offered");
+    l->rx_reduce = false;
+    return on_payload(l);
+  }
   if (len == 0) {
     l->rstate = R_PAYLOAD;
     reader_step(l);
@@ -1493,6 +1593,7 @@ static void on_hdr(struct rc_link *l) {
   if (h->version != RC_VERSION) return protocol_error(l, "protocol version %d", h->version);
   switch (h->type) {
     case RC_T_DATA:
+    case RC_T_DONE:
       if (h->cls > RC_COLL) return protocol_error(l, "bad class");
       return on_data_hdr(l, h);
     case RC_T_RTR:
@@ -1712,6 +1813,8 @@ static void on_async(uv_async_t *a) {
   struct rtp_comm_req *q = c->q_head;
   c->q_head = c->q_tail = NULL;
   bool stop = c->stopping;
+  int told = c->fail_told ? c->failed : 0;
+  c->fail_told = false;
   for (struct rtp_comm_req *r = q; r; r = r->qnext) r->state = RQ_ACTIVE;
   pthread_mutex_unlock(&c->mu);
   while (q) {
@@ -1719,6 +1822,7 @@ static void on_async(uv_async_t *a) {
     req_start(c, q);
     q = nx;
   }
+  if (told) comm_fail(c, told, "failed from outside the loop"); /* the message is c's */
   if (stop) shutdown_begin(c);
 }
 
@@ -1889,6 +1993,7 @@ struct rtp_comm_params rtp_comm_params_default(void) {
   p.master_port = 29500;
   p.timeout_ms = 60000;
   p.max_requests = 128;
+  p.device = -1;
   return p;
 }
 
@@ -1941,6 +2046,7 @@ int rtp_comm_params_from_env(struct rtp_comm_params *p) {
   if ((st = env_str("RTP_IFNAME", p->bind, sizeof(p->bind))) < 0) return st;
   if ((st = env_int("RTP_TIMEOUT_MS", 1, 86400000, &p->timeout_ms, NULL)) < 0) return st;
   if ((st = env_str("RTP_BACKEND", p->backend, sizeof(p->backend))) < 0) return st;
+  if ((st = env_int("RTP_DEVICE", -1, 65535, &p->device, NULL)) < 0) return st;
   return RTP_OK;
 }
 
@@ -1963,6 +2069,60 @@ static void comm_destroy(struct rtp_comm *c) {
   free(c);
 }
 
+static uint64_t fnv1a(uint64_t h, const void *p, size_t n) {
+  for (size_t i = 0; i < n; i++) h = (h ^ ((const uint8_t *)p)[i]) * 0x100000001b3ull;
+  return h;
+}
+
+/* What two ranks must share for one to write into the other's memory: the boot (same
+ * kernel), the network namespace (netns "hosts" of the Ethernet emulation must not
+ * bypass their links), the pid namespace (pids mean the same) and the user. 0 when
+ * unknown or turned off with RTP_DIRECT_COPY=0. */
+static uint64_t host_key(void) {
+  const char *env = getenv("RTP_DIRECT_COPY");
+  if (env && !strcmp(env, "0")) return 0;
+  char boot[64] = {0};
+  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+  if (!f) return 0;
+  size_t n = fread(boot, 1, sizeof(boot) - 1, f);
+  fclose(f);
+  struct stat net, pid;
+  if (n == 0 || stat("/proc/self/ns/net", &net) || stat("/proc/self/ns/pid", &pid)) return 0;
+  uid_t uid = getuid();
+  uint64_t h = fnv1a(0xcbf29ce484222325ull, boot, n);
+  h = fnv1a(h, &net.st_ino, sizeof(net.st_ino));
+  h = fnv1a(h, &net.st_dev, sizeof(net.st_dev));
+  h = fnv1a(h, &pid.st_ino, sizeof(pid.st_ino));
+  h = fnv1a(h, &pid.st_dev, sizeof(pid.st_dev));
+  h = fnv1a(h, &uid, sizeof(uid));
+  return h ? h : 1;
+}
+
+/* The last step of rtp_comm_init once the TCP part is up: backend "nccl" joins the NCCL
+ * communicator through it, unless this rank found no usable device (dev_st, why). On
+ * failure every rank's TCP communicator has failed too (so every rank returns an error
+ * rather than waiting) and c is freed. */
+static int nccl_join(struct rtp_comm *c, int dev_st, const char *why, struct rtp_comm **out) {
+#ifdef RTP_HAVE_NCCL
+  if (!strcmp(c->params.backend, "nccl")) {
+    int st = dev_st;
+    if (st < 0)
+      rtp__comm_fail(c, st, why);
+    else
+      st = rtp__nccl_init(c, c->params.device, &c->nccl);
+    if (st < 0) {
+      comm_destroy(c); /* first: delivers the ABORT to the peers */
+      return dev_st < 0 ? rtp__error(dev_st, "%s", why) : st;
+    }
+  }
+#else
+  (void)dev_st;
+  (void)why;
+#endif
+  *out = c;
+  return RTP_OK;
+}
+
 int rtp_comm_init(const struct rtp_comm_params *pin, struct rtp_comm **out) {
   if (!pin || !out) return rtp__error(RTP_EINVAL, "rtp_comm_init: NULL argument");
   *out = NULL;
@@ -1976,16 +2136,22 @@ int rtp_comm_init(const struct rtp_comm_params *pin, struct rtp_comm **out) {
                       p.world_size);
   if (p.timeout_ms <= 0) p.timeout_ms = 60000;
   if (p.max_requests <= 0) p.max_requests = 128;
-  bool local;
+  bool local, nccl = !strcmp(p.backend, "nccl");
   if (!p.backend[0])
     local = p.world_size == 1;
   else if (!strcmp(p.backend, "local"))
     local = true;
-  else if (!strcmp(p.backend, "tcp"))
+  else if (!strcmp(p.backend, "tcp") || nccl)
     local = p.world_size == 1; /* one rank needs no sockets */
   else
-    return rtp__error(RTP_EINVAL, "rtp_comm_init: unknown backend '%s' (tcp or local)",
+    return rtp__error(RTP_EINVAL, "rtp_comm_init: unknown backend '%s' (tcp, nccl or local)",
                       p.backend);
+#ifndef RTP_HAVE_NCCL
+  if (nccl)
+    return rtp__error(RTP_ENOSYS,
+                      "rtp_comm_init: this build has no NCCL transport (configure with "
+                      "RTP_CUDA=ON)");
+#endif
   if (local && p.world_size != 1)
     return rtp__error(RTP_EINVAL, "the local backend has one rank (world size %d asked)",
                       p.world_size);
@@ -1995,6 +2161,16 @@ int rtp_comm_init(const struct rtp_comm_params *pin, struct rtp_comm **out) {
                       "makes one)");
   if (!local && (p.master_port <= 0 || p.master_port > 65535))
     return rtp__error(RTP_EINVAL, "master port %d out of range", p.master_port);
+  int dev_st = RTP_OK;
+  char why[RC_MSG] = "";
+#ifdef RTP_HAVE_NCCL
+  if (nccl && p.device < -1)
+    return rtp__error(RTP_EINVAL, "rtp_comm_init: device %d (-1: the local rank's)", p.device);
+  /* The device before the rendezvous: a rank without one then reports its own reason even
+     if a faster peer's failure (told through TCP) cuts its rendezvous short. */
+  if (nccl && (dev_st = rtp__nccl_prepare(p.rank, p.device, &p.device)) < 0)
+    snprintf(why, sizeof(why), "%s", rtp_last_error());
+#endif
 
   struct rtp_comm *c = calloc(1, sizeof(*c));
   if (!c) return rtp__error(RTP_ENOMEM, "rtp_comm_init: out of memory");
@@ -2018,13 +2194,11 @@ int rtp_comm_init(const struct rtp_comm_params *pin, struct rtp_comm **out) {
     c->pool[i].qnext = c->free_list;
     c->free_list = &c->pool[i];
   }
-  if (local) {
-    *out = c;
-    return RTP_OK;
-  }
+  if (local) return nccl_join(c, dev_st, why, out);
   uint8_t id[RC_MAC_SIZE];
   hmac32(p.token, "rtp-job-id", NULL, 0, id);
   c->job_id = get64(id);
+  c->host_key = host_key();
 
   int rc = uv_loop_init(&c->loop);
   if (rc < 0) {
@@ -2062,12 +2236,37 @@ int rtp_comm_init(const struct rtp_comm_params *pin, struct rtp_comm **out) {
   pthread_mutex_unlock(&c->mu);
   if (st < 0) {
     comm_destroy(c);
-    return rtp__error(st, "%s", msg);
+    return dev_st < 0 ? rtp__error(dev_st, "%s", why) : rtp__error(st, "%s", msg);
   }
-  *out = c;
-  return RTP_OK;
+  return nccl_join(c, dev_st, why, out);
 }
 
 void rtp_comm_free(struct rtp_comm *c) {
-  if (c) comm_destroy(c);
+  if (!c) return;
+#ifdef RTP_HAVE_NCCL
+  rtp__nccl_free(c->nccl); /* first: it may still use the TCP connections */
+#endif
+  comm_destroy(c);
+}
+
+struct rtp_nccl *rtp__comm_nccl(const struct rtp_comm *c) {
+  return c ? c->nccl : NULL;
+}
+
+int rtp__comm_timeout_ms(const struct rtp_comm *c) {
+  return c->params.timeout_ms;
+}
+
+void rtp__comm_fail(struct rtp_comm *c, int status, const char *msg) {
+  pthread_mutex_lock(&c->mu);
+  bool first = !c->failed;
+  if (first) {
+    snprintf(c->fail_msg, sizeof(c->fail_msg), "%s", msg);
+    c->failed = status;
+    c->fail_told = true;
+    pthread_cond_broadcast(&c->cv);
+  }
+  pthread_mutex_unlock(&c->mu);
+  /* the loop sends ABORT(msg) to every peer and fails the pending requests */
+  if (first && c->thread_started) uv_async_send(&c->async);
 }

@@ -17,7 +17,7 @@ const char *rtp_op_name(enum rtp_op op) {
 }
 
 const char *rtp_type_name(enum rtp_type type) {
-  static const char *const names[RTP_TYPE_COUNT] = {"f32", "i32"};
+  static const char *const names[RTP_TYPE_COUNT] = {"f32", "i32", "bf16"};
   return (unsigned)type < RTP_TYPE_COUNT ? names[type] : "?";
 }
 
@@ -28,7 +28,15 @@ const char *rtp_role_name(enum rtp_role role) {
 }
 
 size_t rtp_type_size(enum rtp_type type) {
-  return (unsigned)type < RTP_TYPE_COUNT ? 4 : 0;
+  switch (type) {
+    case RTP_TYPE_F32:
+    case RTP_TYPE_I32:
+      return 4;
+    case RTP_TYPE_BF16:
+      return 2;
+    default:
+      return 0;
+  }
 }
 
 /* ---- tensor queries ------------------------------------------------------------ */
@@ -163,6 +171,7 @@ struct rtp_backend *rtp__ctx_backend(const struct rtp_context *ctx) {
 
 struct rtp_backend *rtp__tensor_backend(const struct rtp_tensor *t) {
   while (t->view_src) t = t->view_src;
+  if (!(t->flags & RTP__FLAG_OWNED)) return NULL;
   return rtp__ctx_backend(((const struct rtp_tensor_obj *)t)->ctx);
 }
 
@@ -265,6 +274,7 @@ static struct rtp_tensor *new_tensor_impl(struct rtp_context *ctx, enum rtp_type
   memset(obj, 0, sizeof(*obj));
   obj->ctx = ctx;
   struct rtp_tensor *t = &obj->t;
+  t->flags = RTP__FLAG_OWNED;
   t->type = type;
   t->role = RTP_ROLE_ACTIVATION;
   for (int i = 0; i < RTP_MAX_DIMS; i++) t->ne[i] = i < n_dims ? ne[i] : 1;
@@ -452,12 +462,16 @@ float rtp_get_f32_1d(const struct rtp_tensor *t, int64_t i) {
   union {
     float f;
     int32_t i;
+    uint32_t u;
+    uint16_t h;
   } v;
+  size_t n = rtp_type_size(t->type); /* a bf16 element may end the buffer: read 2 bytes */
   struct rtp_backend *b = rtp__tensor_backend(t);
   if (!b)
-    memcpy(&v, (const char *)t->data + offs, sizeof(v));
-  else if (b->i->get(b, &v, (const char *)t->data + offs, sizeof(v)))
+    memcpy(&v, (const char *)t->data + offs, n);
+  else if (b->i->get(b, &v, (const char *)t->data + offs, n))
     return NAN;
+  if (t->type == RTP_TYPE_BF16) v.u = (uint32_t)v.h << 16; /* bf16 is f32's top half */
   return t->type == RTP_TYPE_I32 ? (float)v.i : v.f;
 }
 
@@ -541,6 +555,20 @@ struct rtp_tensor *rtp_dup(struct rtp_context *ctx, struct rtp_tensor *a) {
 struct rtp_tensor *rtp_cont(struct rtp_context *ctx, struct rtp_tensor *a) {
   if (a && rtp_is_contiguous(a)) return a;
   return rtp_dup(ctx, a);
+}
+
+struct rtp_tensor *rtp_cast(struct rtp_context *ctx, struct rtp_tensor *a, enum rtp_type type) {
+  if (!inputs_ok(ctx, "cast", a, NULL, false)) return NULL;
+  bool fp = (a->type == RTP_TYPE_F32 || a->type == RTP_TYPE_BF16) &&
+            (type == RTP_TYPE_F32 || type == RTP_TYPE_BF16);
+  if (!fp) {
+    char sa[128];
+    rtp__shape_str(a, sa, sizeof(sa));
+    rtp__ctx_error(ctx, RTP_ESHAPE, "cast: %s to %s (f32 and bf16 only)", sa,
+                   rtp_type_name(type));
+    return NULL;
+  }
+  return rtp__new_node(ctx, RTP_OP_CAST, type, a->ne, a, NULL);
 }
 
 struct rtp_tensor *rtp_add(struct rtp_context *ctx, struct rtp_tensor *a,
@@ -885,16 +913,23 @@ struct rtp_tensor *rtp__op3(struct rtp_context *ctx, enum rtp_op op, const int64
 
 /* ---- communication nodes ------------------------------------------------------------ */
 
+/* Transfers that only move bytes take f32 or bf16; the all-reduce sums f32. */
+static bool comm_type_ok(const struct rtp_tensor *t, bool sums) {
+  return t->type == RTP_TYPE_F32 || (!sums && t->type == RTP_TYPE_BF16);
+}
+
 /* A node that fills (or sums in place) the memory of `buf` when the executor posts it. */
 static struct rtp_tensor *comm_node(struct rtp_context *ctx, const char *name,
                                     struct rtp_comm *comm, struct rtp_tensor *buf,
-                                    struct rtp_tensor *after) {
+                                    struct rtp_tensor *after, bool sums) {
   if (!comm) {
     rtp__ctx_error(ctx, RTP_EINVAL, "%s: NULL communicator", name);
     return NULL;
   }
-  if (buf->type != RTP_TYPE_F32 || !rtp_is_contiguous(buf))
-    return op_error(ctx, name, RTP_ESHAPE, buf, NULL, "needs a contiguous f32 buffer");
+  if (!comm_type_ok(buf, sums) || !rtp_is_contiguous(buf))
+    return op_error(
+        ctx, name, RTP_ESHAPE, buf, NULL,
+        sums ? "needs a contiguous f32 buffer" : "needs a contiguous f32 or bf16 buffer");
   struct rtp_tensor *t = rtp__new_node(ctx, RTP_OP_COMM, buf->type, buf->ne, buf, NULL);
   if (!t) return NULL;
   t->view_src = buf->view_src ? buf->view_src : buf;
@@ -909,9 +944,10 @@ struct rtp_tensor *rtp_sendrecv(struct rtp_context *ctx, struct rtp_comm *comm,
                                 struct rtp_tensor *send, int dst, struct rtp_tensor *recv,
                                 int src, struct rtp_tensor *after) {
   if (!inputs_ok(ctx, "sendrecv", send, recv, true)) return NULL;
-  if (send->type != RTP_TYPE_F32 || !rtp_is_contiguous(send))
-    return op_error(ctx, "sendrecv", RTP_ESHAPE, send, recv, "send must be contiguous f32");
-  struct rtp_tensor *t = comm_node(ctx, "sendrecv", comm, recv, after);
+  if (!comm_type_ok(send, false) || !rtp_is_contiguous(send))
+    return op_error(ctx, "sendrecv", RTP_ESHAPE, send, recv,
+                    "send must be contiguous f32 or bf16");
+  struct rtp_tensor *t = comm_node(ctx, "sendrecv", comm, recv, after, false);
   if (!t) return NULL;
   t->src[0] = send;
   t->src[1] = recv;
@@ -924,7 +960,7 @@ struct rtp_tensor *rtp_sendrecv(struct rtp_context *ctx, struct rtp_comm *comm,
 struct rtp_tensor *rtp_allreduce(struct rtp_context *ctx, struct rtp_comm *comm,
                                  struct rtp_tensor *a, struct rtp_tensor *after) {
   if (!inputs_ok(ctx, "allreduce", a, NULL, false)) return NULL;
-  struct rtp_tensor *t = comm_node(ctx, "allreduce", comm, a, after);
+  struct rtp_tensor *t = comm_node(ctx, "allreduce", comm, a, after, true);
   if (t) t->op_params[0] = RTP__COMM_ALLREDUCE;
   return t;
 }
@@ -932,7 +968,7 @@ struct rtp_tensor *rtp_allreduce(struct rtp_context *ctx, struct rtp_comm *comm,
 struct rtp_tensor *rtp__allgather_rows(struct rtp_context *ctx, struct rtp_comm *comm,
                                        struct rtp_tensor *a, struct rtp_tensor *after) {
   if (!inputs_ok(ctx, "allgather", a, NULL, false)) return NULL;
-  struct rtp_tensor *t = comm_node(ctx, "allgather", comm, a, after);
+  struct rtp_tensor *t = comm_node(ctx, "allgather", comm, a, after, false);
   if (t) {
     t->src[0] = a;
     t->op_params[0] = RTP__COMM_ALLGATHER;

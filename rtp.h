@@ -95,6 +95,9 @@ RTP_API void rtp_log_set(rtp_log_cb cb, void *user);
 enum rtp_type {
   RTP_TYPE_F32 = 0,
   RTP_TYPE_I32 = 1,
+  RTP_TYPE_BF16 = 2, /* bfloat16: f32's sign and 8 exponent bits, 7 mantissa bits; only
+                        rtp_cast, views, copies and transfers take it (kernels compute in
+                        f32) */
   RTP_TYPE_COUNT,
 };
 
@@ -125,6 +128,7 @@ enum rtp_type {
   XX(VIEW, "view")                                                 \
   XX(PERMUTE, "permute")                                           \
   XX(TRANSPOSE, "transpose")                                       \
+  XX(CAST, "cast")   /* f32 <-> bf16, contiguous result */         \
   XX(COMM, "comm")   /* posted to a communicator */                \
   XX(ROT, "rot")     /* an op on a rotated parameter */            \
   XX(EMPTY, "empty") /* memory that later nodes write into */
@@ -256,6 +260,13 @@ RTP_API float rtp_get_f32_1d(const struct rtp_tensor *t, int64_t i);
 RTP_API struct rtp_tensor *rtp_dup(struct rtp_context *ctx, struct rtp_tensor *a);
 /* a itself if already contiguous, else a contiguous copy. */
 RTP_API struct rtp_tensor *rtp_cont(struct rtp_context *ctx, struct rtp_tensor *a);
+/*
+ * a (f32 or bf16, any strides) converted to `type` (f32 or bf16), contiguous. f32 to bf16
+ * rounds to nearest, ties to even (too large for bf16 becomes inf; NaN stays NaN, quiet);
+ * bf16 to f32 is exact. The gradient is cast back to a's type.
+ */
+RTP_API struct rtp_tensor *rtp_cast(struct rtp_context *ctx, struct rtp_tensor *a,
+                                    enum rtp_type type);
 /* Elementwise; b is broadcast along each dimension where its ne is 1. */
 RTP_API struct rtp_tensor *rtp_add(struct rtp_context *ctx, struct rtp_tensor *a,
                                    struct rtp_tensor *b);
@@ -468,8 +479,12 @@ RTP_API int rtp_safetensors_save(const char *path, struct rtp_tensor *const *ten
 /* RTP-COMM-BEGIN */
 /*
  * A communicator (struct rtp_comm) joins world_size ranks. Backends: "local" (world
- * size 1, no sockets) and "tcp" (libuv on a comm thread; rendezvous through rank 0,
- * one authenticated connection to every other rank). Every operation is asynchronous:
+ * size 1, no sockets), "tcp" (libuv on a comm thread; rendezvous through rank 0,
+ * one authenticated connection to every other rank) and "nccl" (a tcp communicator that
+ * also joins an NCCL communicator on CUDA device `device`, which carries the transfers of
+ * graphs whose tensors live on that device; the functions below, on host memory, still
+ * go over TCP. RTP_ENOSYS from a build without CUDA or on a host without a CUDA device).
+ * Every operation is asynchronous:
  * it is posted from any thread without blocking on the network and gives a request
  * that rtp_comm_wait / rtp_comm_test completes (and gives back to the comm's fixed pool:
  * a request may be waited on only once, by one thread). Passing req = NULL makes the
@@ -486,7 +501,8 @@ RTP_API int rtp_safetensors_save(const char *path, struct rtp_tensor *const *ten
 #define RTP_COMM_MAX_TOKEN 256
 
 struct rtp_comm_params {
-  char backend[16];                    /* "tcp", "local", or "" (local iff world_size 1) */
+  char backend[16];                    /* "tcp", "nccl", "local", or "" (local iff
+                                          world_size 1) */
   int rank;                            /* 0 .. world_size-1 */
   int world_size;                      /* >= 1 */
   char master_addr[RTP_COMM_MAX_ADDR]; /* host name or address where rank 0 listens */
@@ -496,15 +512,18 @@ struct rtp_comm_params {
                                           that routes to rank 0 */
   int timeout_ms;                      /* rendezvous, silence and no-progress limit */
   int max_requests;                    /* requests in flight at once (the pool) */
+  int device; /* nccl: this rank's CUDA device; -1: the local rank (RTP_LOCAL_RANK, which
+                 rtp-run sets, else the rank) modulo the number of devices */
 };
 
-/* rank 0 of 1, backend "", master 127.0.0.1:29500, timeout 60000, 128 requests. */
+/* rank 0 of 1, backend "", master 127.0.0.1:29500, timeout 60000, 128 requests,
+ * device -1. */
 RTP_API struct rtp_comm_params rtp_comm_params_default(void);
 /*
  * The defaults overridden by RTP_RANK, RTP_WORLD_SIZE (else SLURM_PROCID/SLURM_NTASKS,
  * else OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE), RTP_MASTER_ADDR, RTP_MASTER_PORT,
- * RTP_TOKEN, RTP_IFNAME or RTP_BIND_ADDR, RTP_TIMEOUT_MS, RTP_BACKEND. RTP_EINVAL on a
- * malformed value.
+ * RTP_TOKEN, RTP_IFNAME or RTP_BIND_ADDR, RTP_TIMEOUT_MS, RTP_BACKEND, RTP_DEVICE.
+ * RTP_EINVAL on a malformed value.
  */
 RTP_API int rtp_comm_params_from_env(struct rtp_comm_params *p);
 
@@ -574,7 +593,8 @@ RTP_API int rtp_comm_test(struct rtp_comm_req *req, bool *done);
  * planned. `after` (may be NULL) orders the node after another one: how a graph says
  * that a buffer may be overwritten only once an earlier transfer out of it is done.
  */
-/* recv's memory, filled with what rank src sends while send goes to rank dst. */
+/* recv's memory, filled with what rank src sends while send goes to rank dst (both
+ * contiguous, f32 or bf16: the bytes move as they are). */
 RTP_API struct rtp_tensor *rtp_sendrecv(struct rtp_context *ctx, struct rtp_comm *comm,
                                         struct rtp_tensor *send, int dst,
                                         struct rtp_tensor *recv, int src,
@@ -644,9 +664,15 @@ RTP_API int rtp_set_tp(struct rtp_tensor *param, enum rtp_tp_role role, int grou
 
 struct rtp_parallel_params {
   enum rtp_strategy strategy;
-  struct rtp_comm *comm; /* NULL for one process */
-  size_t bucket_bytes;   /* ddp: gradient bucket size (0: 4 MiB) */
-  int graph_size;        /* nodes of the rank's graph (0: 16384) */
+  struct rtp_comm *comm;   /* NULL for one process */
+  size_t bucket_bytes;     /* ddp: gradient bucket size (0: 4 MiB) */
+  int graph_size;          /* nodes of the rank's graph (0: 16384) */
+  enum rtp_type comm_type; /* rtp: type of the rotating copies of blocks and partial
+                              gradient sums. RTP_TYPE_F32 (0, the default) or RTP_TYPE_BF16,
+                              which halves the bytes sent and the pool; owned blocks, their
+                              gradients and Adam's states stay f32, every rank computes
+                              with the bf16-rounded blocks and sums gradients in f32. Other
+                              strategies refuse BF16 (RTP_EINVAL). See docs/parallel.md. */
 };
 
 struct rtp_parallel;
@@ -697,9 +723,9 @@ RTP_API int rtp_parallel_shard_copy(const struct rtp_parallel *p,
  * name, fsynced and renamed; latest moves only after every rank has written and the
  * marker is on disk; the older checkpoints beyond the keep newest are deleted after that.
  * A checkpoint loads onto any world size and strategy: each rank reads the rows it needs
- * from the files that hold them, after checking those files' sizes and checksums. Plans
- * whose ranks hold parameters as blocks of rows in rank order (one process, ddp, fsdp,
- * rtp) are supported; tp gives RTP_ENOSYS.
+ * from the files that hold them, after checking those files' sizes and checksums. Every
+ * strategy saves the same files: tp, whose pieces are not blocks of rows, gathers each
+ * split tensor and writes the rows rtp's rank would hold (docs/checkpoints.md, "tp").
  */
 struct rtp_ckpt_params {
   const char *dir;

@@ -216,7 +216,7 @@ static struct result run_rank(const struct opts *o, enum rtp_strategy strategy,
     die("build");
   struct rtp_init_params ip = {.mem_size = gpt_arena_size(o->cfg, o->batch), .no_alloc = false};
   struct rtp_context *ctx = rtp_init(ip);
-  struct rtp_parallel_params pp = {strategy, comm, 0, 0};
+  struct rtp_parallel_params pp = {.strategy = strategy, .comm = comm};
   struct rtp_parallel *par = ctx ? rtp_parallelize(ctx, fwd, m.loss, &pp) : NULL;
   if (!par) die("parallelize");
   struct rtp_graph *g = rtp_parallel_graph(par);

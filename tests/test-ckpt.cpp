@@ -3,11 +3,14 @@
 // checkpoints are kept; a failed save leaves latest on the previous one; damaged
 // checkpoints are refused with a message naming the fault.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "rtp.h"
 #include "test-comm-util.h"
@@ -28,30 +31,47 @@ class Cleanup : public testing::Environment {
 };
 testing::Environment *const cleanup = testing::AddGlobalTestEnvironment(new Cleanup);
 
-// A two-parameter model (w: 6 rows of 8, b: 6) made parallel, with its optimizer.
+// A two-parameter model (w: 6 rows of 8, b: 6) made parallel, with its optimizer; or
+// (mlp) a two-layer MLP marked for tp: fc.w {8, 12} and fc.b column-parallel (a rank holds
+// rows), proj.w {12, 6} row-parallel (a rank holds columns), proj.b replicated.
 struct Plan {
   rtp_context *meta = nullptr, *ctx = nullptr;
   rtp_comm *comm = nullptr;
   rtp_parallel *par = nullptr;
   rtp_optimizer *opt = nullptr;
-  rtp_tensor *params[2] = {};
+  rtp_tensor *params[4] = {};
+  int n_params = 2;
   rtp_strategy strategy = RTP_STRATEGY_NONE;
 
-  bool build(rtp_strategy s, rtp_comm *c) {
+  bool build(rtp_strategy s, rtp_comm *c, bool mlp = false) {
     strategy = s;
     comm = c;
     meta = rtp_init({1 << 20, nullptr, true, nullptr, 0});
     ctx = rtp_init({4 << 20, nullptr, false, nullptr, 0});
-    params[0] = rtp_set_name(rtp_new_tensor_2d(meta, RTP_TYPE_F32, 8, 6), "w");
-    params[1] = rtp_set_name(rtp_new_tensor_1d(meta, RTP_TYPE_F32, 6), "b");
-    rtp_tensor *x = rtp_new_tensor_2d(meta, RTP_TYPE_F32, 8, 5);
-    rtp_set_param(params[0]);
-    rtp_set_param(params[1]);
+    rtp_tensor *x = rtp_new_tensor_2d(meta, RTP_TYPE_F32, 8, 5), *loss = nullptr;
     rtp_set_input(x);
-    rtp_tensor *loss = rtp_sum(meta, rtp_add(meta, rtp_mul_mat(meta, params[0], x), params[1]));
+    if (mlp) {
+      n_params = 4;
+      params[0] = rtp_set_name(rtp_new_tensor_2d(meta, RTP_TYPE_F32, 8, 12), "fc.w");
+      params[1] = rtp_set_name(rtp_new_tensor_1d(meta, RTP_TYPE_F32, 12), "fc.b");
+      params[2] = rtp_set_name(rtp_new_tensor_2d(meta, RTP_TYPE_F32, 12, 6), "proj.w");
+      params[3] = rtp_set_name(rtp_new_tensor_1d(meta, RTP_TYPE_F32, 6), "proj.b");
+      for (rtp_tensor *t : params) rtp_set_param(t);
+      if (rtp_set_tp(params[0], RTP_TP_COLUMN, 1) || rtp_set_tp(params[1], RTP_TP_COLUMN, 1) ||
+          rtp_set_tp(params[2], RTP_TP_ROW, 1))
+        return false;
+      rtp_tensor *h = rtp_gelu(meta, rtp_add(meta, rtp_mul_mat(meta, params[0], x), params[1]));
+      loss = rtp_sum(meta, rtp_add(meta, rtp_mul_mat(meta, params[2], h), params[3]));
+    } else {
+      params[0] = rtp_set_name(rtp_new_tensor_2d(meta, RTP_TYPE_F32, 8, 6), "w");
+      params[1] = rtp_set_name(rtp_new_tensor_1d(meta, RTP_TYPE_F32, 6), "b");
+      rtp_set_param(params[0]);
+      rtp_set_param(params[1]);
+      loss = rtp_sum(meta, rtp_add(meta, rtp_mul_mat(meta, params[0], x), params[1]));
+    }
     rtp_graph *g = rtp_graph_new(meta, 64);
     if (!loss || rtp_graph_build(g, loss)) return false;
-    rtp_parallel_params pp = {s, c, 0, 0};
+    rtp_parallel_params pp = {s, c, 0, 0, RTP_TYPE_F32};
     par = rtp_parallelize(ctx, g, loss, &pp);
     if (!par || rtp_graph_plan(ctx, rtp_parallel_graph(par))) return false;
     opt = rtp_parallel_optimizer(par, rtp_adamw_default());
@@ -64,47 +84,53 @@ struct Plan {
   }
   rtp_ckpt_params ckpt(const std::string &dir) const {
     static const char *const kv[] = {"seed", "42", nullptr};
-    return {dir.c_str(), par, comm, strategy, params, 2, opt, 0, kv};
+    return {dir.c_str(), par, comm, strategy, params, n_params, opt, 0, kv};
   }
   // The value of element j of the whole of parameter i (k: 0 value, 1 m, 2 v) ...
   static float value(int i, int64_t j, int k) {
     return 0.001f * (float)(i * 1000 + j) + (float)k;
   }
-  // ... each rank holding its block, or zeros (fill = false) to be loaded into.
+  // ... this rank's part of it (rtp_parallel_shard_copy: any strategy) ...
+  std::vector<float> expected(int i, int k) const {
+    std::vector<float> whole(rtp_nelements(params[i]));
+    for (size_t j = 0; j < whole.size(); j++) whole[j] = value(i, (int64_t)j, k);
+    std::vector<float> mine(rtp_nelements(rtp_parallel_tensor(par, params[i])));
+    EXPECT_EQ(rtp_parallel_shard_copy(par, params[i], whole.data(), mine.data()), RTP_OK);
+    return mine;
+  }
+  // ... and parameter i's tensor on this rank with its Adam states.
+  void states(int i, rtp_tensor *st[3]) const {
+    st[0] = rtp_parallel_tensor(par, params[i]);
+    st[1] = st[2] = nullptr;
+    for (int k = 0; k < rtp_optimizer_count(opt); k++) {
+      rtp_tensor *q, *m, *v;
+      rtp_optimizer_state(opt, k, &q, &m, &v);
+      if (q == st[0]) st[1] = m, st[2] = v;
+    }
+  }
+  // Each rank holding its part of value(), or zeros (values = false) to be loaded into.
   void fill(bool values) {
-    for (int i = 0; i < 2; i++) {
-      rtp_tensor *t = rtp_parallel_tensor(par, params[i]), *st[3] = {t};
-      for (int k = 0; k < rtp_optimizer_count(opt); k++) {
-        rtp_tensor *q, *m, *v;
-        rtp_optimizer_state(opt, k, &q, &m, &v);
-        if (q == t) st[1] = m, st[2] = v;
+    for (int i = 0; i < n_params; i++) {
+      rtp_tensor *st[3];
+      states(i, st);
+      for (int k = 0; k < 3; k++) {
+        std::vector<float> want = expected(i, k);
+        for (size_t j = 0; j < want.size(); j++)
+          ((float *)st[k]->data)[j] = values ? want[j] : 0.0f;
       }
-      int64_t first = offset(i);
-      for (int k = 0; k < 3; k++)
-        for (int64_t j = 0; j < rtp_nelements(t); j++)
-          ((float *)st[k]->data)[j] = values ? value(i, first + j, k) : 0.0f;
     }
     rtp_optimizer_set_steps(opt, values ? 7 : 0);
-  }
-  int64_t offset(int i) const {
-    int64_t first, len;
-    int dim;
-    rtp_parallel_block(par, params[i], &first, &len, &dim);
-    return first * (rtp_nelements(params[i]) / params[i]->ne[dim]);
   }
   // How many elements differ from value() (states included), and the step count.
   int mismatches() {
     int bad = rtp_optimizer_steps(opt) != 7;
-    for (int i = 0; i < 2; i++) {
-      rtp_tensor *t = rtp_parallel_tensor(par, params[i]);
-      for (int k = 0; k < rtp_optimizer_count(opt); k++) {
-        rtp_tensor *q, *st[3] = {};
-        rtp_optimizer_state(opt, k, &q, &st[1], &st[2]);
-        if (q != t) continue;
-        st[0] = t;
-        for (int s = 0; s < 3; s++)
-          for (int64_t j = 0; j < rtp_nelements(t); j++)
-            bad += ((float *)st[s]->data)[j] != value(i, offset(i) + j, s);
+    for (int i = 0; i < n_params; i++) {
+      rtp_tensor *st[3];
+      states(i, st);
+      if (!st[1]) return bad + 1000;
+      for (int k = 0; k < 3; k++) {
+        std::vector<float> want = expected(i, k);
+        for (size_t j = 0; j < want.size(); j++) bad += ((float *)st[k]->data)[j] != want[j];
       }
     }
     return bad;
@@ -112,9 +138,9 @@ struct Plan {
 };
 
 // One process: save, clear, load.
-int save_one(const std::string &dir, int64_t step) {
+int save_one(const std::string &dir, int64_t step, bool mlp = false) {
   Plan p;
-  if (!p.build(RTP_STRATEGY_NONE, nullptr)) return 10;
+  if (!p.build(RTP_STRATEGY_NONE, nullptr, mlp)) return 10;
   p.fill(true);
   rtp_ckpt_params cp = p.ckpt(dir);
   return rtp_ckpt_save(&cp, step) ? 11 : 0;
@@ -138,26 +164,32 @@ int load_and_check(Plan &p, const std::string &dir) {
   return bad ? 33 : 0;
 }
 
-int load_one(const std::string &dir) {
+int load_one(const std::string &dir, bool mlp = false) {
   Plan p;
-  return p.build(RTP_STRATEGY_NONE, nullptr) ? load_and_check(p, dir) : 20;
+  return p.build(RTP_STRATEGY_NONE, nullptr, mlp) ? load_and_check(p, dir) : 20;
 }
 
-// 2 ranks: save (fill) or load, with strategy s.
-int on_two_ranks(rtp_strategy s, const std::string &dir, bool save) {
+// n ranks: save (fill) or load, with strategy s; the first failing rank's code.
+int on_ranks(int n, rtp_strategy s, const std::string &dir, bool save, bool mlp = false) {
   int port = rtptest::free_port();
-  auto res = rtptest::run_procs(2, [&](int r) {
-    rtp_comm_params cp = rtptest::params(r, 2, port);
+  auto res = rtptest::run_procs(n, [&](int r) {
+    rtp_comm_params cp = rtptest::params(r, n, port);
     rtp_comm *comm = nullptr;
     if (rtp_comm_init(&cp, &comm)) return 40;
     Plan p;
-    if (!p.build(s, comm)) return 41;
+    if (!p.build(s, comm, mlp)) return 41;
     if (!save) return load_and_check(p, dir);
     p.fill(true);
     rtp_ckpt_params ck = p.ckpt(dir);
     return rtp_ckpt_save(&ck, 5) ? 42 : 0;
   });
-  return res[0].code ? res[0].code : res[1].code;
+  for (const rtptest::Result &r : res)
+    if (r.code) return r.code;
+  return 0;
+}
+
+int on_two_ranks(rtp_strategy s, const std::string &dir, bool save) {
+  return on_ranks(2, s, dir, save);
 }
 
 TEST(Ckpt, RoundTripOneProcess) {
@@ -186,6 +218,45 @@ TEST(Ckpt, RoundTripTwoRanksAndReshard) {
   EXPECT_EQ(on_two_ranks(RTP_STRATEGY_RTP, one, false), 0) << "1 process, loaded on 2 ranks";
 }
 
+// tp holds fc.w as rows, proj.w as columns and proj.b whole; its files hold the row blocks
+// rtp's would (rank 1: rows [6, 12) of fc.w, [3, 6) of proj.w and of proj.b), so its
+// checkpoints load on 1, 2 or 3 ranks under any strategy, and rtp's load under tp.
+TEST(Ckpt, TpSavesRowBlocksThatLoadAnywhere) {
+  std::string dir = tmp_dir("tp");
+  ASSERT_EQ(on_ranks(2, RTP_STRATEGY_TP, dir, true, true), 0);
+  rtp_safetensors *st = nullptr;
+  ASSERT_EQ(rtp_safetensors_open((dir + "/step-00000005/rank-1.safetensors").c_str(), &st), 0)
+      << rtp_last_error();
+  rtp_context *ctx = rtp_init({1 << 20, nullptr, false, nullptr, 0});
+  const struct {
+    const char *name;
+    int param;
+    int64_t ne0, rows, first;
+  } want[] = {{"fc.w", 0, 8, 6, 6}, {"adam.v.proj.w", 2, 12, 3, 3}, {"proj.b", 3, 6, 3, 3}};
+  for (const auto &w : want) {
+    rtp_tensor *t = rtp_safetensors_load(ctx, st, w.name);
+    ASSERT_NE(t, nullptr) << w.name << ": " << rtp_last_error();
+    int64_t ne0 = w.param == 3 ? w.rows : w.ne0, ne1 = w.param == 3 ? 1 : w.rows;
+    EXPECT_EQ(t->ne[0], ne0) << w.name;
+    EXPECT_EQ(t->ne[1], ne1) << w.name;
+    int k = std::string(w.name).rfind("adam.v.", 0) == 0 ? 2 : 0, bad = 0;
+    int64_t off = w.first * (w.param == 3 ? 1 : w.ne0);
+    for (int64_t j = 0; j < rtp_nelements(t); j++)
+      bad += ((float *)t->data)[j] != Plan::value(w.param, off + j, k);
+    EXPECT_EQ(bad, 0) << w.name << ": values not those of its rows";
+  }
+  rtp_free(ctx);
+  rtp_safetensors_close(st);
+  EXPECT_EQ(on_ranks(2, RTP_STRATEGY_TP, dir, false, true), 0) << "tp on 2 ranks, loaded so";
+  EXPECT_EQ(on_ranks(3, RTP_STRATEGY_TP, dir, false, true), 0) << "loaded by tp on 3 ranks";
+  EXPECT_EQ(on_ranks(2, RTP_STRATEGY_RTP, dir, false, true), 0) << "loaded by rtp";
+  EXPECT_EQ(on_ranks(2, RTP_STRATEGY_DDP, dir, false, true), 0) << "loaded by ddp";
+  EXPECT_EQ(load_one(dir, true), 0) << "loaded by one process";
+  std::string from_rtp = tmp_dir("rtp-to-tp");
+  ASSERT_EQ(on_ranks(2, RTP_STRATEGY_RTP, from_rtp, true, true), 0);
+  EXPECT_EQ(on_ranks(2, RTP_STRATEGY_TP, from_rtp, false, true), 0) << "rtp's, loaded by tp";
+}
+
 TEST(Ckpt, KeepsTheNewestTwoAndSurvivesAFailedSave) {
   std::string dir = tmp_dir("keep");
   for (int step : {1, 2, 3}) ASSERT_EQ(save_one(dir, step), 0) << rtp_last_error();
@@ -202,6 +273,41 @@ TEST(Ckpt, KeepsTheNewestTwoAndSurvivesAFailedSave) {
   EXPECT_EQ(load_one(dir), 0);
   // A complete checkpoint is never overwritten.
   EXPECT_EQ(save_one(dir, 3), 11);
+}
+
+// A save whose write fails on one rank (rank 1's files may not grow past 64 bytes: EFBIG)
+// fails on both, each naming the cause, and rank 0 removes the step directory, its own
+// file included: latest stays on the previous checkpoint, which loads.
+TEST(Ckpt, AWriteFailingOnOneRankLeavesNothing) {
+  std::string dir = tmp_dir("efbig");
+  ASSERT_EQ(save_one(dir, 3), 0) << rtp_last_error();
+  int port = rtptest::free_port();
+  auto res = rtptest::run_procs(2, [&](int r) {
+    rtp_comm_params cp = rtptest::params(r, 2, port);
+    rtp_comm *comm = nullptr;
+    if (rtp_comm_init(&cp, &comm)) return 40;
+    Plan p;
+    if (!p.build(RTP_STRATEGY_RTP, comm)) return 41;
+    p.fill(true);
+    rlimit small = {64, 64};
+    if (r == 1 && (signal(SIGXFSZ, SIG_IGN) == SIG_ERR || setrlimit(RLIMIT_FSIZE, &small)))
+      return 42;
+    rtp_ckpt_params ck = p.ckpt(dir);
+    if (rtp_ckpt_save(&ck, 5) == RTP_OK) return 43;
+    std::string why = rtp_last_error();
+    if (why.find(r ? "File too large" : "rank 1 could not write its file") != std::string::npos)
+      return 0;
+    fprintf(stderr, "rank %d: %s\n", r, why.c_str());
+    return 44;
+  });
+  EXPECT_EQ(res[0].code, 0);
+  EXPECT_EQ(res[1].code, 0);
+  EXPECT_NE(access((dir + "/step-00000005").c_str(), F_OK), 0) << "the failed save is left";
+  rtp_ckpt *c = nullptr;
+  ASSERT_EQ(rtp_ckpt_open(dir.c_str(), &c), 0) << rtp_last_error();
+  EXPECT_EQ(rtp_ckpt_step(c), 3);
+  rtp_ckpt_close(c);
+  EXPECT_EQ(load_one(dir), 0);
 }
 
 // Damage to a copy of a good checkpoint: open or load fails with the given words.

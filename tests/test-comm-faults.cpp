@@ -206,18 +206,18 @@ void mac(const std::string &token, const std::string &label, const uint8_t *d, s
 
 // The connector's side of the handshake (docs/transport.md), done by hand.
 int handshake(int fd, const std::string &token, int world, int rank) {
-  uint8_t t[64 + 96 + 32] = {0};
+  uint8_t t[80 + 112 + 32] = {0};
   uint8_t id[32];
   mac(token, "rtp-job-id", nullptr, 0, id);
   put32(t, 0x48505452u);
-  t[4] = 1;
+  t[4] = 2;  // protocol version; no direct writes offered
   memcpy(t + 8, id, 8);
   put32(t + 16, (uint32_t)world);
   put32(t + 20, (uint32_t)rank);
   for (int i = 0; i < 32; i++) t[24 + i] = (uint8_t)rand();
-  if (!write_all(fd, t, 64) || !read_all(fd, t + 64, 96)) return -1;
-  mac(token, "rtp-hs-connector", t, 160, t + 160);
-  return write_all(fd, t + 160, 32) ? 0 : -1;
+  if (!write_all(fd, t, 80) || !read_all(fd, t + 80, 112)) return -1;
+  mac(token, "rtp-hs-connector", t, 192, t + 192);
+  return write_all(fd, t + 192, 32) ? 0 : -1;
 }
 
 // A job of two ranks carries on while strangers knock: a process with the wrong token,
@@ -261,11 +261,11 @@ TEST(CommFaults, StrangersRefused) {
           write_all(fd, buf, sizeof(buf));
         } else if (who == 4) {  // a hello cut short, then gone
           put32(buf, 0x48505452u);
-          buf[4] = 1;
+          buf[4] = 2;
           write_all(fd, buf, 30);
         } else if (who == 5) {  // right magic, nonsense fields
           put32(buf, 0x48505452u);
-          write_all(fd, buf, 64);
+          write_all(fd, buf, 80);
         } else {  // connects and says nothing for a while
           usleep(1500000);
         }
@@ -282,7 +282,7 @@ TEST(CommFaults, StrangersRefused) {
 // A peer that passed the handshake sends a malformed frame: rank 0 fails cleanly with
 // RTP_EFORMAT naming rank 1, whatever the frame says.
 TEST(CommFaults, MalformedFrames) {
-  for (int variant = 0; variant < 3; variant++) {
+  for (int variant = 0; variant < 4; variant++) {
     int port = free_port();
     auto res = run_procs(2, [&](int who) {
       int rank = who;
@@ -297,17 +297,20 @@ TEST(CommFaults, MalformedFrames) {
       (void)rank;
       int fd = connect_to(port);
       if (fd < 0 || handshake(fd, "test-token", 2, 1) != 0) return 5;
-      uint8_t h[40] = {0};
+      uint8_t h[48] = {0};
       put32(h, 0x46505452u);
-      h[4] = 1;
+      h[4] = 2;
       if (variant == 0) {
         put32(h, 0xdeadbeef);  // bad magic
       } else if (variant == 1) {
         h[5] = 1;  // DATA of a request that does not exist, absurdly long
         put64(h + 16, (uint64_t)1 << 62);
-      } else {
+      } else if (variant == 2) {
         h[5] = 6;  // REGISTER of the wrong size
         put64(h + 16, 1 << 20);
+      } else {
+        h[5] = 8;  // DONE (a direct write) where none was offered or asked for
+        put64(h + 16, 4096);
       }
       write_all(fd, h, sizeof(h));
       char c;

@@ -332,7 +332,7 @@ int train(int rank, int world, int port, rtp_strategy strategy, rtp_backend *b,
   size_t bytes = gpt_arena_size(kCfg, kBatch) + (16 << 20);
   rtp_init_params ip = {bytes, nullptr, false, b, b ? bytes : 0};
   rtp_context *ctx = rtp_init(ip);
-  rtp_parallel_params pp = {strategy, comm, 0, 0};
+  rtp_parallel_params pp = {strategy, comm, 0, 0, RTP_TYPE_F32};
   rtp_parallel *par = ctx ? rtp_parallelize(ctx, fwd, m.loss, &pp) : nullptr;
   if (!par) {
     fprintf(stderr, "rank %d: %s\n", rank, rtp_last_error());

@@ -2,16 +2,24 @@
 // one metrics object per step, exports a model that --init and --eval-only read back to the
 // same loss (and PyTorch too, when /usr/bin/python3 has torch), and refuses bad input with a
 // message and a non-zero exit; under rtp-run, 2 ranks train like one process with twice the
-// batch (rtp and ddp) and export the model they evaluated; checkpoints resume with the
-// same losses and damaged ones are refused; embed-c and train-gpt-cpp run and save.
+// batch (rtp and ddp) or the same batch (tp, which splits the model, not the data) and
+// export the model they evaluated; so do two "hosts" started with the README's multi-host
+// commands; checkpoints resume with the same losses, also across strategies, damaged ones
+// are refused, and a full disk during a save loses nothing already saved; embed-c and
+// train-gpt-cpp run and save.
+#include <dirent.h>
 #include <gtest/gtest.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -19,6 +27,7 @@
 #include <vector>
 
 #include "rtp.h"
+#include "test-comm-util.h"
 
 namespace {
 
@@ -286,10 +295,12 @@ TEST(TrainGptErrors, BadInputIsRefusedClearly) {
   EXPECT_EQ(env.code, 2);
   EXPECT_NE(env.err.find("bad rank environment"), std::string::npos) << env.err;
   Result tp =
-      run({RTP_RUN, "-n", "2", "--", TRAIN_GPT, "--config", "tiny", "--strategy", "tp"});
-  EXPECT_EQ(tp.code, 2);
-  EXPECT_NE(tp.err.find("--strategy tp on 2 ranks is not yet supported"), std::string::npos)
+      run({RTP_RUN, "-n", "3", "--", TRAIN_GPT, "--config", "tiny", "--strategy", "tp"});
+  EXPECT_NE(tp.code, 0);  // every rank refuses; whichever exits first has said why
+  EXPECT_NE(tp.err.find("] train-gpt: --strategy tp on 3 ranks: the 4 heads must split"),
+            std::string::npos)
       << tp.err;
+  EXPECT_NE(tp.err.find("failed first (exit code 2)"), std::string::npos) << tp.err;
 }
 
 // Under rtp-run: rtp-run's argv for n ranks of train-gpt with these flags.
@@ -314,50 +325,107 @@ std::vector<double> metric(const std::string &path, const char *key) {
 const std::string kRanksFlags =
     "--config tiny --steps 10 --threads 1 --log-every 10 --eval-windows 8 --eval-problems 0";
 
-// 2 ranks with batch 2 see the data of one process with batch 4 (sample_batch), and the
-// strategy's gradients are those of the global mean: every step's loss is the same, in
-// rank 0's metrics and in rank 1's. Only rank 0 prints.
-void expect_losses_of_twice_the_batch(const std::string &strategy) {
-  std::string one = tmp_dir() + "one.jsonl", two = tmp_dir() + strategy + ".jsonl";
-  static const Result ref = run(train_gpt(kRanksFlags + " --batch 4", {"--metrics", one}));
-  ASSERT_EQ(ref.code, 0) << ref.err;
-  Result r =
-      run(on_ranks(2, kRanksFlags + " --batch 2 --strategy " + strategy, {"--metrics", two}));
-  ASSERT_EQ(r.code, 0) << r.out << r.err;
-  std::vector<double> want = metric(one, "loss"), got = metric(two, "loss");
+// The losses of one process with batch 4 under kRanksFlags (run once).
+const std::vector<double> &one_process_losses() {
+  static const std::vector<double> losses = [] {
+    std::string one = tmp_dir() + "one.jsonl";
+    Result ref = run(train_gpt(kRanksFlags + " --batch 4", {"--metrics", one}));
+    EXPECT_EQ(ref.code, 0) << ref.err;
+    return metric(one, "loss");
+  }();
+  return losses;
+}
+
+// Rank 0's losses in the metrics file m (and rank 1's in m.rank1, which must be the same)
+// are one process's with the same global batch, to float rounding; every object counts the
+// global batch's tokens once: tokens_per_s x ms_per_step = 4 x 32 tokens per step.
+void expect_one_process_losses(const std::string &m, const std::string &what) {
+  const std::vector<double> &want = one_process_losses();
+  std::vector<double> got = metric(m, "loss"), tps = metric(m, "tokens_per_s"),
+                      ms = metric(m, "ms_per_step");
   ASSERT_EQ(want.size(), 10u);
   ASSERT_EQ(got.size(), want.size());
-  EXPECT_EQ(metric(two + ".rank1", "loss"), got);
+  EXPECT_EQ(metric(m + ".rank1", "loss"), got);
   for (size_t i = 0; i < want.size(); i++) {
-    std::printf("step %2zu: one process %.8f, 2 ranks (%s) %.8f\n", i + 1, want[i],
-                strategy.c_str(), got[i]);
-    EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << "step " << i + 1;
+    std::printf("step %2zu: one process %.8f, %s %.8f\n", i + 1, want[i], what.c_str(), got[i]);
+    EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << what << ", step " << i + 1;
   }
+  ASSERT_EQ(tps.size(), ms.size());
+  for (size_t i = 0; i < tps.size(); i++)
+    EXPECT_NEAR(tps[i] * ms[i] / 1e3, 4 * 32, 0.01 * 4 * 32) << what << ", step " << i + 1;
+}
+
+// 2 ranks with batch 2 see the data of one process with batch 4 (sample_batch), and the
+// strategy's gradients are those of the global mean; tp ranks with batch 4 all see the
+// batch of one process with batch 4 and compute its loss together: every step's loss is
+// the same, in rank 0's metrics and in rank 1's. Only rank 0 prints.
+void expect_losses_of_one_process(const std::string &strategy) {
+  std::string two = tmp_dir() + strategy + ".jsonl";
+  std::string batch = strategy == "tp" ? " --batch 4" : " --batch 2";
+  Result r =
+      run(on_ranks(2, kRanksFlags + batch + " --strategy " + strategy, {"--metrics", two}));
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  expect_one_process_losses(two, "2 ranks (" + strategy + ")");
   EXPECT_NE(r.out.find("[0] step 10/10"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("[1] "), std::string::npos) << r.out;
 }
 
 TEST(TrainGptRanks, RtpLossesMatchOneProcess) {
-  expect_losses_of_twice_the_batch("rtp");
+  expect_losses_of_one_process("rtp");
 }
 
 TEST(TrainGptRanks, DdpLossesMatchOneProcess) {
-  expect_losses_of_twice_the_batch("ddp");
+  expect_losses_of_one_process("ddp");
 }
 
-// 2 rtp ranks export the model they evaluated: one process reads the consolidated file
-// back to the eval loss they reported on the held-out tenth of --data (given to
-// --eval-only as a file of its own: the same 16 windows).
-TEST(TrainGptRanks, RtpExportReloadsToTheReportedEvalLoss) {
+TEST(TrainGptRanks, FsdpLossesMatchOneProcess) {
+  expect_losses_of_one_process("fsdp");
+}
+
+TEST(TrainGptRanks, TpLossesMatchOneProcessWithTheSameBatch) {
+  expect_losses_of_one_process("tp");
+}
+
+// --bf16 rounds the blocks that travel, not the weights: the losses stay near one f32
+// process's (bf16 keeps 8 bits of mantissa), and the travelling pool takes half the bytes.
+TEST(TrainGptRanks, Bf16RotationHalvesTheCommBytes) {
+  std::string f32 = tmp_dir() + "rot-f32.jsonl", bf16 = tmp_dir() + "rot-bf16.jsonl";
+  Result r = run(on_ranks(2, kRanksFlags + " --batch 2", {"--metrics", f32}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = run(on_ranks(2, kRanksFlags + " --batch 2 --bf16", {"--metrics", bf16}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::vector<double> &want = one_process_losses();
+  std::vector<double> got = metric(bf16, "loss");
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); i++)
+    EXPECT_NEAR(got[i], want[i], 1e-2 * want[i]) << "step " << i + 1;
+  EXPECT_LT(got.back(), got.front());
+  std::vector<double> comm32 = metric(f32, "comm"), comm16 = metric(bf16, "comm");
+  ASSERT_FALSE(comm32.empty());
+  ASSERT_FALSE(comm16.empty());
+  EXPECT_NEAR(comm16.back(), comm32.back() / 2, 0.05 * comm32.back());
+  EXPECT_EQ(metric(bf16, "params"), metric(f32, "params"));  // the owned blocks stay f32
+  Result refused = run(train_gpt(kRanksFlags + " --bf16", {}));
+  EXPECT_EQ(refused.code, 2);
+  EXPECT_NE(refused.err.find("--bf16"), std::string::npos) << refused.err;
+}
+
+// 2 ranks export the model they evaluated: one process reads the consolidated file back
+// to the eval loss they reported on the held-out tenth of --data (given to --eval-only as
+// a file of its own: the same 16 windows), and 2 ranks of the strategy read it back
+// (--init) to that loss too.
+void expect_export_reloads(const std::string &strategy) {
   std::string text, data = tmp_dir() + "ranks.txt", tail = tmp_dir() + "ranks-tail.txt";
   while (text.size() < 5130) text += "Blocks rotate around the ring; gradients come home. ";
   text.resize(5130);  // the last tenth: 513 bytes, 16 windows of 32 + 1
   std::ofstream(data, std::ios::binary) << text;
   std::ofstream(tail, std::ios::binary) << text.substr(text.size() - 513);
-  std::string metrics = tmp_dir() + "ranks.jsonl", model = tmp_dir() + "ranks.safetensors";
+  std::string metrics = tmp_dir() + "ranks-" + strategy + ".jsonl",
+              model = tmp_dir() + "ranks-" + strategy + ".safetensors";
   Result r = run(on_ranks(2,
                           "--config tiny --steps 10 --batch 2 --threads 1 --log-every 10 "
-                          "--eval-windows 0 --strategy rtp",
+                          "--eval-windows 0 --strategy " +
+                              strategy,
                           {"--data", data, "--metrics", metrics, "--export", model}));
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   std::vector<double> reported = metric(metrics, "eval_loss");
@@ -368,8 +436,67 @@ TEST(TrainGptRanks, RtpExportReloadsToTheReportedEvalLoss) {
   ASSERT_TRUE(parse_flat_json(e.out, &ev)) << e.out;
   EXPECT_EQ(ev["windows"], 16);
   EXPECT_NEAR(ev["eval_loss"], reported.back(), 1e-6 * reported.back());
-  std::printf("2 rtp ranks reported eval %.8f; their export, in one process: %.8f\n",
-              reported.back(), ev["eval_loss"]);
+  Result e2 = run(on_ranks(2, "--eval-only --threads 1 --strategy " + strategy,
+                           {"--init", model, "--data", tail}));
+  ASSERT_EQ(e2.code, 0) << e2.err;
+  std::map<std::string, double> ev2;
+  ASSERT_EQ(e2.out.rfind("[0] ", 0), 0u) << e2.out;
+  ASSERT_TRUE(parse_flat_json(e2.out.substr(4), &ev2)) << e2.out;
+  EXPECT_NEAR(ev2["eval_loss"], reported.back(), 1e-5 * reported.back());
+  std::printf(
+      "2 %s ranks reported eval %.8f; their export, in one process: %.8f, on 2 %s "
+      "ranks: %.8f\n",
+      strategy.c_str(), reported.back(), ev["eval_loss"], strategy.c_str(), ev2["eval_loss"]);
+}
+
+// The README's multi-host commands as written there, one rtp-run per "host", both on
+// 127.0.0.1: host0 and its port replaced, "..." by a token, and flags appended for a short
+// run. The two nodes train like one process with their global batch: 2 nodes x 1 rank x
+// --batch 2.
+TEST(TrainGptMultiHost, ReadmeCommandsTrainLikeOneProcess) {
+  std::vector<std::string> readme;
+  for (const std::string &l : lines(slurp(RTP_TEST_DIR "/../README.md")))
+    if (l.rfind("RTP_TOKEN=... rtp-run --nnodes 2 ", 0) == 0) readme.push_back(l);
+  ASSERT_EQ(readme.size(), 2u) << "README.md: expected the two lines of the multi-host "
+                                  "example, 'RTP_TOKEN=... rtp-run --nnodes 2 ...'";
+  int port = rtptest::free_port();
+  std::string m = tmp_dir() + "multihost.jsonl", out[2], script;
+  for (int node = 1; node >= 0; node--) {  // node 1 first: it waits for rank 0's host
+    EXPECT_NE(readme[node].find("--node-rank " + std::to_string(node)), std::string::npos)
+        << readme[node];
+    std::string cmd;
+    int replaced = 0;
+    std::stringstream ss(readme[node]);
+    for (std::string w; ss >> w; cmd += w + " ") {
+      std::string was = w;
+      if (w == "RTP_TOKEN=...") w = "RTP_TOKEN=multi-host-test-token";
+      if (w == "rtp-run") w = quote(RTP_RUN);
+      if (w == "train-gpt") w = quote(TRAIN_GPT);
+      if (w.rfind("host0:", 0) == 0) w = "127.0.0.1:" + std::to_string(port);
+      replaced += w != was;
+    }
+    ASSERT_EQ(replaced, 4) << "token, rtp-run, train-gpt and host0:PORT in " << readme[node];
+    cmd += kRanksFlags + " --batch 2 --metrics " + quote(m);
+    out[node] = tmp_dir() + "node" + std::to_string(node);
+    script += "timeout 120 sh -c " + quote(cmd) + " >" + quote(out[node]) + " 2>&1" +
+              (node ? " & node1=$!; " : "; rc0=$?; wait $node1; rc1=$?; ");
+  }
+  script += "echo $rc0 $rc1 >" + quote(tmp_dir() + "nodes-rc");
+  ASSERT_EQ(std::system(script.c_str()), 0) << script;
+  std::string node0 = slurp(out[0]), node1 = slurp(out[1]);
+  EXPECT_EQ(slurp(tmp_dir() + "nodes-rc"), "0 0\n") << node0 << node1;
+  EXPECT_NE(node0.find("batch 2 x 2 ranks (rtp)"), std::string::npos) << node0;
+  EXPECT_NE(node0.find("[0] step 10/10"), std::string::npos) << node0;
+  EXPECT_EQ(node1.find("[1] "), std::string::npos) << "only rank 0 prints: " << node1;
+  expect_one_process_losses(m, "2 hosts of 1 rank (rtp)");
+}
+
+TEST(TrainGptRanks, RtpExportReloadsToTheReportedEvalLoss) {
+  expect_export_reloads("rtp");
+}
+
+TEST(TrainGptRanks, TpExportReloadsToTheReportedEvalLoss) {
+  expect_export_reloads("tp");
 }
 
 // Checkpoints: a run killed (SIGKILL) after a checkpoint and resumed prints the same losses,
@@ -419,8 +546,9 @@ TEST(TrainGptCkpt, ResumeAfterKillGivesTheSameLosses) {
 }
 
 TEST(TrainGptCkpt, TwoRanksResumeWithTheSameLosses) {
-  for (const char *strategy : {"rtp", "ddp"}) {
-    std::string s = strategy, flags = kCkptFlags + " --batch 2 --strategy " + s;
+  for (const char *strategy : {"rtp", "ddp", "tp"}) {
+    std::string s = strategy, flags = kCkptFlags + (s == "tp" ? " --batch 4" : " --batch 2") +
+                                      " --strategy " + s;
     std::string ref = tmp_dir() + "ck2-ref-" + s + ".jsonl", dir = tmp_dir() + "ck2-" + s,
                 resumed = tmp_dir() + "ck2-resumed-" + s + ".jsonl";
     ASSERT_EQ(run(on_ranks(2, flags + " --steps 20", {"--metrics", ref})).code, 0);
@@ -431,6 +559,47 @@ TEST(TrainGptCkpt, TwoRanksResumeWithTheSameLosses) {
     ASSERT_EQ(again.code, 0) << again.err;
     EXPECT_EQ(metric(resumed, "loss"), losses_after(ref, 10)) << strategy;
     EXPECT_EQ(metric(resumed + ".rank1", "loss"), losses_after(ref, 10)) << strategy;
+  }
+}
+
+// Checkpoints hold whole tensors' rows whatever the strategy: 2 tp ranks' resume in one
+// process and on 2 rtp ranks with the same global batch (4), and 2 rtp ranks' under tp,
+// with the losses of one process never stopped (to float rounding: the ranks sum in
+// another order).
+TEST(TrainGptCkpt, CheckpointsResumeUnderAnotherStrategy) {
+  std::string ref = tmp_dir() + "ckx-ref.jsonl";
+  ASSERT_EQ(run(train_gpt(kCkptFlags + " --batch 4 --steps 20", {"--metrics", ref})).code, 0);
+  const std::string tp = " --batch 4 --strategy tp", rtp = " --batch 2 --strategy rtp";
+  for (const std::string &s : {tp, rtp}) {
+    Result r = run(on_ranks(2, kCkptFlags + s + " --steps 10",
+                            {"--ckpt-dir", tmp_dir() + "ckx" + (s == tp ? "-tp" : "-rtp")}));
+    ASSERT_EQ(r.code, 0) << s << ": " << r.err;
+  }
+  struct Case {
+    std::string saved, what;
+    int ranks;
+    std::string flags;
+  };
+  const Case cases[] = {{"-tp", "tp's, in one process", 1, " --batch 4"},
+                        {"-tp", "tp's, on 2 rtp ranks", 2, rtp},
+                        {"-rtp", "rtp's, on 2 tp ranks", 2, tp}};
+  std::vector<double> want = losses_after(ref, 10);
+  ASSERT_EQ(want.size(), 10u);
+  for (const Case &c : cases) {
+    std::string dir = tmp_dir() + "ckx-resume", m = tmp_dir() + "ckx-resumed.jsonl";
+    ASSERT_EQ(std::system(("rm -rf " + quote(dir) + " && cp -r " +
+                           quote(tmp_dir() + "ckx" + c.saved) + " " + quote(dir))
+                              .c_str()),
+              0);
+    std::string flags = kCkptFlags + c.flags + " --steps 20 --resume";
+    std::vector<std::string> extra = {"--ckpt-dir", dir, "--metrics", m};
+    Result r = run(c.ranks == 1 ? train_gpt(flags, extra) : on_ranks(c.ranks, flags, extra));
+    ASSERT_EQ(r.code, 0) << c.what << ": " << r.err;
+    EXPECT_NE(r.out.find("resumed from"), std::string::npos) << c.what << ": " << r.out;
+    std::vector<double> got = metric(m, "loss");
+    ASSERT_EQ(got.size(), want.size()) << c.what;
+    for (size_t i = 0; i < want.size(); i++)
+      EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << c.what << ", step " << i + 11;
   }
 }
 
@@ -474,6 +643,152 @@ TEST(TrainGptCkpt, BadCheckpointsAreRefusedAndKept) {
   EXPECT_EQ(ckpt_step(dir), 10);
 }
 
+// The names in a directory, sorted ("." and ".." left out).
+std::vector<std::string> list_dir(const std::string &path) {
+  std::vector<std::string> names;
+  if (DIR *d = opendir(path.c_str())) {
+    for (dirent *e; (e = readdir(d));)
+      if (std::strcmp(e->d_name, ".") && std::strcmp(e->d_name, ".."))
+        names.push_back(e->d_name);
+    closedir(d);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// A full disk during a save loses nothing already saved: the run stops with status 1 and a
+// message naming the cause (training on without checkpoints would put ever more steps at
+// risk), latest still names the last good checkpoint, byte for byte the one a run with
+// room wrote, the failed save leaves no file behind (its space is free again), and
+// --resume, once there is room, continues with the losses of a run never stopped.
+void expect_failed_save_loses_nothing(const Result &failed, const std::string &dir,
+                                      const std::string &ref_dir, const char *cause) {
+  EXPECT_EQ(failed.code, 1) << "stopped with status 1, not killed: " << failed.err;
+  EXPECT_NE(
+      failed.err.find("checkpoint of step 10 in " + dir + " (the previous one is intact)"),
+      std::string::npos)
+      << failed.err;
+  EXPECT_NE(failed.err.find(cause), std::string::npos) << failed.err;
+  EXPECT_NE(failed.err.find("latest still names step-00000005: fix the cause (e.g. free disk "
+                            "space), then rerun with --resume"),
+            std::string::npos)
+      << failed.err;
+  EXPECT_EQ(ckpt_step(dir), 5);
+  EXPECT_EQ(list_dir(dir), std::vector<std::string>({"latest", "step-00000005"}));
+  std::vector<std::string> files = list_dir(ref_dir + "/step-00000005");
+  EXPECT_EQ(list_dir(dir + "/step-00000005"), files);
+  for (const std::string &f : files)
+    EXPECT_TRUE(slurp(dir + "/step-00000005/" + f) == slurp(ref_dir + "/step-00000005/" + f))
+        << f << " differs from the one a run with room wrote";
+}
+
+// A tmpfs of a given size mounted at a new directory (root only), unmounted and removed
+// however the test ends.
+class Tmpfs {
+ public:
+  Tmpfs(const std::string &dir, size_t bytes) : dir_(dir) {
+    if (mkdir(dir.c_str(), 0755) != 0) {
+      error_ = "mkdir " + dir + ": " + std::strerror(errno);
+      return;
+    }
+    if (mount("tmpfs", dir.c_str(), "tmpfs", 0, ("size=" + std::to_string(bytes)).c_str()))
+      error_ = "mount -t tmpfs " + dir + ": " + std::strerror(errno);
+    mounted_ = error_.empty();
+  }
+  ~Tmpfs() {
+    if (mounted_ && umount2(dir_.c_str(), 0) != 0 && umount2(dir_.c_str(), MNT_DETACH) != 0)
+      std::fprintf(stderr, "could not unmount %s: %s\n", dir_.c_str(), std::strerror(errno));
+    rmdir(dir_.c_str());
+  }
+  Tmpfs(const Tmpfs &) = delete;
+  Tmpfs &operator=(const Tmpfs &) = delete;
+  const std::string &error() const {
+    return error_;
+  }
+  bool resize(size_t bytes) {
+    std::string opts = "size=" + std::to_string(bytes);
+    return mount("tmpfs", dir_.c_str(), "tmpfs", MS_REMOUNT, opts.c_str()) == 0;
+  }
+
+ private:
+  std::string dir_, error_;
+  bool mounted_ = false;
+};
+
+// Root (CI): a real full disk. A tmpfs with room for one checkpoint and a half: step 5's
+// is saved, step 10's runs out of space in the middle of its file.
+TEST(TrainGptCkpt, FullDiskLosesNothing) {
+  if (geteuid() != 0)
+    GTEST_SKIP() << "needs root to mount a small tmpfs as the full disk (FileSizeLimit"
+                    "LosesNothing fails the save without root)";
+  std::string ref = tmp_dir() + "full-ref.jsonl", ref_dir = tmp_dir() + "full-ref";
+  Result r = run(train_gpt(kCkptFlags + " --steps 20", {"--metrics", ref}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = run(train_gpt(kCkptFlags + " --steps 5", {"--ckpt-dir", ref_dir}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  size_t one = 0;
+  for (const std::string &f : list_dir(ref_dir + "/step-00000005"))
+    one += slurp(ref_dir + "/step-00000005/" + f).size();
+  ASSERT_GT(one, 1000000u);  // the tiny model with its Adam states
+  Tmpfs disk(tmp_dir() + "full-disk", (one * 3 / 2 + 65535) / 4096 * 4096);
+  if (!disk.error().empty()) GTEST_SKIP() << "cannot mount a tmpfs as root: " << disk.error();
+  std::string dir = tmp_dir() + "full-disk/ck", got = tmp_dir() + "full.jsonl",
+              resumed = tmp_dir() + "full-resumed.jsonl";
+  Result full = run(train_gpt(kCkptFlags + " --steps 20 --ckpt-every 5",
+                              {"--ckpt-dir", dir, "--metrics", got}));
+  expect_failed_save_loses_nothing(full, dir, ref_dir, "No space left on device");
+  std::vector<double> want = metric(ref, "loss");
+  ASSERT_EQ(want.size(), 20u);
+  EXPECT_EQ(metric(got, "loss"), std::vector<double>(want.begin(), want.begin() + 10));
+  ASSERT_TRUE(disk.resize(8 * one)) << std::strerror(errno);  // space freed
+  Result again = run(train_gpt(kCkptFlags + " --steps 20 --ckpt-every 5 --resume",
+                               {"--ckpt-dir", dir, "--metrics", resumed}));
+  ASSERT_EQ(again.code, 0) << again.err;
+  EXPECT_NE(again.out.find("resumed from " + dir + "/step-00000005"), std::string::npos)
+      << again.out;
+  EXPECT_EQ(metric(resumed, "loss"), losses_after(ref, 5));
+  EXPECT_EQ(ckpt_step(dir), 20);
+}
+
+// Any user: 2 ranks whose files may not grow past 128 KiB (RLIMIT_FSIZE, with SIGXFSZ
+// ignored, as the shell's ulimit -f sets it): step 10's files fail with EFBIG on both
+// ranks, which stop together; nothing of step 5 is lost.
+TEST(TrainGptCkpt, FileSizeLimitLosesNothing) {
+  std::string flags = kCkptFlags + " --batch 2 --strategy rtp --steps 20 --ckpt-every 5";
+  std::string ref = tmp_dir() + "fsize-ref.jsonl", ref_dir = tmp_dir() + "fsize-ref",
+              dir = tmp_dir() + "fsize", resumed = tmp_dir() + "fsize-resumed.jsonl";
+  Result r =
+      run(on_ranks(2, kCkptFlags + " --batch 2 --strategy rtp --steps 20", {"--metrics", ref}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  for (const std::string &d : {ref_dir, dir}) {  // step 5: one to compare, one to go on from
+    r = run(on_ranks(2, kCkptFlags + " --batch 2 --strategy rtp --steps 5", {"--ckpt-dir", d}));
+    ASSERT_EQ(r.code, 0) << r.err;
+    ASSERT_EQ(ckpt_step(d), 5);
+  }
+  std::vector<std::string> limited = {"sh", "-c", "trap '' XFSZ; ulimit -f 256; exec \"$@\"",
+                                      "sh"};
+  std::vector<std::string> job = on_ranks(2, flags + " --resume", {"--ckpt-dir", dir});
+  limited.insert(limited.end(), job.begin(), job.end());
+  Result failed = run(limited);  // rtp-run exits with the status of the first rank to stop
+  for (const char *rank : {"0", "1"}) {  // each rank says why its own file failed
+    std::string line = std::string("[") + rank + "] train-gpt: checkpoint of step 10";
+    size_t at = failed.err.find(line);
+    ASSERT_NE(at, std::string::npos) << failed.err;
+    std::string why = failed.err.substr(at, failed.err.find('\n', at) - at);
+    EXPECT_NE(why.find(std::string("rank-") + rank + ".safetensors.tmp."), std::string::npos)
+        << why;
+    EXPECT_NE(why.find("write failed: File too large"), std::string::npos) << why;
+  }
+  EXPECT_NE(failed.err.find("failed first (exit code 1)"), std::string::npos) << failed.err;
+  expect_failed_save_loses_nothing(failed, dir, ref_dir, "File too large");
+  Result again =
+      run(on_ranks(2, flags + " --resume", {"--ckpt-dir", dir, "--metrics", resumed}));
+  ASSERT_EQ(again.code, 0) << again.err;
+  EXPECT_EQ(metric(resumed, "loss"), losses_after(ref, 5));
+  EXPECT_EQ(metric(resumed + ".rank1", "loss"), losses_after(ref, 5));
+  EXPECT_EQ(ckpt_step(dir), 20);
+}
+
 TEST(TrainGptHelp, ListsTheIssueFlags) {
   Result r = run({TRAIN_GPT, "--help"});
   ASSERT_EQ(r.code, 0);
@@ -483,6 +798,10 @@ TEST(TrainGptHelp, ListsTheIssueFlags) {
         "--metrics",   "--ckpt-dir", "--ckpt-every",  "--resume",  "--init",     "--export",
         "--eval-only", "--sample",   "--temperature", "--help"})
     EXPECT_NE(r.out.find(f), std::string::npos) << f;
+  EXPECT_NE(r.out.find("N x B sequences under rtp, ddp and fsdp"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("B under tp, where every rank trains on the same B sequences"),
+            std::string::npos)
+      << r.out;
 }
 
 TEST(EmbedC, TrainsAndSaves) {

@@ -1,8 +1,10 @@
 // Finite-difference gradient checks for every differentiable op, on random inputs of
-// several shapes (odd sizes included), plus forward checks against direct formulas.
+// several shapes (odd sizes included), plus forward checks against direct formulas and
+// exact checks of the f32 <-> bf16 casts (rounding, specials, the gradient rule).
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <random>
 #include <string>
@@ -231,6 +233,271 @@ TEST(OpGradComposite, AttentionHeads) {
         return rtp_cont(c, rtp_permute(c, out, 0, 2, 1, 3));
       },
       2);
+}
+
+// ---- casts between f32 and bf16 ------------------------------------------------------
+
+// The definition of rounding to nearest even on the bits, written differently from the
+// kernel (which adds 0x7fff plus the kept half's lowest bit): keep the top half, and add
+// one if the dropped half is more than half of it, or exactly half with the kept half odd.
+// For finite values and infinities; NaNs are checked apart.
+uint16_t bf16_reference(uint32_t u) {
+  uint32_t lower = u & 0xffffu, upper = u >> 16;
+  if (lower > 0x8000u || (lower == 0x8000u && (upper & 1u))) upper++;
+  return (uint16_t)upper;
+}
+
+bool bf16_is_nan(uint16_t h) {
+  return (h & 0x7f80u) == 0x7f80u && (h & 0x7fu) != 0;
+}
+
+float f32_of_bits(uint32_t u) {
+  float f;
+  memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+uint32_t bits_of_f32(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+// Converts n f32 values (given as bits) to bf16 and those back to f32 with rtp_cast, on
+// `threads` threads.
+void cast_roundtrip(const std::vector<uint32_t> &in, std::vector<uint16_t> &half,
+                    std::vector<uint32_t> &back, int threads) {
+  rtp_init_params ip = {16 << 20, nullptr, false, nullptr, 0};
+  rtp_context *ctx = rtp_init(ip);
+  ASSERT_NE(ctx, nullptr);
+  int64_t n = (int64_t)in.size();
+  rtp_tensor *x = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 7, (n + 6) / 7);  // several rows
+  ASSERT_NE(x, nullptr);
+  memset(x->data, 0, rtp_nbytes(x));
+  memcpy(x->data, in.data(), in.size() * 4);
+  rtp_tensor *h = rtp_cast(ctx, x, RTP_TYPE_BF16);
+  rtp_tensor *f = rtp_cast(ctx, h, RTP_TYPE_F32);
+  ASSERT_NE(f, nullptr);
+  EXPECT_EQ(h->type, RTP_TYPE_BF16);
+  EXPECT_EQ(rtp_nbytes(h), (size_t)rtp_nelements(x) * 2);
+  rtp_set_output(h);
+  rtp_set_output(f);
+  rtp_graph *g = rtp_graph_new(ctx, 16);
+  ASSERT_EQ(rtp_graph_build(g, f), 0);
+  ASSERT_EQ(rtp_graph_plan(ctx, g), 0) << rtp_last_error();
+  rtp_threadpool *tp = rtp_threadpool_new(threads);
+  ASSERT_EQ(rtp_graph_compute(g, tp), 0) << rtp_last_error();
+  half.assign((const uint16_t *)h->data, (const uint16_t *)h->data + n);
+  back.assign((const uint32_t *)f->data, (const uint32_t *)f->data + n);
+  rtp_threadpool_free(tp);
+  rtp_free(ctx);
+}
+
+struct CastCase {
+  uint32_t in;
+  uint16_t want;
+  const char *what;
+};
+
+TEST(Cast, RoundsToNearestEven) {
+  const CastCase cases[] = {
+      {0x3f800000u, 0x3f80u, "1 is exact"},
+      {0x3f808000u, 0x3f80u, "1 + 2^-8: a tie, to the even 1"},
+      {0x3f818000u, 0x3f82u, "a tie above an odd value rounds up to even"},
+      {0x3f807fffu, 0x3f80u, "just below half: down"},
+      {0x3f808001u, 0x3f81u, "just above half: up"},
+      {0xbf808000u, 0xbf80u, "negative tie to even"},
+      {0xbf818000u, 0xbf82u, "negative tie, away from zero to even"},
+      {0x3fffffffu, 0x4000u, "the carry moves into the exponent"},
+      {0x00000000u, 0x0000u, "+0"},
+      {0x80000000u, 0x8000u, "-0 keeps its sign"},
+      {0x7f800000u, 0x7f80u, "inf"},
+      {0xff800000u, 0xff80u, "-inf"},
+      {0x7f7f7fffu, 0x7f7fu, "below half of the last step: the largest finite bf16"},
+      {0x7f7f8000u, 0x7f80u, "a tie above the largest (odd) finite bf16: inf"},
+      {0x7f7fffffu, 0x7f80u, "FLT_MAX overflows to inf"},
+      {0xff7fffffu, 0xff80u, "-FLT_MAX overflows to -inf"},
+      {0x00000001u, 0x0000u, "the smallest f32 subnormal rounds to +0"},
+      {0x80000001u, 0x8000u, "... and its negative to -0"},
+      {0x00008000u, 0x0000u, "half the smallest bf16 subnormal: a tie, to even 0"},
+      {0x00008001u, 0x0001u, "just above: the smallest bf16 subnormal"},
+      {0x00010000u, 0x0001u, "a bf16 subnormal is exact"},
+      {0x00018000u, 0x0002u, "a subnormal tie to even"},
+      {0x807f8000u, 0x8080u, "the largest negative subnormal tie rounds into the normals"},
+      {0x007fffffu, 0x0080u, "the largest f32 subnormal rounds up to the smallest normal"},
+  };
+  std::vector<uint32_t> in;
+  for (const CastCase &c : cases) in.push_back(c.in);
+  for (int threads : {1, 3}) {
+    std::vector<uint16_t> half;
+    std::vector<uint32_t> back;
+    cast_roundtrip(in, half, back, threads);
+    ASSERT_EQ(half.size(), in.size());
+    for (size_t i = 0; i < in.size(); i++) {
+      EXPECT_EQ(half[i], cases[i].want) << std::hex << cases[i].in << ": " << cases[i].what;
+      EXPECT_EQ(back[i], (uint32_t)cases[i].want << 16) << "bf16 to f32 must be exact";
+    }
+  }
+}
+
+TEST(Cast, NanStaysNan) {
+  // Payloads only in the low half would round (or carry) into inf without the NaN rule.
+  std::vector<uint32_t> in = {0x7fc00000u, 0x7f800001u, 0x7f80ffffu, 0x7fffffffu,
+                              0xff800001u, 0xffc00000u, 0x7fbfffffu};
+  std::vector<uint16_t> half;
+  std::vector<uint32_t> back;
+  cast_roundtrip(in, half, back, 2);
+  for (size_t i = 0; i < in.size(); i++) {
+    EXPECT_TRUE(bf16_is_nan(half[i])) << std::hex << in[i] << " became " << half[i];
+    EXPECT_EQ(half[i] >> 15, in[i] >> 31) << "sign of " << std::hex << in[i];
+    EXPECT_TRUE(std::isnan(f32_of_bits(back[i])));
+  }
+}
+
+// Every bf16 value converts to f32 exactly and back to itself (NaNs to a NaN); random f32
+// bit patterns of every exponent round as the definition says.
+TEST(Cast, ExhaustiveAndRandom) {
+  std::vector<uint32_t> in;
+  for (uint32_t h = 0; h < 65536; h++) in.push_back(h << 16);
+  std::mt19937 rng(7);
+  for (int i = 0; i < 200000; i++) in.push_back((uint32_t)rng());
+  std::vector<uint16_t> half;
+  std::vector<uint32_t> back;
+  cast_roundtrip(in, half, back, 3);
+  int nans = 0;
+  for (size_t i = 0; i < in.size(); i++) {
+    if (std::isnan(f32_of_bits(in[i]))) {
+      nans++;
+      ASSERT_TRUE(bf16_is_nan(half[i])) << std::hex << in[i];
+      continue;
+    }
+    ASSERT_EQ(half[i], bf16_reference(in[i])) << std::hex << in[i];
+    ASSERT_EQ(back[i], (uint32_t)half[i] << 16) << std::hex << in[i];
+  }
+  EXPECT_GT(nans, 0);
+}
+
+// Strided sources (a transposed view, either type) give contiguous results, and a bf16
+// tensor can be copied (dup), reshaped and read back as f32.
+TEST(Cast, StridedSourcesAndBf16Copies) {
+  rtp_init_params ip = {1 << 20, nullptr, false, nullptr, 0};
+  rtp_context *ctx = rtp_init(ip);
+  rtp_tensor *x = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 5, 3);
+  for (int i = 0; i < 15; i++) ((float *)x->data)[i] = 1.0f + (float)i / 256.0f + 1e-3f;
+  rtp_tensor *h = rtp_cast(ctx, rtp_transpose(ctx, x), RTP_TYPE_BF16);  // {3, 5}
+  rtp_tensor *hd = rtp_cont(ctx, rtp_transpose(ctx, h));                // bf16 dup {5, 3}
+  rtp_tensor *f = rtp_cast(ctx, rtp_transpose(ctx, hd), RTP_TYPE_F32);  // {3, 5}
+  rtp_tensor *cat = rtp_concat(ctx, hd, hd, 1);                         // bf16 {5, 6}
+  ASSERT_NE(cat, nullptr);
+  for (rtp_tensor *t : {h, hd, f, cat}) rtp_set_output(t);
+  EXPECT_TRUE(rtp_is_contiguous(h));
+  EXPECT_EQ(hd->type, RTP_TYPE_BF16);
+  rtp_graph *g = rtp_graph_new(ctx, 32);
+  ASSERT_EQ(rtp_graph_build(g, f), 0);
+  ASSERT_EQ(rtp_graph_build(g, cat), 0);
+  ASSERT_EQ(rtp_graph_plan(ctx, g), 0);
+  ASSERT_EQ(rtp_graph_compute(g, nullptr), 0);
+  for (int r = 0; r < 3; r++)
+    for (int c = 0; c < 5; c++) {
+      uint32_t want = (uint32_t)bf16_reference(bits_of_f32(((float *)x->data)[r * 5 + c]))
+                      << 16;
+      EXPECT_EQ(((uint16_t *)h->data)[c * 3 + r], want >> 16);   // h[c][r] = x[r][c]
+      EXPECT_EQ(((uint16_t *)hd->data)[r * 5 + c], want >> 16);  // x's layout again
+      EXPECT_EQ(bits_of_f32(((float *)f->data)[c * 3 + r]), want);
+      EXPECT_EQ(rtp_get_f32_1d(hd, r * 5 + c), f32_of_bits(want));
+      EXPECT_EQ(rtp_get_f32_1d(cat, (r + 3) * 5 + c), f32_of_bits(want));  // second copy
+    }
+  rtp_free(ctx);
+}
+
+TEST(Cast, RefusesOtherTypes) {
+  rtp_init_params ip = {1 << 20, nullptr, false, nullptr, 0};
+  rtp_context *ctx = rtp_init(ip);
+  rtp_tensor *i = rtp_new_tensor_1d(ctx, RTP_TYPE_I32, 4);
+  EXPECT_EQ(rtp_cast(ctx, i, RTP_TYPE_F32), nullptr);
+  const char *msg = nullptr;
+  EXPECT_EQ(rtp_context_error(ctx, &msg), RTP_ESHAPE);
+  EXPECT_NE(std::string(msg).find("cast"), std::string::npos) << msg;
+  rtp_free(ctx);
+  ctx = rtp_init(ip);
+  rtp_tensor *x = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 4);
+  EXPECT_EQ(rtp_cast(ctx, x, RTP_TYPE_I32), nullptr);
+  EXPECT_EQ(rtp_cast(ctx, x, RTP_TYPE_COUNT), nullptr);
+  EXPECT_STREQ(rtp_type_name(RTP_TYPE_BF16), "bf16");
+  EXPECT_EQ(rtp_type_size(RTP_TYPE_BF16), 2u);
+  EXPECT_STREQ(rtp_op_name(RTP_OP_CAST), "cast");
+  rtp_free(ctx);
+}
+
+// Finite differences: a cast to f32 is the identity; through bf16 and back the values
+// move by up to 2^-8 of themselves (half a step of bf16's 8-bit significand in [1, 2)), so
+// a difference over 2h = 0.5 is within 2 * 2^-8 / 0.5 = 1.6e-2 of the slope for |R| <= 1,
+// and the analytic gradient is R rounded to bf16 (2^-9 of it): tolerance 2e-2. This
+// catches a missing, zero or scaled gradient; the exact test below catches a missing cast.
+TEST_P(OpGrad, Cast) {
+  Shape s = GetParam();
+  check_grad("cast f32", {{s}},
+             [](rtp_context *c, auto &x) { return rtp_cast(c, x[0], RTP_TYPE_F32); });
+  check_grad(
+      "cast through bf16", {{s}},
+      [](rtp_context *c, auto &x) {
+        return rtp_cast(c, rtp_cast(c, x[0], RTP_TYPE_BF16), RTP_TYPE_F32);
+      },
+      2, 0.25f, 2e-2f);
+}
+
+// The backward rule exactly: d/dx sum(w * f32(bf16(x))) = f32(bf16(w)), the upstream
+// gradient cast to bf16 (the type of the cast's input) and back to f32. Without the cast
+// back the gradient would be w itself, which bf16 cannot hold: the values are chosen so.
+TEST(Cast, GradientIsCastBack) {
+  rtp_init_params ip = {1 << 20, nullptr, false, nullptr, 0};
+  rtp_context *ctx = rtp_init(ip);
+  const int n = 37;
+  rtp_tensor *x = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, n, 2);
+  rtp_tensor *w = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, n, 2);
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+  int inexact = 0;
+  for (int i = 0; i < 2 * n; i++) {
+    ((float *)x->data)[i] = u(rng);
+    float v = u(rng);
+    ((float *)w->data)[i] = v;
+    inexact += (bits_of_f32(v) & 0xffffu) != 0;
+  }
+  ASSERT_GT(inexact, n);
+  rtp_set_param(x);
+  rtp_tensor *y = rtp_cast(ctx, rtp_cast(ctx, x, RTP_TYPE_BF16), RTP_TYPE_F32);
+  rtp_tensor *loss = rtp_sum(ctx, rtp_mul(ctx, y, w));
+  rtp_graph *g = rtp_graph_new(ctx, 64);
+  ASSERT_EQ(rtp_graph_build(g, loss), 0);
+  ASSERT_EQ(rtp_build_backward(ctx, g, loss), 0) << rtp_last_error();
+  ASSERT_EQ(rtp_graph_plan(ctx, g), 0);
+  rtp_threadpool *tp = rtp_threadpool_new(2);
+  ASSERT_EQ(rtp_graph_compute(g, tp), 0);
+  ASSERT_NE(x->grad, nullptr);
+  EXPECT_EQ(x->grad->type, RTP_TYPE_F32);
+  for (int i = 0; i < 2 * n; i++) {
+    uint32_t want = (uint32_t)bf16_reference(bits_of_f32(((float *)w->data)[i])) << 16;
+    ASSERT_EQ(bits_of_f32(((float *)x->grad->data)[i]), want) << "element " << i;
+  }
+  rtp_threadpool_free(tp);
+  rtp_free(ctx);
+}
+
+// A bf16 tensor read by two nodes would need its gradients summed in bf16: refused.
+TEST(Cast, Bf16GradientsAreNotSummed) {
+  rtp_init_params ip = {1 << 20, nullptr, false, nullptr, 0};
+  rtp_context *ctx = rtp_init(ip);
+  rtp_tensor *x = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 4);
+  rtp_set_param(x);
+  rtp_tensor *h = rtp_cast(ctx, x, RTP_TYPE_BF16);
+  rtp_tensor *loss = rtp_sum(
+      ctx, rtp_add(ctx, rtp_cast(ctx, h, RTP_TYPE_F32), rtp_cast(ctx, h, RTP_TYPE_F32)));
+  rtp_graph *g = rtp_graph_new(ctx, 64);
+  ASSERT_EQ(rtp_graph_build(g, loss), 0);
+  EXPECT_EQ(rtp_build_backward(ctx, g, loss), RTP_EINVAL);
+  EXPECT_NE(std::string(rtp_last_error()).find("bf16"), std::string::npos) << rtp_last_error();
+  rtp_free(ctx);
 }
 
 // ---- forward values against direct formulas ----------------------------------------

@@ -1,7 +1,8 @@
 // Every strategy trains the same model to the same numbers: N ranks (processes over TCP
 // on 127.0.0.1) with batch B each (tp: all ranks on the whole batch N x B) give the same
-// losses and final parameters as one process with batch N x B, within float rounding.
-// Also: rtp's memory per rank.
+// losses and final parameters as one process with batch N x B, within float rounding;
+// rtp with bf16 rotation within bf16's. Also: rtp's memory per rank, and bf16's schedule
+// and bytes.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -156,14 +157,15 @@ struct Rank {
     return rtp_comm_init(&cp, &comm) ? code : 0;
   }
 
-  int build(rtp_strategy strategy, gpt_config cfg, int batch, int code) {
+  int build(rtp_strategy strategy, gpt_config cfg, int batch, int code,
+            rtp_type comm_type = RTP_TYPE_F32) {
     rtp_init_params meta_ip = {32 << 20, nullptr, true, nullptr, 0};
     meta = rtp_init(meta_ip);
     rtp_graph *fwd = rtp_graph_new(meta, 8192);
     if (gpt_build(meta, &m, cfg, batch) || rtp_graph_build(fwd, m.loss)) return code;
     rtp_init_params ip = {gpt_arena_size(cfg, batch), nullptr, false, nullptr, 0};
     ctx = rtp_init(ip);
-    rtp_parallel_params pp = {strategy, comm, 0, 0};
+    rtp_parallel_params pp = {strategy, comm, 0, 0, comm_type};
     par = rtp_parallelize(ctx, fwd, m.loss, &pp);
     if (par) return 0;
     fprintf(stderr, "rtp_parallelize: %s\n", rtp_last_error());
@@ -290,6 +292,363 @@ INSTANTIATE_TEST_SUITE_P(Strategies, Equivalence,
                            return std::string(rtp_strategy_name(info.param));
                          });
 
+// ---- rtp with bf16 rotation ----------------------------------------------------------
+
+// f32 rounded to bf16 (to nearest, ties to even) and back: what the cast gives, from the
+// definition on the bits.
+float bf16_round(float v) {
+  uint32_t u;
+  memcpy(&u, &v, sizeof(u));
+  uint32_t lower = u & 0xffffu, upper = u >> 16;
+  if (lower > 0x8000u || (lower == 0x8000u && (upper & 1u))) upper++;
+  u = upper << 16;
+  memcpy(&v, &u, sizeof(v));
+  return v;
+}
+
+// One process, batch world x B, with the initial weights rounded to bf16: the first step's
+// loss and gradients, which N ranks rotating bf16 copies compute with.
+bool rounded_reference(int world, float *loss, std::vector<std::vector<float>> &grads) {
+  Model ref;
+  rtp_init_params ip = {gpt_arena_size(kCfg, world * kBatch), nullptr, false, nullptr, 0};
+  ref.ctx = rtp_init(ip);
+  if (gpt_build(ref.ctx, &ref.m, kCfg, world * kBatch)) return false;
+  ref.g = rtp_graph_new(ref.ctx, 8192);
+  if (rtp_graph_build(ref.g, ref.m.loss) || rtp_build_backward(ref.ctx, ref.g, ref.m.loss) ||
+      rtp_graph_plan(ref.ctx, ref.g))
+    return false;
+  gpt_init_weights(&ref.m, 42);
+  for (int i = 0; i < ref.m.n_params; i++) {
+    float *d = (float *)ref.m.params[i]->data;
+    for (int64_t j = 0; j < rtp_nelements(ref.m.params[i]); j++) d[j] = bf16_round(d[j]);
+  }
+  for (int i = 0; i < world * kBatch; i++)
+    fill_sequence(i, kCfg.seq_len, (int32_t *)ref.m.idx->data + i * kCfg.seq_len,
+                  (int32_t *)ref.m.targets->data + i * kCfg.seq_len);
+  if (rtp_graph_compute(ref.g, nullptr)) return false;
+  *loss = rtp_get_f32_1d(ref.m.loss, 0);
+  for (int i = 0; i < ref.m.n_params; i++) {
+    const rtp_tensor *gr = ref.m.params[i]->grad;
+    grads.emplace_back((float *)gr->data, (float *)gr->data + rtp_nelements(gr));
+  }
+  return true;
+}
+
+// The largest difference of this rank's gradients from `want` (whole gradients), relative
+// to each whole gradient's largest element.
+double grad_error(rtp_parallel *par, const gpt &m,
+                  const std::vector<std::vector<float>> &want) {
+  double worst = 0;
+  for (int i = 0; i < m.n_params; i++) {
+    const rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
+    std::vector<float> w = shard(par, m, i, want[i]);
+    double err = 0, scale = 0;
+    for (float v : want[i]) scale = std::fmax(scale, std::fabs(v));
+    for (int64_t j = 0; j < rtp_nelements(mine); j++)
+      err = std::fmax(err, std::fabs(((float *)mine->grad->data)[j] - w[j]));
+    worst = std::fmax(worst, err / scale);
+  }
+  return worst;
+}
+
+int count_op(const rtp_graph *g, rtp_op op) {
+  int n = 0;
+  for (int i = 0; i < g->n_nodes; i++) n += g->nodes[i]->op == op;
+  return n;
+}
+
+// N ranks rotating bf16 copies against one process in f32 (batch N x B, the same data).
+// bf16 keeps 8 significant bits: a rounding moves a value by at most 2^-9 of itself.
+//  - Forward: every rank computes with the bf16-rounded blocks (its own too), so the
+//    first loss is the one-process loss of the rounded weights to f32 precision (1e-6:
+//    a few ulps), and differs from the exact weights' loss by more (proof that the blocks
+//    were rounded; 7e-6 to 9e-6 here).
+//  - Backward: each of the N - 1 hops of a gradient rounds a partial sum, of the order of
+//    the gradient, by 2^-9 of it: first gradients within N 2^-9 of the largest element of
+//    the rounded-weights reference, and (proof that the sums travel in bf16) further from
+//    it than f32 sums would be (1e-4, 10x f32's bound of 1e-5; 2e-3 to 4e-3 here).
+//    The gradient norm inherits that bound.
+//  - Losses of all steps against the exact f32 run: rounding every weight by 2^-9 in the
+//    worst (same) direction changes the loss by at most 2^-9 sum |w dL/dw| to first order
+//    (4e-4 to 7e-4 of it here); twice that covers what three Adam steps add (errors are
+//    2e-5 at most here: the roundings' signs are random).
+//  - Parameters after three steps: Adam's first steps move an element by about lr in its
+//    gradient's direction, and bf16 sums flip that direction where a gradient is within
+//    rounding of zero; within 25% of the distance the f32 run moved them (12% at worst
+//    here, for small biases; a lost or doubled gradient is 50% or more).
+// One rank has nothing to rotate and no casts: f32 results, within the f32 test's 1e-5.
+int rank_main_bf16(int rank, int world, int port) {
+  std::vector<float> want, want_norm;
+  Model ref;
+  std::vector<std::vector<float>> moving, init, grad0, grad_r;
+  float loss_r = 0;
+  if (!reference(world, want, want_norm, ref, moving, init, grad0)) return 20;
+  if (!rounded_reference(world, &loss_r, grad_r)) return 19;
+  double first_order = 0;
+  for (size_t i = 0; i < init.size(); i++)
+    for (size_t j = 0; j < init[i].size(); j++)
+      first_order += std::fabs(init[i][j] * grad0[i][j]);
+  double loss_tol = world == 1 ? 1e-5 : 2.0 * first_order / 512.0 / std::fabs(want[0]);
+  double grad_tol = world == 1 ? 1e-5 : world / 512.0, param_tol = world == 1 ? 1e-3 : 0.25;
+
+  Rank rk;
+  if (int rc = rk.join(rank, world, port, 21)) return rc;
+  if (int rc = rk.build(RTP_STRATEGY_RTP, kCfg, kBatch, 22, RTP_TYPE_BF16)) return rc;
+  rtp_parallel *par = rk.par;
+  const gpt &m = rk.m;
+  rtp_graph *g = rtp_parallel_graph(par);
+  if (rtp_graph_plan(rk.ctx, g)) return 24;
+  for (int i = 0; i < m.n_params; i++) {
+    rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
+    if (!mine || mine->type != RTP_TYPE_F32) return 25;  // the master weights stay f32
+    if (rtp_parallel_shard_copy(par, m.params[i], init[i].data(), (float *)mine->data))
+      return 26;
+  }
+  rtp_tensor *idx = rtp_parallel_tensor(par, m.idx), *tgt = rtp_parallel_tensor(par, m.targets);
+  for (int b = 0; b < kBatch; b++)
+    fill_sequence(rank * kBatch + b, kCfg.seq_len, (int32_t *)idx->data + b * kCfg.seq_len,
+                  (int32_t *)tgt->data + b * kCfg.seq_len);
+  rtp_optimizer *opt = rtp_parallel_optimizer(par, adam());
+  rtp_tensor *loss = rtp_parallel_tensor(par, m.loss);
+  if (!opt || !loss) return 27;
+  for (int s = 0; s < kSteps; s++) {
+    if (rtp_graph_compute(g, nullptr)) {
+      fprintf(stderr, "rank %d: %s\n", rank, rtp_last_error());
+      return 28;
+    }
+    float got = rtp_get_f32_1d(loss, 0);
+    if (std::fabs(got - want[s]) > loss_tol * std::fabs(want[s])) {
+      fprintf(stderr, "rank %d step %d: loss %.8f, one process in f32 %.8f (tolerance %.2g)\n",
+              rank, s, got, want[s], loss_tol);
+      return 29;
+    }
+    if (s == 0 && world > 1) {
+      double rounded = std::fabs(got - loss_r) / std::fabs(loss_r);
+      double exact = std::fabs(got - want[0]) / std::fabs(want[0]);
+      if (rounded > 1e-6 || exact <= 1e-6) {
+        fprintf(stderr,
+                "rank %d: first loss %.8f: %.3g from the rounded weights' %.8f, %.3g "
+                "from the exact weights' %.8f: the blocks were not (all) rounded to bf16\n",
+                rank, got, rounded, loss_r, exact, want[0]);
+        return 36;
+      }
+      double err = grad_error(par, m, grad_r);
+      if (err > grad_tol || err < 1e-4) {
+        fprintf(stderr,
+                "rank %d: gradients differ from the rounded weights' by %.3g of their "
+                "largest element (want 1e-4 .. %.3g: bf16 partial sums)\n",
+                rank, err, grad_tol);
+        return 32;
+      }
+    } else if (s == 0 && grad_error(par, m, grad0) > 1e-5) {  // world 1: nothing travels
+      fprintf(stderr, "rank %d: gradients differ from one process's\n", rank);
+      return 32;
+    }
+    if (rtp_optimizer_step(opt, nullptr)) return 30;
+    float norm = rtp_optimizer_grad_norm(opt);
+    if (std::fabs(norm - want_norm[s]) > grad_tol * want_norm[s]) {
+      fprintf(stderr, "rank %d step %d: gradient norm %g, one process %g\n", rank, s, norm,
+              want_norm[s]);
+      return 33;
+    }
+  }
+  for (int i = 0; i < m.n_params; i++) {
+    rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
+    const float *fin = (const float *)ref.m.params[i]->data;
+    std::vector<float> want_p =
+        shard(par, m, i, std::vector<float>(fin, fin + rtp_nelements(ref.m.params[i])));
+    std::vector<float> mv = shard(par, m, i, moving[i]), in = shard(par, m, i, init[i]);
+    double err = 0, moved = 0;  // over the elements whose steps rounding does not decide
+    for (int64_t j = 0; j < rtp_nelements(mine); j++) {
+      if (mv[j] == 0.0f) continue;
+      double d = ((float *)mine->data)[j] - want_p[j], t = (double)want_p[j] - in[j];
+      err += d * d;
+      moved += t * t;
+    }
+    if (std::sqrt(err) > param_tol * std::sqrt(moved)) {
+      fprintf(stderr, "rank %d: %s is %g from the f32 run's, which moved %g\n", rank,
+              m.params[i]->name, std::sqrt(err), std::sqrt(moved));
+      return 31;
+    }
+  }
+  rk.leave();
+  return 0;
+}
+
+TEST(RtpBf16, NRanksMatchOneProcess) {
+  for (int world : {1, 2, 3, 4}) {
+    int port = rtptest::free_port();
+    auto res = rtptest::run_procs(
+        world, [&](int r) { return rank_main_bf16(r, world, port); }, 120);
+    for (int r = 0; r < world; r++)
+      EXPECT_EQ(res[r].code, 0) << "world " << world << " rank " << r;
+  }
+}
+
+// The transfer whose result t is (through views), as the executor finds it, or NULL.
+const rtp_tensor *comm_of(const rtp_tensor *t) {
+  while (t && (t->op == RTP_OP_RESHAPE || t->op == RTP_OP_VIEW || t->op == RTP_OP_PERMUTE ||
+               t->op == RTP_OP_TRANSPOSE || t->op == RTP_OP_ROT))
+    t = t->src[0];
+  return t && t->op == RTP_OP_COMM ? t : nullptr;
+}
+
+bool is_view(rtp_op op) {
+  return op == RTP_OP_RESHAPE || op == RTP_OP_VIEW || op == RTP_OP_PERMUTE ||
+         op == RTP_OP_TRANSPOSE || op == RTP_OP_ROT || op == RTP_OP_EMPTY;
+}
+
+// A transfer as the schedule has it: what it is, the bytes it sends, and how many compute
+// nodes other than casts run between its post and the first node that waits for it.
+struct Transfer {
+  int kind, dst, src;
+  size_t bytes;
+  int overlap;
+};
+
+std::vector<Transfer> transfers(const rtp_graph *g) {
+  std::vector<Transfer> out;
+  for (int i = 0; i < g->n_nodes; i++) {
+    const rtp_tensor *t = g->nodes[i];
+    if (t->op != RTP_OP_COMM) continue;
+    Transfer x = {t->op_params[0], t->op_params[1], t->op_params[2], rtp_nbytes(t->src[0]), 0};
+    for (int j = i + 1; j < g->n_nodes; j++) {
+      const rtp_tensor *u = g->nodes[j];
+      if (is_view(u->op)) continue;
+      bool waits = false;  // what the executor waits for: sources, and a transfer's order edge
+      for (int k = 0; k < RTP_MAX_SRC; k++)
+        if (u->src[k] && (k < 3 || u->op == RTP_OP_COMM) && comm_of(u->src[k]) == t)
+          waits = true;
+      if (waits) break;
+      x.overlap += u->op != RTP_OP_COMM && u->op != RTP_OP_CAST;
+    }
+    out.push_back(x);
+  }
+  return out;
+}
+
+// Compute nodes other than casts that read a parameter (directly or through a view).
+int param_readers(const rtp_graph *g) {
+  int n = 0;
+  for (int i = 0; i < g->n_nodes; i++) {
+    const rtp_tensor *t = g->nodes[i];
+    if (is_view(t->op) || t->op == RTP_OP_CAST) continue;
+    for (int k = 0; k < RTP_MAX_SRC; k++) {
+      const rtp_tensor *s = t->src[k];
+      if (s && s->view_src) s = s->view_src;
+      if (s && s->op == RTP_OP_NONE && (s->flags & RTP_FLAG_PARAM)) {
+        n++;
+        break;
+      }
+    }
+  }
+  return n;
+}
+
+// Bytes this rank sends per step: sendrecvs to other ranks, and a ring all-reduce's
+// 2 (N - 1) / N of its buffer (bench-parallel counts the same way).
+double bytes_sent(const rtp_graph *g, int world, int rank) {
+  double b = 0;
+  for (const Transfer &x : transfers(g))
+    if (x.kind == 0 && x.dst != rank)
+      b += (double)x.bytes;
+    else if (x.kind != 0)
+      b += 2.0 * (world - 1) / world * (double)x.bytes;
+  return b;
+}
+
+// The same rank's graph with f32 and bf16 rotation: the bf16 one is the f32 one with casts
+// inserted. The same compute and transfer nodes in the same order once casts (and views,
+// which compute nothing and may be recorded elsewhere) are left out, the same transfers
+// between the same ranks, each posted as far ahead of its first reader (counted in compute
+// nodes), with exactly half the bytes for every rotation hop; and every rank reads its
+// parameter blocks only through casts (it computes with the rounded copy). One rank has
+// nothing to rotate: the graphs are the same.
+int rank_schedule(int rank, int world, int port) {
+  Rank f32, bf16;
+  if (int rc = f32.join(rank, world, port, 70)) return rc;
+  if (int rc = f32.build(RTP_STRATEGY_RTP, kCfg, kBatch, 71)) return rc;
+  bf16.comm = f32.comm;
+  int rc = bf16.build(RTP_STRATEGY_RTP, kCfg, kBatch, 73, RTP_TYPE_BF16);
+  bf16.comm = nullptr;  // f32's to free
+  if (rc) return rc;
+  const rtp_graph *a = rtp_parallel_graph(f32.par), *b = rtp_parallel_graph(bf16.par);
+  std::vector<rtp_op> ops_a, ops_b;
+  for (int i = 0; i < a->n_nodes; i++)
+    if (!is_view(a->nodes[i]->op) || a->nodes[i]->op == RTP_OP_EMPTY)
+      ops_a.push_back(a->nodes[i]->op);
+  for (int i = 0; i < b->n_nodes; i++)
+    if ((!is_view(b->nodes[i]->op) || b->nodes[i]->op == RTP_OP_EMPTY) &&
+        b->nodes[i]->op != RTP_OP_CAST)
+      ops_b.push_back(b->nodes[i]->op);
+  if (count_op(a, RTP_OP_CAST) != 0 || ops_a != ops_b) {
+    fprintf(stderr, "rank %d: the node order differs beyond the casts\n", rank);
+    return 75;
+  }
+  if ((count_op(b, RTP_OP_CAST) > 0) != (world > 1) || (world > 1 && param_readers(b) != 0)) {
+    fprintf(stderr, "rank %d: %d casts, %d other readers of parameters\n", rank,
+            count_op(b, RTP_OP_CAST), param_readers(b));
+    return 76;
+  }
+  std::vector<Transfer> ta = transfers(a), tb = transfers(b);
+  if (ta.size() != tb.size()) return 77;
+  for (size_t i = 0; i < ta.size(); i++) {
+    bool hop = ta[i].kind == 0;
+    if (ta[i].kind != tb[i].kind || ta[i].dst != tb[i].dst || ta[i].src != tb[i].src ||
+        (hop ? tb[i].bytes * 2 != ta[i].bytes : tb[i].bytes != ta[i].bytes) ||
+        ta[i].overlap != tb[i].overlap) {
+      fprintf(stderr,
+              "rank %d transfer %zu: kind %d/%d, %d->%d / %d->%d, %zu/%zu bytes, overlap "
+              "%d/%d\n",
+              rank, i, ta[i].kind, tb[i].kind, ta[i].src, ta[i].dst, tb[i].src, tb[i].dst,
+              ta[i].bytes, tb[i].bytes, ta[i].overlap, tb[i].overlap);
+      return 78;
+    }
+  }
+  if (rank == 0)
+    printf("world %d: rank 0 sends %.0f bytes per step with f32 rotation, %.0f with bf16\n",
+           world, bytes_sent(a, world, rank), bytes_sent(b, world, rank));
+  f32.leave();
+  return 0;
+}
+
+TEST(RtpBf16, SameScheduleHalfTheBytes) {
+  for (int world : {1, 2, 3, 4}) {
+    int port = rtptest::free_port();
+    auto res = rtptest::run_procs(world, [&](int r) { return rank_schedule(r, world, port); });
+    for (int r = 0; r < world; r++)
+      EXPECT_EQ(res[r].code, 0) << "world " << world << " rank " << r;
+  }
+}
+
+// Only rtp rotates bf16 copies: the other strategies, and types other than f32 and bf16,
+// are refused when the plan is built, naming the strategy or the type (one process
+// suffices: the check comes before any communication).
+TEST(RtpBf16, OtherStrategiesRefuse) {
+  for (rtp_strategy s : {RTP_STRATEGY_NONE, RTP_STRATEGY_DDP, RTP_STRATEGY_FSDP,
+                         RTP_STRATEGY_TP, RTP_STRATEGY_RTP})
+    for (rtp_type type : {RTP_TYPE_BF16, RTP_TYPE_I32}) {
+      if (s == RTP_STRATEGY_RTP && type == RTP_TYPE_BF16) continue;
+      rtp_init_params mip = {16 << 20, nullptr, true, nullptr, 0};
+      rtp_context *meta = rtp_init(mip);
+      gpt m{};
+      rtp_graph *fwd = rtp_graph_new(meta, 4096);
+      ASSERT_EQ(gpt_build(meta, &m, kCfg, 1), 0);
+      ASSERT_EQ(rtp_graph_build(fwd, m.loss), 0);
+      rtp_init_params ip = {gpt_arena_size(kCfg, 1), nullptr, false, nullptr, 0};
+      rtp_context *ctx = rtp_init(ip);
+      rtp_parallel_params pp = {s, nullptr, 0, 0, type};
+      EXPECT_EQ(rtp_parallelize(ctx, fwd, m.loss, &pp), nullptr);
+      const char *msg = "";
+      EXPECT_EQ(rtp_context_error(ctx, &msg), RTP_EINVAL);
+      std::string want = type == RTP_TYPE_BF16 ? std::string("strategy ") + rtp_strategy_name(s)
+                                               : std::string("comm_type i32");
+      EXPECT_NE(std::string(msg).find(want), std::string::npos) << msg;
+      rtp_free(ctx);
+      rtp_free(meta);
+    }
+}
+
 }  // namespace
 
 namespace {
@@ -309,7 +668,8 @@ size_t model_states(const rtp_mem_report &r) {
   return r.bytes[RTP_ROLE_PARAM] + r.bytes[RTP_ROLE_GRAD] + r.bytes[RTP_ROLE_OPTIM];
 }
 
-// Model states of one process: parameters, gradients, Adam's two states.
+// Model states of one process: parameters, gradients, Adam's two states; and the
+// elements of the largest block of a parameter split between `world` ranks.
 size_t one_process_states(gpt_config cfg, size_t *largest_block_of, int world) {
   Model ref;
   rtp_init_params ip = {gpt_arena_size(cfg, 1), nullptr, false, nullptr, 0};
@@ -323,7 +683,7 @@ size_t one_process_states(gpt_config cfg, size_t *largest_block_of, int world) {
   for (int i = 0; i < ref.m.n_params; i++) {  // block 0 is a largest one (rtp_comm_block)
     const rtp_tensor *p = ref.m.params[i];
     int64_t rows = p->ne[rtp_n_dims(p) - 1];
-    size_t block = (size_t)(rtp_nelements(p) / rows * ((rows + world - 1) / world)) * 4;
+    size_t block = (size_t)(rtp_nelements(p) / rows * ((rows + world - 1) / world));
     *largest_block_of = std::max(*largest_block_of, block);
   }
   rtp_mem_report r;
@@ -334,11 +694,12 @@ size_t one_process_states(gpt_config cfg, size_t *largest_block_of, int world) {
 // One rank: parallelize with rtp, plan, make Adam; optionally run steps. Its report and
 // the resident memory before building and at the end.
 int rtp_rank_memory(gpt_config cfg, int batch, int rank, int world, int port, int steps,
-                    rtp_mem_report *rep, size_t *baseline, size_t *peak) {
+                    rtp_mem_report *rep, size_t *baseline, size_t *peak,
+                    rtp_type comm_type = RTP_TYPE_F32) {
   Rank rk;
   if (int rc = rk.join(rank, world, port, 40)) return rc;
   *baseline = proc_bytes("VmRSS:");
-  if (int rc = rk.build(RTP_STRATEGY_RTP, cfg, batch, 41)) return rc;
+  if (int rc = rk.build(RTP_STRATEGY_RTP, cfg, batch, 41, comm_type)) return rc;
   rtp_parallel *par = rk.par;
   const gpt &m = rk.m;
   if (rtp_graph_plan(rk.ctx, rtp_parallel_graph(par))) return 42;
@@ -360,34 +721,37 @@ int rtp_rank_memory(gpt_config cfg, int batch, int rank, int world, int port, in
 
 // rtp's model states per rank are at most a 1/N share of one process's (plus each
 // tensor's padding to 64 bytes), and the pool is two (block, gradient) pairs of the
-// largest block whatever the depth.
+// largest block whatever the depth: of f32, or of bf16 (half the bytes) when the copies
+// rotate in bf16, which leaves the states (f32 master weights) as they were.
 TEST(Memory, RtpStatesAreOneNthPlusPool) {
-  for (int world : {2, 4})
-    for (int layers : {2, 6}) {
-      gpt_config cfg = {256, 16, 48, layers, 4};
-      size_t largest = 0, single = one_process_states(cfg, &largest, world);
-      int port = rtptest::free_port();
-      auto res = rtptest::run_procs(world, [&](int r) {
-        rtp_mem_report rep;
-        size_t base, peak;
-        int rc = rtp_rank_memory(cfg, 2, r, world, port, 0, &rep, &base, &peak);
-        if (rc) return rc;
-        size_t tensors = 3 * (4 + 12 * (size_t)layers + 3), pad = 64 * tensors;
-        if (model_states(rep) > single / world + pad) {
-          fprintf(stderr, "rank %d: states %zu > %zu / %d + %zu\n", r, model_states(rep),
-                  single, world, pad);
-          return 45;
-        }
-        size_t pool = 4 * ((largest + 63) / 64 * 64);
-        if (rep.bytes[RTP_ROLE_COMM] != pool) {
-          fprintf(stderr, "rank %d: pool %zu, want %zu\n", r, rep.bytes[RTP_ROLE_COMM], pool);
-          return 46;
-        }
-        return 0;
-      });
-      for (int r = 0; r < world; r++)
-        EXPECT_EQ(res[r].code, 0) << "world " << world << " layers " << layers << " rank " << r;
-    }
+  for (rtp_type type : {RTP_TYPE_F32, RTP_TYPE_BF16})
+    for (int world : {2, 4})
+      for (int layers : {2, 6}) {
+        gpt_config cfg = {256, 16, 48, layers, 4};
+        size_t largest = 0, single = one_process_states(cfg, &largest, world);
+        int port = rtptest::free_port();
+        auto res = rtptest::run_procs(world, [&](int r) {
+          rtp_mem_report rep;
+          size_t base, peak;
+          int rc = rtp_rank_memory(cfg, 2, r, world, port, 0, &rep, &base, &peak, type);
+          if (rc) return rc;
+          size_t tensors = 3 * (4 + 12 * (size_t)layers + 3), pad = 64 * tensors;
+          if (model_states(rep) > single / world + pad) {
+            fprintf(stderr, "rank %d: states %zu > %zu / %d + %zu\n", r, model_states(rep),
+                    single, world, pad);
+            return 45;
+          }
+          size_t pool = 4 * ((largest * rtp_type_size(type) + 63) / 64 * 64);
+          if (rep.bytes[RTP_ROLE_COMM] != pool) {
+            fprintf(stderr, "rank %d: pool %zu, want %zu\n", r, rep.bytes[RTP_ROLE_COMM], pool);
+            return 46;
+          }
+          return 0;
+        });
+        for (int r = 0; r < world; r++)
+          EXPECT_EQ(res[r].code, 0) << rtp_type_name(type) << " world " << world << " layers "
+                                    << layers << " rank " << r;
+      }
 }
 
 // The report can be trusted: a rank's peak resident memory after training steps is the
@@ -434,7 +798,7 @@ TEST(ParallelErrors, TooFewRowsToSplit) {
     rtp_context *ctx = rtp_init(ip);
     int code = 0;
     for (rtp_strategy s : {RTP_STRATEGY_RTP, RTP_STRATEGY_FSDP}) {
-      rtp_parallel_params pp = {s, comm, 0, 0};
+      rtp_parallel_params pp = {s, comm, 0, 0, RTP_TYPE_F32};
       if (rtp_parallelize(ctx, g, loss, &pp) != nullptr) code = 51;
       const char *msg = nullptr;
       rtp_context_error(ctx, &msg);
@@ -466,7 +830,7 @@ TEST(ParallelErrors, TpHeadsNotDivisible) {
     if (gpt_build(meta, &m, cfg, 2) || rtp_graph_build(g, m.loss)) return 61;
     rtp_init_params ip = {gpt_arena_size(cfg, 2), nullptr, false, nullptr, 0};
     rtp_context *ctx = rtp_init(ip);
-    rtp_parallel_params pp = {RTP_STRATEGY_TP, comm, 0, 0};
+    rtp_parallel_params pp = {RTP_STRATEGY_TP, comm, 0, 0, RTP_TYPE_F32};
     int code = rtp_parallelize(ctx, g, m.loss, &pp) == nullptr ? 0 : 62;
     const char *msg = "";
     if (!code && rtp_context_error(ctx, &msg) != RTP_EINVAL) code = 63;

@@ -7,12 +7,15 @@
  *     train-gpt --init model.safetensors --sample 200 --prompt "12+34="
  *     train-gpt --ckpt-dir ck --ckpt-every 50            # then, after a crash: --resume
  *     rtp-run -n 2 -- train-gpt --config tiny --strategy rtp --batch 4
+ *     rtp-run -n 2 -- train-gpt --config tiny --strategy tp --batch 8
  *
  * One process or N ranks (rtp-run, Slurm or MPI environment variables), one code path:
  * the model is built once for one device in a no_alloc context, and rtp_parallelize turns
  * it into this rank's training graph (strategy none for one process). Data: sample_batch
  * defines the global batch of world x B windows and the rank's share of it, so N ranks
- * with batch B train exactly like one process with batch N x B. Evaluation, accuracy and
+ * with batch B train exactly like one process with batch N x B. tp splits the model, not
+ * the data: every rank trains on the same B windows (the global batch is B), so N tp
+ * ranks with batch B train like one process with batch B. Evaluation, accuracy and
  * sampling are forward passes with transfers in them: every rank runs them at the same
  * moments on the same inputs, and rank 0 alone prints.
  */
@@ -41,7 +44,7 @@ struct options {
   float temperature;
   int64_t seed;
   const char *strategy, *data, *metrics, *init, *export_path, *ckpt_dir, *prompt;
-  bool eval_only, resume, help;
+  bool eval_only, resume, bf16, help;
 };
 
 #define MAX_FLAGS 32
@@ -65,14 +68,17 @@ static int flag_table(struct options *o, struct flag *f) {
       {"--d-model", ARG_INT, &o->d_model, "N", "embedding width"},
       {"--n-head", ARG_INT, &o->n_head, "N", "attention heads (must divide --d-model)"},
       {"--seq-len", ARG_INT, &o->seq_len, "T", "context length in bytes"},
-      {"--batch", ARG_INT, &o->batch, "B", "sequences per step and rank (default 8)"},
+      {"--batch", ARG_INT, &o->batch, "B",
+       "sequences per step and rank (default 8; tp: shared by all ranks)"},
       {"--steps", ARG_INT, &o->steps, "N", "optimizer steps (default 200; 0: only --init)"},
       {"--lr", ARG_FLOAT, &o->lr, "X", "Adam learning rate (tiny 1e-3, else 3e-4)"},
       {"--seed", ARG_I64, &o->seed, "N", "seed of the weights, batches and sampling (1337)"},
       {"--threads", ARG_INT, &o->threads, "N",
        "compute threads per rank (default: the cores / local ranks)"},
       {"--strategy", ARG_STR, &o->strategy, "S",
-       "rtp | ddp | fsdp | tp, on N ranks (tp: not yet; one process: all equal)"},
+       "rtp | ddp | fsdp | tp, on N ranks (default rtp; one process: all equal)"},
+      {"--bf16", ARG_BOOL, &o->bf16, NULL,
+       "rtp: rotate bf16 copies of the blocks (half the bytes; weights, Adam stay f32)"},
       {"--data", ARG_STR, &o->data, "FILE",
        "bytes as tokens, last 10% held out (default: built-in sums)"},
       {"--metrics", ARG_STR, &o->metrics, "FILE", "write one JSON object per step (JSONL)"},
@@ -122,7 +128,12 @@ static void print_usage(FILE *out) {
   }
   fprintf(out,
           "\nconfigs: tiny T=32 d=64 L=2 H=4; small T=128 d=384 L=6 H=6; medium T=256 d=768 "
-          "L=12 H=12.\nExit status: 0 success, 1 failure, 2 bad command line.\n");
+          "L=12 H=12.\nGlobal batch on N ranks: N x B sequences under rtp, ddp and fsdp (each "
+          "rank its own B);\nB under tp, where every rank trains on the same B sequences with "
+          "1/N of the heads and\nMLP units (N must divide the heads).\n"
+          "A checkpoint that cannot be written (e.g. a full disk) stops training with status "
+          "1; the\nprevious one is kept and --resume continues from it.\n"
+          "Exit status: 0 success, 1 failure, 2 bad command line.\n");
 }
 
 static int usage_error(const char *fmt, ...) RTP_PRINTF(1, 2);
@@ -212,14 +223,10 @@ static int check_options(const struct options *o) {
   struct rtp_comm_params p;
   if (rtp_comm_params_from_env(&p) != RTP_OK)
     return usage_error("bad rank environment: %s", rtp_last_error());
-  /* The library has tp, but it wants the whole global batch on every rank, and this
-   * trainer gives each rank its own share. */
-  if (!strcmp(o->strategy, "tp") && p.world_size > 1)
-    return usage_error(
-        "--strategy tp on %d ranks is not yet supported by train-gpt "
-        "(tp needs the whole batch on every rank)",
-        p.world_size);
   if (o->batch < 1) return usage_error("--batch must be at least 1");
+  if (o->bf16 && (strcmp(o->strategy, "rtp") != 0 || p.world_size < 2))
+    return usage_error("--bf16 rounds the copies of blocks that rtp rotates: it needs "
+                       "--strategy rtp on 2 or more ranks");
   if (o->prompt && !*o->prompt) return usage_error("--prompt must not be empty");
   return 0;
 }
@@ -430,7 +437,13 @@ struct trainer {
   struct rtp_optimizer *opt;
   enum rtp_strategy strategy;
   int world, rank;
+  int64_t saved; /* the step of the last checkpoint saved or resumed from; -1: none */
 };
+
+/* The ranks that draw different data: under tp every rank trains on the same batch. */
+static int data_ranks(const struct trainer *tr) {
+  return tr->strategy == RTP_STRATEGY_TP ? 1 : tr->world;
+}
 
 static int graph_size(struct gpt_config c) {
   return 512 + 256 * c.n_layer;
@@ -481,8 +494,17 @@ static int parallelize(struct trainer *tr, struct gpt_config c, const struct opt
   tr->strategy = RTP_STRATEGY_NONE; /* one process: every strategy is this one */
   if (tr->world > 1 && rtp_strategy_parse(o->strategy, &tr->strategy))
     return fail(RTP_EINVAL, "--strategy");
-  struct rtp_parallel_params pp = {tr->strategy, tr->comm, 0,
-                                   parallel_graph_size(c, tr->world)};
+  if (tr->strategy == RTP_STRATEGY_TP && c.n_head % tr->world) { /* every rank decides so */
+    fprintf(stderr,
+            "train-gpt: --strategy tp on %d ranks: the %d heads must split evenly between "
+            "them (--n-head a multiple of %d)\n",
+            tr->world, c.n_head, tr->world);
+    return EXIT_USAGE;
+  }
+  struct rtp_parallel_params pp = {.strategy = tr->strategy,
+                                   .comm = tr->comm,
+                                   .graph_size = parallel_graph_size(c, tr->world),
+                                   .comm_type = o->bf16 ? RTP_TYPE_BF16 : RTP_TYPE_F32};
   tr->par = rtp_parallelize(tr->ctx, fwd, tr->m.loss, &pp);
   int rc = tr->par ? RTP_OK : rtp_context_error(tr->ctx, NULL);
   if (rc == RTP_ENOSYS) {
@@ -520,7 +542,7 @@ static int build_graphs(struct trainer *tr, bool train) {
 }
 
 static int trainer_init(struct trainer *tr, struct gpt_config c, const struct options *o) {
-  *tr = (struct trainer){.world = 1, .rank = 0};
+  *tr = (struct trainer){.world = 1, .rank = 0, .saved = -1};
   int rc = join_job(tr);
   if (!rc) rc = parallelize(tr, c, o);
   if (!rc) rc = build_graphs(tr, !o->eval_only);
@@ -558,27 +580,29 @@ static size_t largest_param_bytes(const struct gpt *m) {
   return n * sizeof(float);
 }
 
-/* Every rank computes each whole parameter from its own stream and keeps its block, so
- * every world size and strategy starts from the same model. */
+/* Every rank computes each whole parameter from its own stream and keeps its part (a
+ * block of rows, or tp's pieces), so every world size and strategy starts from the same
+ * model. */
 static int init_weights(struct trainer *tr, uint64_t seed) {
   float *full = malloc(largest_param_bytes(&tr->m));
   if (!full) return fail(RTP_ENOMEM, "initialising the weights");
-  for (int i = 0; i < tr->m.n_params; i++) {
+  int rc = RTP_OK;
+  for (int i = 0; i < tr->m.n_params && !rc; i++) {
     struct rtp_tensor *mine = rtp_parallel_tensor(tr->par, tr->m.params[i]);
-    int64_t first, row;
-    param_block(tr, i, &first, &row);
     gpt_init_tensor(&tr->m, i, seed, full);
-    memcpy(mine->data, full + first * row, rtp_nbytes(mine));
+    rc = rtp_parallel_shard_copy(tr->par, tr->m.params[i], full, mine->data);
   }
   free(full);
-  return RTP_OK;
+  return rc ? fail(rc, "initialising the weights") : RTP_OK;
 }
 
-/* One optimizer step on this rank's share of the global batch; *loss is the global mean. */
+/* One optimizer step on this rank's share of the global batch (tp: all of it); *loss is
+ * the global mean. */
 static int train_step(struct trainer *tr, const struct dataset *d, uint64_t seed, int64_t step,
                       float *loss) {
-  sample_batch(d, seed, step, tr->world, tr->rank, tr->m.batch, tr->m.cfg.seq_len,
-               tr->idx->data, tr->targets->data);
+  int ranks = data_ranks(tr), rank = ranks > 1 ? tr->rank : 0;
+  sample_batch(d, seed, step, ranks, rank, tr->m.batch, tr->m.cfg.seq_len, tr->idx->data,
+               tr->targets->data);
   int rc = rtp_graph_compute(tr->train, tr->tp);
   if (rc) return fail(rc, "step %" PRId64 ": forward and backward", step + 1);
   *loss = rtp_get_f32_1d(tr->loss, 0);
@@ -800,22 +824,74 @@ static int run_sample(struct trainer *tr, const struct dataset *d, const struct 
 /* ---- files --------------------------------------------------------------------------------
  */
 
-/* Each rank reads only its block of every parameter. */
+/* Each rank reads only its block of every parameter; under tp, whose pieces are not all
+ * blocks of rows, each parameter whole, and keeps its part of it. */
 static int load_init(struct trainer *tr, struct rtp_safetensors *st, const char *path) {
-  for (int i = 0; i < tr->m.n_params; i++) {
-    int64_t first, row;
-    param_block(tr, i, &first, &row);
-    int rc = rtp_safetensors_read_rows(st, tr->m.params[i]->name, first,
-                                       rtp_parallel_tensor(tr->par, tr->m.params[i]));
-    if (rc) return fail(rc, "--init %s", path);
+  bool tp = tr->strategy == RTP_STRATEGY_TP;
+  size_t hdr_bytes = (size_t)tr->m.n_params * 1024 + (64u << 10);
+  struct rtp_context *hdr =
+      tp ? rtp_init((struct rtp_init_params){.mem_size = hdr_bytes, .no_alloc = true}) : NULL;
+  float *full = tp ? malloc(largest_param_bytes(&tr->m)) : NULL;
+  int rc = tp && (!hdr || !full) ? RTP_ENOMEM : RTP_OK;
+  for (int i = 0; i < tr->m.n_params && !rc; i++) {
+    const struct rtp_tensor *p = tr->m.params[i];
+    struct rtp_tensor *mine = rtp_parallel_tensor(tr->par, p);
+    if (!tp) {
+      int64_t first, row;
+      param_block(tr, i, &first, &row);
+      rc = rtp_safetensors_read_rows(st, p->name, first, mine);
+      continue;
+    }
+    struct rtp_tensor *whole = rtp_new_tensor(hdr, RTP_TYPE_F32, rtp_n_dims(p), p->ne);
+    if (!whole) {
+      rc = RTP_ENOMEM;
+      break;
+    }
+    whole->data = full;
+    rc = rtp_safetensors_read(st, p->name, whole);
+    if (!rc) rc = rtp_parallel_shard_copy(tr->par, p, full, mine->data);
   }
-  return RTP_OK;
+  rtp_free(hdr);
+  free(full);
+  return rc ? fail(rc, "--init %s", path) : RTP_OK;
+}
+
+/* tp: parameter i whole into full, on every rank. A replicated one is whole everywhere;
+ * of a split one, each rank gathers every rank's piece and where each of its elements
+ * lies in the whole: the piece's rtp_parallel_shard_copy of the indices 0, 1, 2, ...
+ * (they travel as the bits of floats, which the copy and the gather only move). */
+static int gather_tp_param(struct trainer *tr, int i, float *full) {
+  const struct rtp_tensor *p = tr->m.params[i], *mine = rtp_parallel_tensor(tr->par, p);
+  size_t n = (size_t)rtp_nelements(p), local = (size_t)rtp_nelements(mine);
+  if (local == n) {
+    memcpy(full, mine->data, n * sizeof(float));
+    return RTP_OK;
+  }
+  uint32_t *iota = malloc(n * sizeof(uint32_t)), *where = malloc(n * sizeof(uint32_t));
+  float *pieces = malloc(n * sizeof(float));
+  int rc = iota && where && pieces ? RTP_OK : RTP_ENOMEM;
+  if (!rc && local * (size_t)tr->world != n) rc = RTP_EINVAL; /* tp splits evenly */
+  for (size_t e = 0; e < n && !rc; e++) iota[e] = (uint32_t)e;
+  if (!rc)
+    rc = rtp_parallel_shard_copy(tr->par, p, (const float *)(const void *)iota,
+                                 (float *)(void *)(where + (size_t)tr->rank * local));
+  if (!rc)
+    rc = rtp_comm_allgather(tr->comm, where, (size_t)tr->world, local * sizeof(*where), NULL);
+  if (!rc) memcpy(pieces + (size_t)tr->rank * local, mine->data, local * sizeof(float));
+  if (!rc)
+    rc = rtp_comm_allgather(tr->comm, pieces, (size_t)tr->world, local * sizeof(float), NULL);
+  for (size_t e = 0; e < n && !rc; e++) full[where[e]] = pieces[e];
+  free(iota);
+  free(where);
+  free(pieces);
+  return rc ? fail(rc, "gathering %s", p->name) : RTP_OK;
 }
 
 /* Parameter i whole into full, on every rank: each puts in its block, and an all-gather
  * of rows (the partition of the blocks) brings the others'. ddp replicates parameters, so
- * its ranks already hold all of it; the other strategies shard every parameter. */
+ * its ranks already hold all of it; rtp and fsdp shard every parameter; tp has its own. */
 static int gather_param(struct trainer *tr, int i, float *full) {
+  if (tr->strategy == RTP_STRATEGY_TP) return gather_tp_param(tr, i, full);
   const struct rtp_tensor *p = tr->m.params[i], *mine = rtp_parallel_tensor(tr->par, p);
   int64_t first, row;
   param_block(tr, i, &first, &row);
@@ -896,7 +972,7 @@ struct ckpt_state {
 static struct rtp_ckpt_params ckpt_params(struct trainer *tr, const struct options *o,
                                           struct ckpt_state *cs, int64_t step) {
   snprintf(cs->seed, sizeof(cs->seed), "%" PRId64, o->seed);
-  snprintf(cs->batch, sizeof(cs->batch), "%d", tr->world * tr->m.batch);
+  snprintf(cs->batch, sizeof(cs->batch), "%d", data_ranks(tr) * tr->m.batch);
   snprintf(cs->pos, sizeof(cs->pos), "%" PRId64, step);
   const char *kv[] = {"seed", cs->seed, "global_batch", cs->batch, "data_pos", cs->pos, NULL};
   memcpy(cs->kv, kv, sizeof(kv));
@@ -904,13 +980,28 @@ static struct rtp_ckpt_params ckpt_params(struct trainer *tr, const struct optio
                                   tr->m.n_params, tr->opt, 2,        cs->kv};
 }
 
+/* A checkpoint that cannot be written (a full disk, an unwritable directory) stops the
+ * run: training on without one would put ever more steps at risk, and the library has
+ * kept the previous checkpoint, which --resume continues from once the cause is fixed. */
 static int save_checkpoint(struct trainer *tr, const struct options *o, int64_t step) {
   struct ckpt_state cs;
   struct rtp_ckpt_params p = ckpt_params(tr, o, &cs, step);
   int rc = rtp_ckpt_save(&p, step);
-  if (rc)
-    return fail(rc, "checkpoint of step %" PRId64 " in %s (the previous one is intact)", step,
-                o->ckpt_dir);
+  if (rc) {
+    fail(rc, "checkpoint of step %" PRId64 " in %s %s", step, o->ckpt_dir,
+         tr->saved >= 0 ? "(the previous one is intact)" : "(no earlier checkpoint)");
+    if (tr->rank == 0 && tr->saved >= 0)
+      fprintf(stderr,
+              "train-gpt: stopped after step %" PRId64 "; %s/latest still names step-%08" PRId64
+              ": fix the cause (e.g. free disk space), then rerun with --resume\n",
+              step, o->ckpt_dir, tr->saved);
+    /* Every rank has failed: none leaves (and has the launcher stop the others) before
+     * all have said why. Not after a transport failure, which a barrier would wait out. */
+    if (tr->comm && rc != RTP_ECOMM && rc != RTP_ETIMEDOUT && rc != RTP_EPEER)
+      rtp_comm_barrier(tr->comm, NULL);
+    return rc;
+  }
+  tr->saved = step;
   if (tr->rank == 0 && !isatty(STDOUT_FILENO)) /* on a terminal it would break the bar */
     printf("checkpoint %s/step-%08" PRId64 "\n", o->ckpt_dir, step);
   return RTP_OK;
@@ -924,7 +1015,7 @@ static int check_resume_state(const struct rtp_ckpt *c, const struct ckpt_state 
     if (!saved || strcmp(saved, mine[i])) {
       fprintf(stderr,
               "train-gpt: --resume: %s was saved with %s %s, this run has %s (use the same "
-              "--seed and ranks x --batch)\n",
+              "--seed and global batch: ranks x --batch, or --batch under tp)\n",
               rtp_ckpt_path(c), keys[i], saved ? saved : "(none)", mine[i]);
       return RTP_EINVAL;
     }
@@ -942,6 +1033,7 @@ static int resume(struct trainer *tr, const struct options *o, int64_t *step) {
   rc = check_resume_state(c, &cs);
   if (!rc && (rc = rtp_ckpt_load(c, &p))) fail(rc, "--resume from %s", rtp_ckpt_path(c));
   *step = rtp_ckpt_step(c);
+  if (!rc) tr->saved = *step;
   if (!rc && tr->rank == 0)
     printf("resumed from %s (step %" PRId64 ", saved on %d ranks with %s)\n", rtp_ckpt_path(c),
            *step, rtp_ckpt_world_size(c), rtp_strategy_name(rtp_ckpt_strategy(c)));
@@ -1034,7 +1126,7 @@ static int run_training(struct trainer *tr, const struct dataset *d, const struc
                         int64_t first, FILE *metrics) {
   int every = o->log_every ? o->log_every : (o->steps >= 20 ? o->steps / 20 : 1);
   bool tty = isatty(STDOUT_FILENO);
-  double start = now_s(), tokens = (double)tr->world * tr->m.batch * tr->m.cfg.seq_len;
+  double start = now_s(), tokens = (double)data_ranks(tr) * tr->m.batch * tr->m.cfg.seq_len;
   for (int64_t step = first; step < o->steps; step++) {
     double t0 = now_s();
     float loss = 0;
@@ -1103,7 +1195,9 @@ static int open_metrics(const struct trainer *tr, const char *path, FILE **f) {
 static void print_model(const struct trainer *tr, const struct options *o) {
   struct gpt_config c = tr->m.cfg;
   char ranks[64] = "";
-  if (tr->world > 1)
+  if (tr->strategy == RTP_STRATEGY_TP)
+    snprintf(ranks, sizeof(ranks), " on each of %d ranks (tp)", tr->world);
+  else if (tr->world > 1)
     snprintf(ranks, sizeof(ranks), " x %d ranks (%s)", tr->world,
              rtp_strategy_name(tr->strategy));
   printf(
@@ -1122,10 +1216,6 @@ static int run(struct options *o) {
   int64_t first = 0;
   int rc = open_inputs(o, &init, &cfg, &data);
   if (!rc) rc = trainer_init(&tr, cfg, o);
-  if (!rc && o->ckpt_dir && tr.strategy == RTP_STRATEGY_TP) {
-    fprintf(stderr, "train-gpt: --ckpt-dir with --strategy tp is not yet supported\n");
-    rc = EXIT_USAGE;
-  }
   if (!rc && o->resume) rc = resume(&tr, o, &first);
   if (!rc && !o->resume)
     rc = init ? load_init(&tr, init, o->init) : init_weights(&tr, (uint64_t)o->seed);
