@@ -18,6 +18,8 @@
  * inside compute. */
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#include <dlfcn.h>
+#include <pthread.h>
 
 #include <cstdint>
 #include <cstdio>
@@ -90,6 +92,56 @@ int cuda_fail(int device, cudaError_t e, const char *what) {
                     cudaGetErrorName(e), cuda_hint(e));
 }
 
+/* ---- cuBLAS, loaded by the first backend ---------------------------------------------
+ * Loading libcublas costs a process about 200 MiB of resident memory (the dynamic loader's
+ * work on libcublasLt), GPU or not, so a CUDA build linked against it would make every
+ * CPU run that much larger. The first rtp_backend_cuda_new opens it instead and calls it
+ * through these pointers; a process that never makes a CUDA backend never loads it. The
+ * header's macros name the exported symbols (cublasCreate is cublasCreate_v2). */
+#define RTP_STR_(x) #x
+#define RTP_STR(x) RTP_STR_(x)
+#define RTP_CUBLAS_FUNCS(X)                                                       \
+  X(create, cublasCreate)                                                         \
+  X(destroy, cublasDestroy) X(set_stream, cublasSetStream)                        \
+      X(set_workspace, cublasSetWorkspace) X(set_math_mode, cublasSetMathMode)    \
+          X(sgemm, cublasSgemm_64) X(sgemm_batched, cublasSgemmStridedBatched_64) \
+              X(status_string, cublasGetStatusString)
+
+struct cublas_api {
+#define RTP_CUBLAS_MEMBER(m, f) decltype(&f) m;
+  RTP_CUBLAS_FUNCS(RTP_CUBLAS_MEMBER)
+#undef RTP_CUBLAS_MEMBER
+};
+
+cublas_api blas_api; /* filled once by cublas_open_once */
+bool blas_ok;        /* every pointer above is set */
+char blas_why[512];  /* why not, otherwise */
+
+void cublas_open_once(void) {
+  const char *const names[] = {"libcublas.so." RTP_STR(CUBLAS_VER_MAJOR), RTP_CUBLAS_PATH};
+  void *lib = nullptr;
+  for (const char *name : names) {
+    if ((lib = dlopen(name, RTLD_NOW | RTLD_LOCAL))) break;
+    const char *e = dlerror();
+    snprintf(blas_why, sizeof(blas_why), "%s", e ? e : name);
+  }
+  if (!lib) return;
+#define RTP_CUBLAS_LOAD(m, f)                                                   \
+  if (!(blas_api.m = (decltype(&f))dlsym(lib, RTP_STR(f)))) {                   \
+    snprintf(blas_why, sizeof(blas_why), "%s has no %s", names[0], RTP_STR(f)); \
+    return;                                                                     \
+  }
+  RTP_CUBLAS_FUNCS(RTP_CUBLAS_LOAD)
+#undef RTP_CUBLAS_LOAD
+  blas_ok = true; /* the library stays loaded until the process ends */
+}
+
+bool cublas_open(void) {
+  static pthread_once_t once = PTHREAD_ONCE_INIT;
+  pthread_once(&once, cublas_open_once);
+  return blas_ok;
+}
+
 int cublas_class(cublasStatus_t s) {
   switch (s) {
     case CUBLAS_STATUS_ALLOC_FAILED:
@@ -106,8 +158,8 @@ int cublas_fail(int device, cublasStatus_t s, const char *what) {
   (void)cudaGetLastError();
   char dev[32] = "cuda";
   if (device >= 0) snprintf(dev, sizeof(dev), "cuda device %d", device);
-  return rtp__error(cublas_class(s), "%s: %s: %s (cuBLAS status %d)", dev, what,
-                    cublasGetStatusString(s), (int)s);
+  const char *text = cublas_open() ? blas_api.status_string(s) : "cuBLAS error";
+  return rtp__error(cublas_class(s), "%s: %s: %s (cuBLAS status %d)", dev, what, text, (int)s);
 }
 
 }  // namespace
@@ -957,7 +1009,7 @@ int op_mul_mat(cuda_backend *cu, struct rtp_tensor *t, void *work) {
   if (a_2d && nbatch > 1 && b.nb[0] == 1 && b.nb[1] >= K && b.nb[2] == b.nb[1] * N &&
       b.nb[3] == b.nb[2] * ne2 && y.nb[0] == 1 && y.nb[1] >= M && y.nb[2] == y.nb[1] * N &&
       y.nb[3] == y.nb[2] * ne2) {
-    RTP_CUBLAS_TRY(cu, cublasSgemm_64(cu->blas, op_a, CUBLAS_OP_N, M, N * nbatch, K, &one, pa,
+    RTP_CUBLAS_TRY(cu, blas_api.sgemm(cu->blas, op_a, CUBLAS_OP_N, M, N * nbatch, K, &one, pa,
                                       lda, pb, b.nb[1], &zero, pc, y.nb[1]));
     return RTP_OK;
   }
@@ -974,9 +1026,9 @@ int op_mul_mat(cuda_backend *cu, struct rtp_tensor *t, void *work) {
   }
   for (int64_t i3 = 0; i3 < outer; i3++)
     RTP_CUBLAS_TRY(
-        cu, cublasSgemmStridedBatched_64(cu->blas, op_a, op_b, M, N, K, &one, pa + i3 * sa[1],
-                                         lda, sa[step], pb + i3 * sb[1], ldb, sb[step], &zero,
-                                         pc + i3 * sc[1], ldc, sc[step], count));
+        cu, blas_api.sgemm_batched(cu->blas, op_a, op_b, M, N, K, &one, pa + i3 * sa[1], lda,
+                                   sa[step], pb + i3 * sb[1], ldb, sb[step], &zero,
+                                   pc + i3 * sc[1], ldc, sc[step], count));
   return RTP_OK;
 }
 
@@ -1407,7 +1459,7 @@ void cuda_close(cuda_backend *cu) {
     for (int s = 0; s < 2; s++)
       if (cu->stream[s]) (void)cudaStreamSynchronize(cu->stream[s]);
     for (int i = 0; i < cu->n_ev; i++) (void)cudaEventDestroy(cu->ev[i]);
-    if (cu->blas) (void)cublasDestroy(cu->blas);
+    if (cu->blas) (void)blas_api.destroy(cu->blas);
     if (cu->blas_ws) (void)cudaFree(cu->blas_ws);
     if (cu->err) (void)cudaFree(cu->err);
     if (cu->red) (void)cudaFree(cu->red);
@@ -1459,11 +1511,14 @@ int cuda_open(cuda_backend *cu) {
   RTP_CUDA_TRY(cu, cudaMalloc(&cu->blas_ws, ws));
   RTP_CUDA_TRY(cu, cudaMalloc(&cu->err, sizeof(int)));
   RTP_CUDA_TRY(cu, cudaMalloc(&cu->red, (kRedBlocks + 1) * sizeof(double)));
-  RTP_CUBLAS_TRY(cu, cublasCreate(&cu->blas));
-  RTP_CUBLAS_TRY(cu, cublasSetStream(cu->blas, compute_stream(cu)));
-  RTP_CUBLAS_TRY(cu, cublasSetWorkspace(cu->blas, cu->blas_ws, ws));
+  if (!cublas_open())
+    return rtp__error(RTP_ENOSYS, "cuda device %d: cannot load cuBLAS: %s", cu->device,
+                      blas_why);
+  RTP_CUBLAS_TRY(cu, blas_api.create(&cu->blas));
+  RTP_CUBLAS_TRY(cu, blas_api.set_stream(cu->blas, compute_stream(cu)));
+  RTP_CUBLAS_TRY(cu, blas_api.set_workspace(cu->blas, cu->blas_ws, ws));
   /* f32 results within rounding of the CPU's: no TF32 (the default already, said here). */
-  RTP_CUBLAS_TRY(cu, cublasSetMathMode(cu->blas, CUBLAS_DEFAULT_MATH));
+  RTP_CUBLAS_TRY(cu, blas_api.set_math_mode(cu->blas, CUBLAS_DEFAULT_MATH));
   RTP_CUDA_TRY(cu, cudaMemsetAsync(cu->err, 0, sizeof(int), compute_stream(cu)));
   RTP_CUDA_TRY(cu, cudaStreamSynchronize(compute_stream(cu)));
   return RTP_OK;

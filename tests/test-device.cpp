@@ -20,6 +20,7 @@ extern "C" {
 #include "rtp-backend.h"
 }
 #include "test-comm-util.h"
+#include "test-gpt-ranks.h"
 
 namespace {
 
@@ -315,79 +316,14 @@ TEST(Streams, ControlWithoutEventsResultsDiffer) {
 
 // ---- the GPT reference model under each strategy ---------------------------------------
 
-const gpt_config kCfg = {64, 16, 32, 2, 4};
-const int kBatch = 2, kSteps = 3;
-
-// K training steps of this rank's parallel graph; losses and the final parameter bytes.
-int train(int rank, int world, int port, rtp_strategy strategy, rtp_backend *b,
-          std::vector<float> *losses, std::vector<float> *params) {
-  rtp_comm_params cp = rtptest::params(rank, world, port);
-  rtp_comm *comm = nullptr;
-  if (rtp_comm_init(&cp, &comm)) return 30;
-  rtp_init_params mip = {16 << 20, nullptr, true, nullptr, 0};
-  rtp_context *meta = rtp_init(mip);
-  gpt m{};
-  rtp_graph *fwd = rtp_graph_new(meta, 8192);
-  if (gpt_build(meta, &m, kCfg, kBatch) || rtp_graph_build(fwd, m.loss)) return 31;
-  size_t bytes = gpt_arena_size(kCfg, kBatch) + (16 << 20);
-  rtp_init_params ip = {bytes, nullptr, false, b, b ? bytes : 0};
-  rtp_context *ctx = rtp_init(ip);
-  rtp_parallel_params pp = {strategy, comm, 0, 0, RTP_TYPE_F32};
-  rtp_parallel *par = ctx ? rtp_parallelize(ctx, fwd, m.loss, &pp) : nullptr;
-  if (!par) {
-    fprintf(stderr, "rank %d: %s\n", rank, rtp_last_error());
-    return 32;
-  }
-  rtp_graph *g = rtp_parallel_graph(par);
-  if (rtp_graph_plan(ctx, g)) return 33;
-  for (int i = 0; i < m.n_params; i++) {
-    rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
-    std::vector<float> full(rtp_nelements(m.params[i])), part(rtp_nelements(mine));
-    gpt_init_tensor(&m, i, 42, full.data());
-    if (rtp_parallel_shard_copy(par, m.params[i], full.data(), part.data()) ||
-        rtp_tensor_set(mine, part.data(), 0, rtp_nbytes(mine)))
-      return 34;
-  }
-  const int T = kCfg.seq_len;
-  std::vector<int32_t> idx(kBatch * T), tgt(kBatch * T);
-  int seq = strategy == RTP_STRATEGY_TP ? 0 : rank;  // tp: every rank on the same batch
-  for (int i = 0; i < kBatch * T; i++) {
-    idx[i] = (int32_t)((7 * i + 3 * seq + 1) % kCfg.vocab);
-    tgt[i] = (int32_t)((5 * i + seq) % kCfg.vocab);
-  }
-  if (rtp_tensor_set(rtp_parallel_tensor(par, m.idx), idx.data(), 0, idx.size() * 4) ||
-      rtp_tensor_set(rtp_parallel_tensor(par, m.targets), tgt.data(), 0, tgt.size() * 4))
-    return 35;
-  rtp_adamw_params hp = rtp_adamw_default();
-  hp.lr = 1e-2f;
-  hp.clip_norm = 0.5f;
-  rtp_optimizer *opt = rtp_parallel_optimizer(par, hp);
-  if (!opt) return 36;
-  for (int s = 0; s < kSteps; s++) {
-    if (rtp_graph_compute(g, nullptr) || rtp_optimizer_step(opt, nullptr)) {
-      fprintf(stderr, "rank %d: %s\n", rank, rtp_last_error());
-      return 37;
-    }
-    losses->push_back(rtp_get_f32_1d(rtp_parallel_tensor(par, m.loss), 0));
-  }
-  for (int i = 0; i < m.n_params; i++) {
-    rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
-    std::vector<float> v(rtp_nelements(mine));
-    if (rtp_tensor_get(mine, v.data(), 0, rtp_nbytes(mine))) return 38;
-    params->insert(params->end(), v.begin(), v.end());
-  }
-  rtp_free(ctx);
-  rtp_free(meta);
-  rtp_comm_free(comm);
-  return 0;
-}
-
 int train_agrees(int rank, int world, int port_cpu, int port_dev, rtp_strategy strategy) {
   std::vector<float> l0, p0, l1, p1;
-  int rc = train(rank, world, port_cpu, strategy, nullptr, &l0, &p0);
+  int rc = rtptest::train_gpt_rank(rtptest::params(rank, world, port_cpu), strategy, nullptr,
+                                   &l0, &p0);
   if (rc) return rc;
   SimDevice dev(Order::kRandom, false, 11u + (unsigned)rank);
-  rc = train(rank, world, port_dev, strategy, dev.get(), &l1, &p1);
+  rc = rtptest::train_gpt_rank(rtptest::params(rank, world, port_dev), strategy, dev.get(), &l1,
+                               &p1);
   if (rc) return rc;
   if (dev.sim.host_touch_while_busy) return 20;
   if (l0 != l1) return 1;

@@ -491,6 +491,37 @@ TEST(TrainGptMultiHost, ReadmeCommandsTrainLikeOneProcess) {
   expect_one_process_losses(m, "2 hosts of 1 rank (rtp)");
 }
 
+// The README's checkpoint commands as written there, in a fresh directory, with a metrics
+// file and flags for a quicker evaluation appended: each later line resumes where the
+// one before stopped and trains on from there.
+TEST(TrainGptCkpt, ReadmeCommands) {
+  std::vector<std::string> readme;
+  for (const std::string &l : lines(slurp(RTP_TEST_DIR "/../README.md")))
+    if (l.find("build/examples/train-gpt --config tiny --steps ") != std::string::npos &&
+        l.find("--ckpt-dir ckpt") != std::string::npos)
+      readme.push_back(l);
+  ASSERT_EQ(readme.size(), 3u) << "README.md: expected the three checkpoint lines";
+  std::string dir = tmp_dir() + "readme-ckpt";
+  ASSERT_EQ(std::system(("rm -rf " + quote(dir)).c_str()), 0);
+  const int64_t first[] = {1, 101, 201};
+  for (size_t i = 0; i < readme.size(); i++) {
+    std::string cmd, m = tmp_dir() + "readme-ckpt" + std::to_string(i) + ".jsonl";
+    std::stringstream ss(readme[i]);
+    for (std::string w; ss >> w; cmd += w + " ") {
+      if (w == "build/tools/rtp-run") w = quote(RTP_RUN);
+      if (w == "build/examples/train-gpt") w = quote(TRAIN_GPT);
+      if (w == "ckpt") w = quote(dir);
+    }
+    cmd += "--threads 1 --eval-windows 8 --eval-problems 0 --metrics " + quote(m);
+    Result r = run({"sh", "-c", cmd});
+    ASSERT_EQ(r.code, 0) << cmd << "\n" << r.out << r.err;
+    EXPECT_EQ(r.out.find("resumed from") != std::string::npos, i > 0) << cmd << "\n" << r.out;
+    std::vector<double> steps = metric(m, "step");
+    ASSERT_EQ(steps.size(), 100u) << cmd;
+    EXPECT_EQ(steps.front(), first[i]) << cmd;
+  }
+}
+
 TEST(TrainGptRanks, RtpExportReloadsToTheReportedEvalLoss) {
   expect_export_reloads("rtp");
 }

@@ -1,0 +1,82 @@
+// test-gpt-ranks.h - K training steps of the reference model as one rank of a parallel
+// plan, on the CPU or a device backend: what the device tests compare with the CPU.
+#pragma once
+
+#include <cstdio>
+#include <vector>
+
+#include "gpt.h"
+#include "rtp.h"
+
+namespace rtptest {
+
+const gpt_config kRanksCfg = {64, 16, 32, 2, 4};
+const int kRanksBatch = 2, kRanksSteps = 3;
+const float kRanksLr = 1e-2f;
+
+// Rank cp.rank's losses and its final parameter blocks after kRanksSteps steps of the
+// strategy, with tensor data on backend b (NULL: the CPU). 0, or a code naming the stage
+// that failed (the message goes to stderr).
+inline int train_gpt_rank(const rtp_comm_params &cp, rtp_strategy strategy, rtp_backend *b,
+                          std::vector<float> *losses, std::vector<float> *params) {
+  const int rank = cp.rank;
+  auto fail = [rank](int code) {
+    fprintf(stderr, "rank %d: %s\n", rank, rtp_last_error());
+    return code;
+  };
+  rtp_comm *comm = nullptr;
+  if (rtp_comm_init(&cp, &comm)) return fail(30);
+  rtp_init_params mip = {16 << 20, nullptr, true, nullptr, 0};
+  rtp_context *meta = rtp_init(mip);
+  gpt m{};
+  rtp_graph *fwd = rtp_graph_new(meta, 8192);
+  if (gpt_build(meta, &m, kRanksCfg, kRanksBatch) || rtp_graph_build(fwd, m.loss))
+    return fail(31);
+  size_t bytes = gpt_arena_size(kRanksCfg, kRanksBatch) + (16 << 20);
+  rtp_init_params ip = {bytes, nullptr, false, b, b ? bytes : 0};
+  rtp_context *ctx = rtp_init(ip);
+  rtp_parallel_params pp = {strategy, comm, 0, 0, RTP_TYPE_F32};
+  rtp_parallel *par = ctx ? rtp_parallelize(ctx, fwd, m.loss, &pp) : nullptr;
+  if (!par) return fail(32);
+  rtp_graph *g = rtp_parallel_graph(par);
+  if (rtp_graph_plan(ctx, g)) return fail(33);
+  for (int i = 0; i < m.n_params; i++) {
+    rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
+    std::vector<float> full(rtp_nelements(m.params[i])), part(rtp_nelements(mine));
+    gpt_init_tensor(&m, i, 42, full.data());
+    if (rtp_parallel_shard_copy(par, m.params[i], full.data(), part.data()) ||
+        rtp_tensor_set(mine, part.data(), 0, rtp_nbytes(mine)))
+      return fail(34);
+  }
+  const int T = kRanksCfg.seq_len, V = kRanksCfg.vocab;
+  std::vector<int32_t> idx(kRanksBatch * T), tgt(kRanksBatch * T);
+  int seq = strategy == RTP_STRATEGY_TP ? 0 : rank;  // tp: every rank on the same batch
+  for (int i = 0; i < kRanksBatch * T; i++) {
+    idx[i] = (int32_t)((7 * i + 3 * seq + 1) % V);
+    tgt[i] = (int32_t)((5 * i + seq) % V);
+  }
+  if (rtp_tensor_set(rtp_parallel_tensor(par, m.idx), idx.data(), 0, idx.size() * 4) ||
+      rtp_tensor_set(rtp_parallel_tensor(par, m.targets), tgt.data(), 0, tgt.size() * 4))
+    return fail(35);
+  rtp_adamw_params hp = rtp_adamw_default();
+  hp.lr = kRanksLr;
+  hp.clip_norm = 0.5f;
+  rtp_optimizer *opt = rtp_parallel_optimizer(par, hp);
+  if (!opt) return fail(36);
+  for (int s = 0; s < kRanksSteps; s++) {
+    if (rtp_graph_compute(g, nullptr) || rtp_optimizer_step(opt, nullptr)) return fail(37);
+    losses->push_back(rtp_get_f32_1d(rtp_parallel_tensor(par, m.loss), 0));
+  }
+  for (int i = 0; i < m.n_params; i++) {
+    rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
+    std::vector<float> v(rtp_nelements(mine));
+    if (rtp_tensor_get(mine, v.data(), 0, rtp_nbytes(mine))) return fail(38);
+    params->insert(params->end(), v.begin(), v.end());
+  }
+  rtp_free(ctx);
+  rtp_free(meta);
+  rtp_comm_free(comm);
+  return 0;
+}
+
+}  // namespace rtptest
