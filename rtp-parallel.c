@@ -40,6 +40,17 @@ struct rtp_parallel {
    * and the previous op's compute, so the next op's gather is posted before it. */
   struct rtp_tensor *w_reader[2], *g_reader[2], *prev_apply;
   int n_gathers;
+  /* rtp forward: the first hop of each op lands in a gradient slot (which forward leaves
+   * free), packed after the blocks already there when it fits: elements used, hops
+   * packed, the last reader before the slot was last emptied (what every hop packed
+   * since waits for), and when the slot last took a hop. */
+  size_t g_used[2];
+  int g_live[2], g_stamp[2], n_first_hops;
+  struct rtp_tensor *g_base[2];
+  /* rtp backward: the owners' final sums of small blocks' gradients, which sink_sums
+   * moves late */
+  struct rtp_tensor **sink;
+  int n_sink;
   /* rtp backward: ops done so far, and the first node of the last one's final step */
   int n_backward;
   struct rtp_tensor *last_step;
@@ -266,16 +277,22 @@ static struct rtp_tensor *handle(struct rtp_parallel *p, const struct rtp_tensor
 
 /* ---- rtp: the forward schedule -------------------------------------------------- */
 
-/* The pool slot `slot` seen as block s of full (its shape, the slot's type). */
-static struct rtp_tensor *slot_as(struct rtp_parallel *p, struct rtp_tensor *slot,
-                                  const struct rtp_tensor *full, int s) {
+/* The pool slot `slot`, from element offs on, seen as block s of full (its shape, the
+ * slot's type). */
+static struct rtp_tensor *slot_at(struct rtp_parallel *p, struct rtp_tensor *slot,
+                                  const struct rtp_tensor *full, int s, size_t offs) {
   int64_t first, len, ne[4];
   block_of(full, p->world, s, &first, &len);
   memcpy(ne, full->ne, sizeof(ne));
   ne[split_dim(full)] = len;
   size_t nb[4] = {rtp_type_size(slot->type)};
   for (int i = 1; i < 4; i++) nb[i] = nb[i - 1] * (size_t)ne[i - 1];
-  return rtp_view(p->ctx, slot, RTP_MAX_DIMS, ne, nb, 0);
+  return rtp_view(p->ctx, slot, RTP_MAX_DIMS, ne, nb, offs * nb[0]);
+}
+
+static struct rtp_tensor *slot_as(struct rtp_parallel *p, struct rtp_tensor *slot,
+                                  const struct rtp_tensor *full, int s) {
+  return slot_at(p, slot, full, s, 0);
 }
 
 /* x's slice [first, first + len) along dim. */
@@ -367,14 +384,36 @@ static int rot_kind_of(const struct rtp_tensor *t, const struct rtp_tensor *para
   return RTP_OK;
 }
 
-/* The slot that holds the block of step k >= 1 of the j-th rotated op, and the node that
- * last reads it. */
-static struct rtp_tensor **rot_slot(struct rtp_parallel *p, int j, int k) {
-  return k == 1 ? &p->pool_g[j % 2] : &p->pool_w[k % 2];
-}
+/* Hops packed into one gradient slot at most: a bound on the transfers in flight. */
+#define RTP_PACKED_HOPS 8
 
-static struct rtp_tensor **rot_reader(struct rtp_parallel *p, int j, int k) {
-  return k == 1 ? &p->g_reader[j % 2] : &p->w_reader[k % 2];
+/*
+ * The gradient slot, and the element offset in it, where the first hop of an op (n
+ * elements) lands, and the node that hop must follow. Small blocks (biases, LayerNorm
+ * parameters) are packed one after another into a slot: a packed hop waits only for what
+ * read the slot before it was last emptied, so it can be posted long before its op, during
+ * the large products, and ranks do not meet at every small op. A hop that fits in neither
+ * slot empties the one filled longest ago, after that slot's last reader.
+ */
+static int first_hop_slot(struct rtp_parallel *p, size_t n, size_t *offs,
+                          struct rtp_tensor **dep) {
+  size_t padded = RTP_PAD(n, RTP_ALIGN / sizeof(float));
+  int best = -1;
+  for (int i = 0; i < 2; i++)
+    if (p->g_used[i] > 0 && p->g_used[i] + n <= p->pool_elems &&
+        p->g_live[i] < RTP_PACKED_HOPS && (best < 0 || p->g_used[i] > p->g_used[best]))
+      best = i;
+  if (best < 0) {
+    best = p->g_stamp[0] <= p->g_stamp[1] ? 0 : 1;
+    p->g_base[best] = p->g_reader[best];
+    p->g_used[best] = p->g_live[best] = 0;
+  }
+  *offs = p->g_used[best];
+  *dep = p->g_base[best];
+  p->g_used[best] += padded;
+  p->g_live[best]++;
+  p->g_stamp[best] = ++p->n_first_hops;
+  return best;
 }
 
 /* y = op(param, x) on this rank. rtp: step k applies block (rank + k) % N, which arrived
@@ -396,13 +435,14 @@ static struct rtp_tensor *rot_forward(struct rtp_parallel *p, const struct rtp_t
                     *x = mapped(p, kind == ROT_ADD || kind == ROT_MUL ? t->src[0] : t->src[1]);
   if (p->strategy == RTP_STRATEGY_FSDP) return fsdp_forward(p, t, full, kind, x, own);
   /* Order edges (RTP_SRC_ORDER) lay the steps out as: post the transfer of step k + 1,
-   * compute step k. The first hop (of the owned block) lands in a gradient slot, which
-   * forward leaves free, alternating by op, so it can be posted during the previous op's
-   * last step; later hops alternate between the block slots. A transfer into a slot also
-   * waits (src[3]) for whatever last read the slot. */
-  int j = p->n_gathers++;
+   * compute step k. The first hop (of the owned block, ready from the start) lands in a
+   * gradient slot (first_hop_slot), so it depends only on that slot's earlier readers and
+   * rtp_parallelize posts it as early as that allows (hoist_transfers); later hops
+   * alternate between the block slots. A transfer into a slot waits (src[3]) for whatever
+   * last read the slot. */
+  p->n_gathers++;
   struct rtp_tensor *parts[RTP_MAX_WORLD] = {0}, *held = own, *prev = NULL, *y = NULL;
-  struct rtp_tensor *last = p->prev_apply;
+  struct rtp_tensor **reader[RTP_MAX_WORLD] = {0}; /* of the slot step k reads */
   for (int k = 0; k < N; k++) {
     int s = (r + k) % N;
     struct rtp_tensor *next = NULL;
@@ -410,22 +450,37 @@ static struct rtp_tensor *rot_forward(struct rtp_parallel *p, const struct rtp_t
      * computes with it too, so every rank applies the same (rounded) weights. */
     if (k == 0 && !(held = to_wire(p, own))) return NULL;
     if (k + 1 < N) {
-      struct rtp_tensor *after = k == 0 ? (last ? last->src[RTP_SRC_ORDER] : NULL) : prev;
+      /* Sized as the largest block (block 0), not the one that arrives: every rank then
+       * packs alike, and posts its hops in the same order as the others. */
+      int64_t first, len;
+      block_of(full, N, 0, &first, &len);
+      size_t offs = 0, n = (size_t)(rtp_nelements(full) / full->ne[split_dim(full)] * len);
+      struct rtp_tensor *slot, *dep;
+      if (k == 0) {
+        int g = first_hop_slot(p, n, &offs, &dep);
+        slot = p->pool_g[g];
+        reader[k + 1] = &p->g_reader[g];
+      } else {
+        slot = p->pool_w[(k + 1) % 2];
+        dep = p->w_reader[(k + 1) % 2];
+        reader[k + 1] = &p->w_reader[(k + 1) % 2];
+      }
       next = rtp_sendrecv(p->ctx, p->comm, held, left,
-                          slot_as(p, *rot_slot(p, j, k + 1), full, (s + 1) % N), right, after);
+                          slot_at(p, slot, full, (s + 1) % N, offs), right, k ? prev : NULL);
       if (!next) return NULL;
-      next->src[RTP_SRC_ORDER] = *rot_reader(p, j, k + 1);
-      if (k == 0 && last) last->src[RTP_SRC_ORDER] = next; /* post it before that step */
+      next->src[RTP_SRC_ORDER] = dep;
     }
     /* Step k's block as f32, cast once the next hop is posted. */
     struct rtp_tensor *w = from_wire(p, held, next ? next : prev);
     parts[s] = w ? apply_block(p, kind, full, w, s, x) : NULL;
     if (!parts[s] || (kind != ROT_GET_ROWS && write_into(p, kind, full, s, parts[s], &y)))
       return NULL;
-    parts[s]->src[RTP_SRC_ORDER] = k == 0 ? (last ? NULL : next) : (next ? next : prev);
+    /* Step 0 follows the previous op's last step: the readers of the slots then come in
+     * the order this pass sees them, which first_hop_slot's dependencies rely on. */
+    parts[s]->src[RTP_SRC_ORDER] = k == 0 ? p->prev_apply : next ? next : prev;
     /* Step k reads its slot; it also waits for hop k, which sent from step k - 1's. */
-    if (k >= 1) *rot_reader(p, j, k) = parts[s];
-    if (k >= 2) *rot_reader(p, j, k - 1) = parts[s];
+    if (k >= 1) *reader[k] = parts[s];
+    if (k >= 2) *reader[k - 1] = parts[s];
     prev = parts[s];
     held = next;
   }
@@ -525,6 +580,10 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
   }
   struct rtp_tensor *g_in = NULL, *g = NULL, *last_read = NULL;
   int g_slot = 0;
+  int64_t first0, len0; /* the largest block: every rank packs alike (first_hop_slot) */
+  block_of(full, N, 0, &first0, &len0);
+  size_t n_block = (size_t)(rtp_nelements(full) / full->ne[split_dim(full)] * len0);
+  bool small = n_block * RTP_PACKED_HOPS <= p->pool_elems;
   for (int k = N - 1, m = 0; k >= 0; k--, m++) {
     int s = (r + k) % N;
     struct rtp_tensor *held = k == 0 ? own : w, *next_w = NULL;
@@ -569,12 +628,23 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
     /* The partial sum arrives as it travels (bf16: rounded) and is summed in f32; its
      * cast waits for the transfer after this step's contribution, as the add did. */
     g = g_in ? rtp_add(ctx, from_wire(p, g_in, contrib), contrib) : contrib;
-    if (g_in) p->g_reader[g_slot] = g;
-    if (k > 0) { /* the summed gradient of s goes on to the next holder */
-      g_slot = (k - 1) % 2;
-      g_in = rtp_sendrecv(ctx, p->comm, to_wire(p, g), right,
-                          slot_as(p, p->pool_g[g_slot], full, (s + N - 1) % N), left, g_in);
-      if (g_in && !g_in->src[RTP_SRC_ORDER]) g_in->src[RTP_SRC_ORDER] = p->g_reader[g_slot];
+    if (g_in && g) {
+      /* The add reads the slot after what read it before (first_hop_slot relies on that
+       * order). The owner's sum of a small block is read by nothing in the step (the
+       * optimizer reads it after), so sink_sums moves it late, where its hop is long done. */
+      g->src[RTP_SRC_ORDER] = p->g_reader[g_slot];
+      p->g_reader[g_slot] = g;
+      if (k == 0 && small) p->sink[p->n_sink++] = g;
+    }
+    if (k > 0) { /* the summed gradient of s goes on to the next holder, packed as forward's
+                  * first hops are */
+      size_t offs;
+      struct rtp_tensor *dep;
+      g_slot = first_hop_slot(p, n_block, &offs, &dep);
+      g_in =
+          rtp_sendrecv(ctx, p->comm, to_wire(p, g), right,
+                       slot_at(p, p->pool_g[g_slot], full, (s + N - 1) % N, offs), left, g_in);
+      if (g_in) g_in->src[RTP_SRC_ORDER] = dep;
     }
     w = next_w;
   }
@@ -992,6 +1062,9 @@ static int make_pool(struct rtp_parallel *p) {
     if ((size_t)rtp_nelements(t) > whole) whole = (size_t)rtp_nelements(t);
   }
   p->pool_elems = largest;
+  p->sink = rtp__ctx_alloc(p->ctx, sizeof(*p->sink) * (size_t)(p->src->n_nodes + 1),
+                           "the rtp plan's late sums");
+  if (!p->sink) return rtp_context_error(p->ctx, NULL);
   size_t w_elems = p->strategy == RTP_STRATEGY_FSDP ? whole : largest;
   for (int i = 0; i < 2; i++) { /* bf16 copies travel in a pool of half the bytes */
     p->pool_w[i] = rtp_new_tensor_1d(p->ctx, p->comm_type, (int64_t)w_elems);
@@ -1043,6 +1116,112 @@ static void graph_move_after(struct rtp_graph *g, int at, struct rtp_tensor *t) 
   memmove(&g->nodes[at + 2], &g->nodes[at + 1],
           (size_t)(g->n_nodes - 1 - (at + 1)) * sizeof(t));
   g->nodes[at + 1] = t;
+}
+
+/* Whether t reads, through views, what a transfer delivers: where it is the executor waits
+ * for that transfer. */
+static bool reads_transfer(const struct rtp_tensor *t) {
+  for (int k = 0; k < RTP_MAX_SRC; k++) {
+    const struct rtp_tensor *u = t->src[k];
+    if (k == RTP_SRC_ORDER && t->op != RTP_OP_COMM) continue;
+    while (u && rtp__is_view_op(u->op)) u = u->src[0];
+    if (u && u->op == RTP_OP_COMM) return true;
+  }
+  return false;
+}
+
+/* What moves up with hop t: the views it receives into and the cast (bf16) of the block it
+ * sends, which compute nothing that waits; NULL-terminated, t last. */
+static int hoist_group(struct rtp_tensor *t, struct rtp_tensor **m) {
+  int n = 0;
+  for (int k = 0; k < 2; k++) {
+    struct rtp_tensor *u = t->src[k];
+    if (u && (rtp__is_view_op(u->op) || u->op == RTP_OP_CAST) && !reads_transfer(u)) m[n++] = u;
+  }
+  m[n++] = t;
+  m[n] = NULL;
+  return n;
+}
+
+static bool in_group(struct rtp_tensor *const *m, const struct rtp_tensor *u) {
+  for (; *m; m++)
+    if (*m == u) return true;
+  return false;
+}
+
+/* Whether node u must stay before the group: some member reads it (or is ordered after
+ * it). */
+static bool group_needs(struct rtp_tensor *const *m, const struct rtp_tensor *u) {
+  for (; *m; m++)
+    for (int k = 0; k < RTP_MAX_SRC; k++)
+      if ((*m)->src[k] == u) return true;
+  return false;
+}
+
+/*
+ * rtp: every hop whose block is ready (not itself in flight) is moved up to just after the
+ * last node it depends on (its data, and the last reader of the slot it lands in): the
+ * executor then posts it as early as the pool allows. Nothing that waits moves, so no
+ * wait comes earlier, and both ranks move the same hops, so they post in the same order.
+ */
+static void hoist_transfers(struct rtp_parallel *p) {
+  struct rtp_graph *g = p->graph;
+  for (int i = 0; i < g->n_nodes; i++) {
+    struct rtp_tensor *t = g->nodes[i], *m[4];
+    if (t->op != RTP_OP_COMM || t->op_params[0] != RTP__COMM_SENDRECV || reads_transfer(t))
+      continue;
+    int n = hoist_group(t, m), at = i;
+    while (at > 0 && (in_group(m, g->nodes[at - 1]) || !group_needs(m, g->nodes[at - 1]))) at--;
+    /* Nodes [at, i]: the group's first, in their order, then the rest in theirs. */
+    for (int q = at, k = at; q <= i && k < at + n; q++) {
+      struct rtp_tensor *u = g->nodes[q];
+      if (!in_group(m, u)) continue;
+      memmove(&g->nodes[k + 1], &g->nodes[k], (size_t)(q - k) * sizeof(u));
+      g->nodes[k++] = u;
+    }
+  }
+}
+
+static bool refers_to(const struct rtp_tensor *u, struct rtp_tensor *const *m) {
+  for (int k = 0; k < RTP_MAX_SRC; k++)
+    if (u->src[k] && in_group(m, u->src[k])) return true;
+  return false;
+}
+
+static int node_pos(const struct rtp_graph *g, const struct rtp_tensor *t) {
+  for (int i = 0; i < g->n_nodes; i++)
+    if (g->nodes[i] == t) return i;
+  return -1;
+}
+
+/*
+ * rtp: each owner's final sum of a small block's gradient (and, with bf16, the cast of
+ * the partial sum it adds) moves down to just before the first node that refers to it,
+ * or to the end. It waits for the last hop of that gradient; late, the hop is long done,
+ * so small ops no longer make the ranks meet in backward. Later sums move first, so an
+ * earlier one can follow them down.
+ */
+static void sink_sums(struct rtp_parallel *p) {
+  struct rtp_graph *g = p->graph;
+  for (int q = p->n_sink - 1; q >= 0; q--) {
+    struct rtp_tensor *a = p->sink[q], *m[3] = {NULL};
+    int n = 0;
+    if (a->src[0] && a->src[0]->op == RTP_OP_CAST) m[n++] = a->src[0];
+    m[n++] = a;
+    int i = node_pos(g, m[0]), j = node_pos(g, a);
+    if (i < 0 || j < i) continue;
+    while (j + 1 < g->n_nodes && !refers_to(g->nodes[j + 1], m) &&
+           !(j + 2 < g->n_nodes && g->nodes[j + 1]->op == RTP_OP_CAST &&
+             g->nodes[j + 2]->src[0] == g->nodes[j + 1] && refers_to(g->nodes[j + 2], m)))
+      j++; /* (a later sum sunk already stays right after its cast) */
+    /* Nodes [i, j]: the others first, in their order, then the group in its. */
+    for (int q2 = j, k = j; q2 >= i && k > j - n; q2--) {
+      struct rtp_tensor *u = g->nodes[q2];
+      if (!in_group(m, u)) continue;
+      memmove(&g->nodes[q2], &g->nodes[q2 + 1], (size_t)(k - q2) * sizeof(u));
+      g->nodes[k--] = u;
+    }
+  }
 }
 
 /*
@@ -1180,6 +1359,10 @@ struct rtp_parallel *rtp_parallelize(struct rtp_context *ctx, const struct rtp_g
   if (!rc && world > 1 && pp->strategy != RTP_STRATEGY_TP) rc = scale_seed(p);
   if (!rc && p->strategy == RTP_STRATEGY_DDP && world > 1)
     rc = ddp_buckets(p, pp->bucket_bytes ? pp->bucket_bytes : (size_t)4 << 20);
+  if (!rc && p->strategy == RTP_STRATEGY_RTP && world > 1) {
+    hoist_transfers(p);
+    sink_sums(p);
+  }
   if (!rc) rc = global_loss(p);
   if (rc) {
     if (!rtp_context_error(ctx, NULL)) rtp__ctx_error(ctx, rc, "%s", rtp_last_error());
