@@ -44,9 +44,9 @@ struct rtp_parallel {
    * free), packed after the blocks already there when it fits: elements used, hops
    * packed, the last reader before the slot was last emptied (what every hop packed
    * since waits for), and when the slot last took a hop. */
-  size_t g_used[2];
-  int g_live[2], g_stamp[2], n_first_hops;
-  struct rtp_tensor *g_base[2];
+  size_t used[4]; /* slots 0, 1: pool_g; 2, 3: pool_w (forward on 2 ranks only) */
+  int live[4], stamp[4], n_first_hops;
+  struct rtp_tensor *base[4];
   /* rtp backward: the owners' final sums of small blocks' gradients, which sink_sums
    * moves late */
   struct rtp_tensor **sink;
@@ -384,35 +384,47 @@ static int rot_kind_of(const struct rtp_tensor *t, const struct rtp_tensor *para
   return RTP_OK;
 }
 
-/* Hops packed into one gradient slot at most: a bound on the transfers in flight. */
+/* Hops packed into one slot at most: a bound on the transfers in flight. */
 #define RTP_PACKED_HOPS 8
 
+static struct rtp_tensor *slot_tensor(struct rtp_parallel *p, int i) {
+  return i < 2 ? p->pool_g[i] : p->pool_w[i - 2];
+}
+
+/* The last node that read slot i (a chain: each reader follows the one before). */
+static struct rtp_tensor **slot_reader(struct rtp_parallel *p, int i) {
+  return i < 2 ? &p->g_reader[i] : &p->w_reader[i - 2];
+}
+
 /*
- * The gradient slot, and the element offset in it, where the first hop of an op (n
- * elements) lands, and the node that hop must follow. Small blocks (biases, LayerNorm
- * parameters) are packed one after another into a slot: a packed hop waits only for what
- * read the slot before it was last emptied, so it can be posted long before its op, during
- * the large products, and ranks do not meet at every small op. A hop that fits in neither
- * slot empties the one filled longest ago, after that slot's last reader.
+ * The slot (of the first n_slots: the gradient slots, then the block slots), and the
+ * element offset in it, where a hop of n elements lands, and the node that hop must
+ * follow. Small blocks (biases, LayerNorm parameters) are packed one after another into a
+ * slot: a packed hop waits only for what read the slot before it was last emptied, so it
+ * can be posted long before its op, during the large products, and ranks do not meet at
+ * every small op. A hop that fits in no slot empties the one filled longest ago, after
+ * that slot's last reader.
  */
-static int first_hop_slot(struct rtp_parallel *p, size_t n, size_t *offs,
-                          struct rtp_tensor **dep) {
+static int pack_hop(struct rtp_parallel *p, int n_slots, size_t n, size_t *offs,
+                    struct rtp_tensor **dep) {
   size_t padded = RTP_PAD(n, RTP_ALIGN / sizeof(float));
   int best = -1;
-  for (int i = 0; i < 2; i++)
-    if (p->g_used[i] > 0 && p->g_used[i] + n <= p->pool_elems &&
-        p->g_live[i] < RTP_PACKED_HOPS && (best < 0 || p->g_used[i] > p->g_used[best]))
+  for (int i = 0; i < n_slots; i++)
+    if (p->used[i] > 0 && p->used[i] + n <= p->pool_elems && p->live[i] < RTP_PACKED_HOPS &&
+        (best < 0 || p->used[i] > p->used[best]))
       best = i;
   if (best < 0) {
-    best = p->g_stamp[0] <= p->g_stamp[1] ? 0 : 1;
-    p->g_base[best] = p->g_reader[best];
-    p->g_used[best] = p->g_live[best] = 0;
+    best = 0;
+    for (int i = 1; i < n_slots; i++)
+      if (p->stamp[i] < p->stamp[best]) best = i;
+    p->base[best] = *slot_reader(p, best);
+    p->used[best] = p->live[best] = 0;
   }
-  *offs = p->g_used[best];
-  *dep = p->g_base[best];
-  p->g_used[best] += padded;
-  p->g_live[best]++;
-  p->g_stamp[best] = ++p->n_first_hops;
+  *offs = p->used[best];
+  *dep = p->base[best];
+  p->used[best] += padded;
+  p->live[best]++;
+  p->stamp[best] = ++p->n_first_hops;
   return best;
 }
 
@@ -436,7 +448,7 @@ static struct rtp_tensor *rot_forward(struct rtp_parallel *p, const struct rtp_t
   if (p->strategy == RTP_STRATEGY_FSDP) return fsdp_forward(p, t, full, kind, x, own);
   /* Order edges (RTP_SRC_ORDER) lay the steps out as: post the transfer of step k + 1,
    * compute step k. The first hop (of the owned block, ready from the start) lands in a
-   * gradient slot (first_hop_slot), so it depends only on that slot's earlier readers and
+   * gradient slot (pack_hop), so it depends only on that slot's earlier readers and
    * rtp_parallelize posts it as early as that allows (hoist_transfers); later hops
    * alternate between the block slots. A transfer into a slot waits (src[3]) for whatever
    * last read the slot. */
@@ -456,10 +468,10 @@ static struct rtp_tensor *rot_forward(struct rtp_parallel *p, const struct rtp_t
       block_of(full, N, 0, &first, &len);
       size_t offs = 0, n = (size_t)(rtp_nelements(full) / full->ne[split_dim(full)] * len);
       struct rtp_tensor *slot, *dep;
-      if (k == 0) {
-        int g = first_hop_slot(p, n, &offs, &dep);
-        slot = p->pool_g[g];
-        reader[k + 1] = &p->g_reader[g];
+      if (k == 0) { /* on 2 ranks forward has no other hops: the block slots are free */
+        int i = pack_hop(p, N == 2 ? 4 : 2, n, &offs, &dep);
+        slot = slot_tensor(p, i);
+        reader[k + 1] = slot_reader(p, i);
       } else {
         slot = p->pool_w[(k + 1) % 2];
         dep = p->w_reader[(k + 1) % 2];
@@ -476,7 +488,7 @@ static struct rtp_tensor *rot_forward(struct rtp_parallel *p, const struct rtp_t
     if (!parts[s] || (kind != ROT_GET_ROWS && write_into(p, kind, full, s, parts[s], &y)))
       return NULL;
     /* Step 0 follows the previous op's last step: the readers of the slots then come in
-     * the order this pass sees them, which first_hop_slot's dependencies rely on. */
+     * the order this pass sees them, which pack_hop's dependencies rely on. */
     parts[s]->src[RTP_SRC_ORDER] = k == 0 ? p->prev_apply : next ? next : prev;
     /* Step k reads its slot; it also waits for hop k, which sent from step k - 1's. */
     if (k >= 1) *reader[k] = parts[s];
@@ -580,7 +592,7 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
   }
   struct rtp_tensor *g_in = NULL, *g = NULL, *last_read = NULL;
   int g_slot = 0;
-  int64_t first0, len0; /* the largest block: every rank packs alike (first_hop_slot) */
+  int64_t first0, len0; /* the largest block: every rank packs alike (pack_hop) */
   block_of(full, N, 0, &first0, &len0);
   size_t n_block = (size_t)(rtp_nelements(full) / full->ne[split_dim(full)] * len0);
   bool small = n_block * RTP_PACKED_HOPS <= p->pool_elems;
@@ -629,7 +641,7 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
      * cast waits for the transfer after this step's contribution, as the add did. */
     g = g_in ? rtp_add(ctx, from_wire(p, g_in, contrib), contrib) : contrib;
     if (g_in && g) {
-      /* The add reads the slot after what read it before (first_hop_slot relies on that
+      /* The add reads the slot after what read it before (pack_hop relies on that
        * order). The owner's sum of a small block is read by nothing in the step (the
        * optimizer reads it after), so sink_sums moves it late, where its hop is long done. */
       g->src[RTP_SRC_ORDER] = p->g_reader[g_slot];
@@ -640,7 +652,7 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
                   * first hops are */
       size_t offs;
       struct rtp_tensor *dep;
-      g_slot = first_hop_slot(p, n_block, &offs, &dep);
+      g_slot = pack_hop(p, 2, n_block, &offs, &dep);
       g_in =
           rtp_sendrecv(ctx, p->comm, to_wire(p, g), right,
                        slot_at(p, p->pool_g[g_slot], full, (s + N - 1) % N, offs), left, g_in);
