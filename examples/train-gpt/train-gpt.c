@@ -225,8 +225,9 @@ static int check_options(const struct options *o) {
     return usage_error("bad rank environment: %s", rtp_last_error());
   if (o->batch < 1) return usage_error("--batch must be at least 1");
   if (o->bf16 && (strcmp(o->strategy, "rtp") != 0 || p.world_size < 2))
-    return usage_error("--bf16 rounds the copies of blocks that rtp rotates: it needs "
-                       "--strategy rtp on 2 or more ranks");
+    return usage_error(
+        "--bf16 rounds the copies of blocks that rtp rotates: it needs "
+        "--strategy rtp on 2 or more ranks");
   if (o->prompt && !*o->prompt) return usage_error("--prompt must not be empty");
   return 0;
 }
