@@ -100,13 +100,17 @@ int cuda_fail(int device, cudaError_t e, const char *what) {
  * header's macros name the exported symbols (cublasCreate is cublasCreate_v2). */
 #define RTP_STR_(x) #x
 #define RTP_STR(x) RTP_STR_(x)
-#define RTP_CUBLAS_FUNCS(X)                                           \
-  X(create, cublasCreate)                                             \
-  X(destroy, cublasDestroy)                                           \
-  X(set_stream, cublasSetStream) X(set_workspace, cublasSetWorkspace) \
-      X(set_math_mode, cublasSetMathMode) X(sgemm, cublasSgemm_64)    \
-          X(sgemm_batched, cublasSgemmStridedBatched_64)              \
-              X(status_string, cublasGetStatusString)
+// clang-format off
+#define RTP_CUBLAS_FUNCS(X)                                    \
+  X(create, cublasCreate)                                      \
+  X(destroy, cublasDestroy)                                    \
+  X(set_stream, cublasSetStream)                               \
+  X(set_workspace, cublasSetWorkspace)                         \
+  X(set_math_mode, cublasSetMathMode)                          \
+  X(sgemm, cublasSgemm_64)                                     \
+  X(sgemm_batched, cublasSgemmStridedBatched_64)               \
+  X(status_string, cublasGetStatusString)
+// clang-format on
 
 struct cublas_api {
 #define RTP_CUBLAS_MEMBER(m, f) decltype(&f) m;
