@@ -226,12 +226,21 @@ static bool ck_is_word(const char *s) {
   return *s && strlen(s) < RTP_MAX_NAME && strspn(s, ok) == strlen(s);
 }
 
+/* The longest parameter name whose Adam states' names ("adam.m." + name) fit a tensor's. */
+#define CK_MAX_PARAM_NAME (RTP_MAX_NAME - 1 - (int)sizeof("adam.m.") + 1)
+
 static int ck_check_params(const struct rtp_ckpt_params *p) {
   if (!p || !p->dir || !*p->dir || !p->par || !p->params || p->n_params < 1)
     return rtp__error(RTP_EINVAL, "rtp_ckpt: need dir, par and params");
-  for (int i = 0; i < p->n_params; i++)
+  for (int i = 0; i < p->n_params; i++) {
     if (!p->params[i] || !ck_is_word(p->params[i]->name))
       return rtp__error(RTP_EINVAL, "rtp_ckpt: parameter %d: names must be [A-Za-z0-9_.+-]", i);
+    if (strlen(p->params[i]->name) > CK_MAX_PARAM_NAME)
+      return rtp__error(RTP_EINVAL,
+                        "rtp_ckpt: parameter '%s': names of at most %d characters (its Adam "
+                        "states are saved as adam.m.<name>, adam.v.<name>)",
+                        p->params[i]->name, CK_MAX_PARAM_NAME);
+  }
   for (int i = 0; p->state_kv && p->state_kv[i]; i++)
     if (i >= 2 * CK_MAX_STATE || !ck_is_word(p->state_kv[i]))
       return rtp__error(RTP_EINVAL,
@@ -322,7 +331,7 @@ static int ck_rank_tensors(const struct rtp_ckpt_params *p, int rank, const int6
                                  : rtp_view_rows(o->ctx, st[j], first, rows);
       if (!t) return rtp__error(RTP_ENOMEM, "rtp_ckpt_save: out of memory");
       o->ts[o->n++] =
-          rtp_set_name(t, "%s%.54s", j ? (j == 1 ? "adam.m." : "adam.v.") : "", g->name);
+          rtp_set_name(t, "%s%s", j ? (j == 1 ? "adam.m." : "adam.v.") : "", g->name);
     }
   }
   return RTP_OK;
@@ -356,8 +365,9 @@ static int ck_tp_fill(const struct rtp_ckpt_params *p, int rank, int world,
     if (!rc)
       rc = rtp_comm_allgather(p->comm, o->where, (size_t)world, local * sizeof(uint32_t), NULL);
     for (int j = 0; j < n_st && !rc; j++) {
-      memcpy(o->pieces + rank * local, st[j]->data, local * sizeof(float));
-      rc = rtp_comm_allgather(p->comm, o->pieces, (size_t)world, local * sizeof(float), NULL);
+      rc = rtp_tensor_get(st[j], o->pieces + rank * local, 0, local * sizeof(float));
+      if (!rc) /* (through rtp_tensor_get: the piece may live in device memory) */
+        rc = rtp_comm_allgather(p->comm, o->pieces, (size_t)world, local * sizeof(float), NULL);
       float *dst = o->ts[k + j]->data;
       size_t got = 0;
       for (size_t e = 0; e < whole && !rc; e++)
@@ -852,10 +862,16 @@ static int ck_read_piece(const struct rtp_ckpt_params *p, struct ck_files *f,
                          const struct rtp_tensor *g, struct rtp_tensor *t) {
   struct rtp_tensor *whole = rtp_new_tensor(views, RTP_TYPE_F32, rtp_n_dims(g), g->ne);
   float *buf = whole ? malloc((size_t)rtp_nelements(g) * sizeof(float)) : NULL;
-  if (!buf) return rtp__error(RTP_ENOMEM, "rtp_ckpt_load: out of memory for '%s'", name);
-  whole->data = buf;
-  int rc = ck_read_block(f, views, name, g, whole, 0);
-  if (!rc) rc = rtp_parallel_shard_copy(p->par, g, buf, t->data);
+  float *part = buf ? malloc(rtp_nbytes(t)) : NULL; /* t may live in device memory */
+  int rc =
+      part ? RTP_OK : rtp__error(RTP_ENOMEM, "rtp_ckpt_load: out of memory for '%s'", name);
+  if (!rc) {
+    whole->data = buf;
+    rc = ck_read_block(f, views, name, g, whole, 0);
+  }
+  if (!rc) rc = rtp_parallel_shard_copy(p->par, g, buf, part);
+  if (!rc) rc = rtp_tensor_set(t, part, 0, rtp_nbytes(t));
+  free(part);
   free(buf);
   return rc;
 }

@@ -202,6 +202,31 @@ TEST(Ckpt, RoundTripOneProcess) {
   EXPECT_EQ(name, "step-00000003");
 }
 
+// Adam's states are saved as adam.m.<name> and adam.v.<name>, which must fit a tensor's
+// name: a parameter name that leaves them no room is refused before anything is written,
+// and the longest one allowed saves and loads.
+TEST(Ckpt, LongParameterNames) {
+  std::string dir = tmp_dir("long-names");
+  const std::string longest(56, 'p'), too_long(57, 'p');
+  {
+    Plan p;
+    ASSERT_TRUE(p.build(RTP_STRATEGY_NONE, nullptr)) << rtp_last_error();
+    p.fill(true);
+    rtp_set_name(p.params[0], "%s", too_long.c_str());
+    rtp_ckpt_params cp = p.ckpt(dir);
+    EXPECT_EQ(rtp_ckpt_save(&cp, 1), RTP_EINVAL);
+    EXPECT_NE(std::string(rtp_last_error()).find("at most 56 characters"), std::string::npos)
+        << rtp_last_error();
+    EXPECT_FALSE(std::ifstream(dir + "/latest").good());
+    rtp_set_name(p.params[0], "%s", longest.c_str());
+    ASSERT_EQ(rtp_ckpt_save(&cp, 1), RTP_OK) << rtp_last_error();
+  }
+  Plan q;
+  ASSERT_TRUE(q.build(RTP_STRATEGY_NONE, nullptr)) << rtp_last_error();
+  rtp_set_name(q.params[0], "%s", longest.c_str());
+  EXPECT_EQ(load_and_check(q, dir), 0);
+}
+
 TEST(Ckpt, RoundTripTwoRanksAndReshard) {
   for (rtp_strategy s : {RTP_STRATEGY_RTP, RTP_STRATEGY_DDP}) {
     std::string dir = tmp_dir(rtp_strategy_name(s));
