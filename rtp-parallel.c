@@ -1173,8 +1173,10 @@ static bool group_needs(struct rtp_tensor *const *m, const struct rtp_tensor *u)
 /*
  * rtp: every hop whose block is ready (not itself in flight) is moved up to just after the
  * last node it depends on (its data, and the last reader of the slot it lands in): the
- * executor then posts it as early as the pool allows. Nothing that waits moves, so no
- * wait comes earlier, and both ranks move the same hops, so they post in the same order.
+ * executor then posts it as early as the pool allows, but never before a transfer made
+ * before it: the link carries them in posting order, and the first needed should go first.
+ * Nothing that waits moves, so no wait comes earlier, and both ranks move the same hops,
+ * so they post in the same order.
  */
 static void hoist_transfers(struct rtp_parallel *p) {
   struct rtp_graph *g = p->graph;
@@ -1183,7 +1185,9 @@ static void hoist_transfers(struct rtp_parallel *p) {
     if (t->op != RTP_OP_COMM || t->op_params[0] != RTP__COMM_SENDRECV || reads_transfer(t))
       continue;
     int n = hoist_group(t, m), at = i;
-    while (at > 0 && (in_group(m, g->nodes[at - 1]) || !group_needs(m, g->nodes[at - 1]))) at--;
+    while (at > 0 && g->nodes[at - 1]->op != RTP_OP_COMM &&
+           (in_group(m, g->nodes[at - 1]) || !group_needs(m, g->nodes[at - 1])))
+      at--; /* never past another transfer: hops keep the order the pass made them in */
     /* Nodes [at, i]: the group's first, in their order, then the rest in theirs. */
     for (int q = at, k = at; q <= i && k < at + n; q++) {
       struct rtp_tensor *u = g->nodes[q];
