@@ -24,6 +24,27 @@
 // end-of-process leak check, so they run it themselves.
 extern "C" void __lsan_do_leak_check(void) __attribute__((weak));
 
+// In a rank's function (an int rank in scope): fail the rank with a message.
+#define CHECK_OK(x)                                                                \
+  do {                                                                             \
+    int st_ = (x);                                                                 \
+    if (st_ != RTP_OK) {                                                           \
+      fprintf(stderr, "rank %d: %s failed: %s: %s\n", rank, #x, rtp_strerror(st_), \
+              rtp_last_error());                                                   \
+      return 10;                                                                   \
+    }                                                                              \
+  } while (0)
+
+#define CHECK(cond, ...)                                                               \
+  do {                                                                                 \
+    if (!(cond)) {                                                                     \
+      fprintf(stderr, "rank %d: check %s failed at line %d: ", rank, #cond, __LINE__); \
+      fprintf(stderr, __VA_ARGS__);                                                    \
+      fprintf(stderr, "\n");                                                           \
+      return 11;                                                                       \
+    }                                                                                  \
+  } while (0)
+
 namespace rtptest {
 
 // A TCP port that was free a moment ago (the kernel's choice for port 0).

@@ -13,26 +13,6 @@ using namespace rtptest;
 
 namespace {
 
-#define CHECK_OK(x)                                                                \
-  do {                                                                             \
-    int st_ = (x);                                                                 \
-    if (st_ != RTP_OK) {                                                           \
-      fprintf(stderr, "rank %d: %s failed: %s: %s\n", rank, #x, rtp_strerror(st_), \
-              rtp_last_error());                                                   \
-      return 10;                                                                   \
-    }                                                                              \
-  } while (0)
-
-#define CHECK(cond, ...)                                                               \
-  do {                                                                                 \
-    if (!(cond)) {                                                                     \
-      fprintf(stderr, "rank %d: check %s failed at line %d: ", rank, #cond, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);                                                    \
-      fprintf(stderr, "\n");                                                           \
-      return 11;                                                                       \
-    }                                                                                  \
-  } while (0)
-
 float pattern(int rank, size_t i) {
   return (float)(rank + 1) + (float)(i % 13);
 }

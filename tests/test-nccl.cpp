@@ -42,26 +42,6 @@ using namespace rtptest;
 
 namespace {
 
-#define CHECK_OK(x)                                                                \
-  do {                                                                             \
-    int st_ = (x);                                                                 \
-    if (st_ != RTP_OK) {                                                           \
-      fprintf(stderr, "rank %d: %s failed: %s: %s\n", rank, #x, rtp_strerror(st_), \
-              rtp_last_error());                                                   \
-      return 10;                                                                   \
-    }                                                                              \
-  } while (0)
-
-#define CHECK(cond, ...)                                                               \
-  do {                                                                                 \
-    if (!(cond)) {                                                                     \
-      fprintf(stderr, "rank %d: check %s failed at line %d: ", rank, #cond, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);                                                    \
-      fprintf(stderr, "\n");                                                           \
-      return 11;                                                                       \
-    }                                                                                  \
-  } while (0)
-
 bool contains(const std::string &s, const std::string &what) {
   return s.find(what) != std::string::npos;
 }
