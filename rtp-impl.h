@@ -13,6 +13,10 @@
  * header of its own (e.g. to write a strided view to a file), which has no context behind it.
  */
 #define RTP__FLAG_OWNED (1 << 30)
+/* rtp: a hop of a small block, which the schedule may post ahead of transfers needed
+ * sooner (rtp-parallel.c, hoist_transfers); set from the largest block, so alike on all
+ * ranks. */
+#define RTP__FLAG_SMALL_HOP (1 << 29)
 
 /* Records msg as the calling thread's last error and returns status. */
 int rtp__error(int status, const char *fmt, ...) RTP_PRINTF(2, 3);

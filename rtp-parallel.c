@@ -405,17 +405,17 @@ static struct rtp_tensor **slot_reader(struct rtp_parallel *p, int i) {
  * every small op. A hop that fits in no slot empties the one filled longest ago, after
  * that slot's last reader.
  */
-static int pack_hop(struct rtp_parallel *p, int n_slots, size_t n, size_t *offs,
+static int pack_hop(struct rtp_parallel *p, int lo, int hi, size_t n, size_t *offs,
                     struct rtp_tensor **dep) {
   size_t padded = RTP_PAD(n, RTP_ALIGN / sizeof(float));
   int best = -1;
-  for (int i = 0; i < n_slots; i++)
+  for (int i = lo; i < hi; i++)
     if (p->used[i] > 0 && p->used[i] + n <= p->pool_elems && p->live[i] < RTP_PACKED_HOPS &&
         (best < 0 || p->used[i] > p->used[best]))
       best = i;
   if (best < 0) {
-    best = 0;
-    for (int i = 1; i < n_slots; i++)
+    best = lo;
+    for (int i = lo + 1; i < hi; i++)
       if (p->stamp[i] < p->stamp[best]) best = i;
     p->base[best] = *slot_reader(p, best);
     p->used[best] = p->live[best] = 0;
@@ -469,7 +469,7 @@ static struct rtp_tensor *rot_forward(struct rtp_parallel *p, const struct rtp_t
       size_t offs = 0, n = (size_t)(rtp_nelements(full) / full->ne[split_dim(full)] * len);
       struct rtp_tensor *slot, *dep;
       if (k == 0) { /* on 2 ranks forward has no other hops: the block slots are free */
-        int i = pack_hop(p, N == 2 ? 4 : 2, n, &offs, &dep);
+        int i = pack_hop(p, 0, N == 2 ? 4 : 2, n, &offs, &dep);
         slot = slot_tensor(p, i);
         reader[k + 1] = slot_reader(p, i);
       } else {
@@ -481,6 +481,7 @@ static struct rtp_tensor *rot_forward(struct rtp_parallel *p, const struct rtp_t
                           slot_at(p, slot, full, (s + 1) % N, offs), right, k ? prev : NULL);
       if (!next) return NULL;
       next->src[RTP_SRC_ORDER] = dep;
+      if (n * RTP_PACKED_HOPS <= p->pool_elems) next->flags |= RTP__FLAG_SMALL_HOP;
     }
     /* Step k's block as f32, cast once the next hop is posted. */
     struct rtp_tensor *w = from_wire(p, held, next ? next : prev);
@@ -585,17 +586,24 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
   bool need_w = dx && (kind == ROT_MUL_MAT || kind == ROT_MUL);
   int j = p->n_backward++;
   struct rtp_tensor *parts[RTP_MAX_WORLD] = {0}, *dx_sum = NULL, *w = NULL;
-  if (need_w) {
-    w = rtp_sendrecv(ctx, p->comm, to_wire(p, own), right,
-                     slot_as(p, p->pool_w[j % 2], full, left), left, p->w_reader[j % 2]);
-    if (w && p->last_step) p->last_step->src[RTP_SRC_ORDER] = w;
-  }
-  struct rtp_tensor *g_in = NULL, *g = NULL, *last_read = NULL;
-  int g_slot = 0;
   int64_t first0, len0; /* the largest block: every rank packs alike (pack_hop) */
   block_of(full, N, 0, &first0, &len0);
   size_t n_block = (size_t)(rtp_nelements(full) / full->ne[split_dim(full)] * len0);
   bool small = n_block * RTP_PACKED_HOPS <= p->pool_elems;
+  /* On 2 ranks this fetch is the op's only one: it is packed into the block slots as
+   * forward's first hops are (slots 2 and 3 of pack_hop). */
+  int w_slot = j % 2;
+  size_t w_offs = 0;
+  struct rtp_tensor *w_dep = p->w_reader[j % 2];
+  if (need_w && N == 2) w_slot = pack_hop(p, 2, 4, n_block, &w_offs, &w_dep) - 2;
+  if (need_w) {
+    w = rtp_sendrecv(ctx, p->comm, to_wire(p, own), right,
+                     slot_at(p, p->pool_w[w_slot], full, left, w_offs), left, w_dep);
+    if (w && small) w->flags |= RTP__FLAG_SMALL_HOP;
+    if (w && p->last_step) p->last_step->src[RTP_SRC_ORDER] = w;
+  }
+  struct rtp_tensor *g_in = NULL, *g = NULL, *last_read = NULL;
+  int g_slot = 0;
   for (int k = N - 1, m = 0; k >= 0; k--, m++) {
     int s = (r + k) % N;
     struct rtp_tensor *held = k == 0 ? own : w, *next_w = NULL;
@@ -631,8 +639,8 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
       }
       if (need_w && k > 0) { /* d reads this step's slot and waited for the hop that
                               * sent from the previous step's */
-        p->w_reader[(j + m) % 2] = d;
-        if (m > 0) p->w_reader[(j + m - 1) % 2] = d;
+        p->w_reader[m == 0 ? w_slot : (j + m) % 2] = d;
+        if (m > 0) p->w_reader[m == 1 ? w_slot : (j + m - 1) % 2] = d;
       }
       if (kind == ROT_MUL_MAT) dx_sum = dx_sum ? rtp_add(ctx, dx_sum, d) : d;
       parts[s] = d;
@@ -652,11 +660,12 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
                   * first hops are */
       size_t offs;
       struct rtp_tensor *dep;
-      g_slot = pack_hop(p, 2, n_block, &offs, &dep);
+      g_slot = pack_hop(p, 0, 2, n_block, &offs, &dep);
       g_in =
           rtp_sendrecv(ctx, p->comm, to_wire(p, g), right,
                        slot_at(p, p->pool_g[g_slot], full, (s + N - 1) % N, offs), left, g_in);
       if (g_in) g_in->src[RTP_SRC_ORDER] = dep;
+      if (g_in && small) g_in->flags |= RTP__FLAG_SMALL_HOP;
     }
     w = next_w;
   }
@@ -1170,24 +1179,50 @@ static bool group_needs(struct rtp_tensor *const *m, const struct rtp_tensor *u)
   return false;
 }
 
+/* Where the first node that waits for transfer t is (as reads_transfer counts), kept in t's
+ * extra while the passes run (the executor's, unused until then); -1: none. */
+static intptr_t first_wait(const struct rtp_tensor *t) {
+  return (intptr_t)t->extra - 1;
+}
+
+static void mark_first_waits(struct rtp_graph *g) {
+  for (int i = 0; i < g->n_nodes; i++)
+    if (g->nodes[i]->op == RTP_OP_COMM) g->nodes[i]->extra = (void *)(intptr_t)g->n_nodes + 1;
+  for (int j = 0; j < g->n_nodes; j++) {
+    struct rtp_tensor *u = g->nodes[j];
+    if (rtp__is_view_op(u->op)) continue;
+    for (int k = 0; k < RTP_MAX_SRC; k++) {
+      struct rtp_tensor *c = u->src[k];
+      if (k == RTP_SRC_ORDER && u->op != RTP_OP_COMM) continue;
+      while (c && rtp__is_view_op(c->op)) c = c->src[0];
+      if (c && c->op == RTP_OP_COMM && first_wait(c) > j) c->extra = (void *)(intptr_t)(j + 1);
+    }
+  }
+}
+
 /*
  * rtp: every hop whose block is ready (not itself in flight) is moved up to just after the
  * last node it depends on (its data, and the last reader of the slot it lands in): the
- * executor then posts it as early as the pool allows, but never before a transfer made
- * before it: the link carries them in posting order, and the first needed should go first.
+ * executor then posts it as early as the pool allows, but, if it is large, never before a
+ * transfer needed before it: the link carries them in posting order.
  * Nothing that waits moves, so no wait comes earlier, and both ranks move the same hops,
  * so they post in the same order.
  */
 static void hoist_transfers(struct rtp_parallel *p) {
   struct rtp_graph *g = p->graph;
+  mark_first_waits(g);
   for (int i = 0; i < g->n_nodes; i++) {
     struct rtp_tensor *t = g->nodes[i], *m[4];
     if (t->op != RTP_OP_COMM || t->op_params[0] != RTP__COMM_SENDRECV || reads_transfer(t))
       continue;
+    /* A large hop never passes a transfer needed before it: the link sends in posting
+     * order. A small one may: it delays nothing by much. */
+    bool small = t->flags & RTP__FLAG_SMALL_HOP;
     int n = hoist_group(t, m), at = i;
-    while (at > 0 && g->nodes[at - 1]->op != RTP_OP_COMM &&
-           (in_group(m, g->nodes[at - 1]) || !group_needs(m, g->nodes[at - 1])))
-      at--; /* never past another transfer: hops keep the order the pass made them in */
+    while (at > 0 && (in_group(m, g->nodes[at - 1]) || !group_needs(m, g->nodes[at - 1])) &&
+           (small || g->nodes[at - 1]->op != RTP_OP_COMM ||
+            first_wait(g->nodes[at - 1]) > first_wait(t)))
+      at--;
     /* Nodes [at, i]: the group's first, in their order, then the rest in theirs. */
     for (int q = at, k = at; q <= i && k < at + n; q++) {
       struct rtp_tensor *u = g->nodes[q];
@@ -1196,6 +1231,8 @@ static void hoist_transfers(struct rtp_parallel *p) {
       g->nodes[k++] = u;
     }
   }
+  for (int i = 0; i < g->n_nodes; i++)
+    if (g->nodes[i]->op == RTP_OP_COMM) g->nodes[i]->extra = NULL;
 }
 
 static bool refers_to(const struct rtp_tensor *u, struct rtp_tensor *const *m) {

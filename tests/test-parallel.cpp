@@ -621,6 +621,57 @@ TEST(RtpBf16, SameScheduleHalfTheBytes) {
   }
 }
 
+// rtp's schedule (docs/parallel.md, "Small blocks must not make the ranks meet"): every hop
+// that sends a parameter block from where it lives (forward's first hops, backward's
+// fetches) is posted at least one matrix product before the node that waits for it, once
+// the graph has reached its first product; so a hop is not a meeting at the op that
+// needs it. Hops keep the order the pass made them in: the first needed is posted first.
+int rank_hops_ahead(int rank, int world, int port) {
+  Rank r;
+  if (int rc = r.join(rank, world, port, 80)) return rc;
+  if (int rc = r.build(RTP_STRATEGY_RTP, kCfg, kBatch, 81)) return rc;
+  const rtp_graph *g = rtp_parallel_graph(r.par);
+  int first_product = g->n_nodes, checked = 0, bad = 0;
+  for (int i = 0; i < g->n_nodes && first_product == g->n_nodes; i++)
+    if (g->nodes[i]->op == RTP_OP_MUL_MAT) first_product = i;
+  for (int i = 0; i < g->n_nodes; i++) {
+    const rtp_tensor *t = g->nodes[i];
+    const rtp_tensor *sent = t->op == RTP_OP_COMM ? t->src[0] : nullptr;
+    if (!sent || sent->op != RTP_OP_NONE || !(sent->flags & RTP_FLAG_PARAM)) continue;
+    int products = 0, j = i + 1;
+    for (; j < g->n_nodes; j++) {
+      const rtp_tensor *u = g->nodes[j];
+      bool waits = false;
+      for (int k = 0; k < RTP_MAX_SRC; k++)
+        if (u->src[k] && (k < 3 || u->op == RTP_OP_COMM) && comm_of(u->src[k]) == t)
+          waits = true;
+      if (waits && !is_view(u->op)) break;
+      products += u->op == RTP_OP_MUL_MAT;
+    }
+    if (j < first_product) continue;
+    checked++;
+    if (products == 0) {
+      fprintf(stderr,
+              "rank %d: the hop at node %d (%zu bytes) is waited for at node %d (%s) "
+              "with no product in between\n",
+              rank, i, rtp_nbytes(t), j, j < g->n_nodes ? rtp_op_name(g->nodes[j]->op) : "end");
+      bad++;
+    }
+  }
+  r.leave();
+  return bad ? 82 : checked ? 0 : 83;
+}
+
+TEST(RtpSchedule, HopsArePostedAProductAhead) {
+  for (int world : {2, 3}) {
+    int port = rtptest::free_port();
+    auto res =
+        rtptest::run_procs(world, [&](int r) { return rank_hops_ahead(r, world, port); });
+    for (int r = 0; r < world; r++)
+      EXPECT_EQ(res[r].code, 0) << "world " << world << " rank " << r;
+  }
+}
+
 // Only rtp rotates bf16 copies: the other strategies, and types other than f32 and bf16,
 // are refused when the plan is built, naming the strategy or the type (one process
 // suffices: the check comes before any communication).
