@@ -652,6 +652,9 @@ TEST(NcclFake, AsyncError) {
             if (run(rank, nc, d, t)) return 12;
             CHECK(d.get(t)[999] == (float)(2 << k), "allreduce %d", k);
           }
+          // Both ranks past the working ones before rank 1 fails: else a slow rank 0 could
+          // still be checking its last working one when rank 1's failure reaches it.
+          CHECK_OK(rtp_comm_barrier(c, nullptr));
           double t0 = now_s();
           int st = rtp__nccl_post(nc, t, d.s);
           if (st == RTP_OK) {
