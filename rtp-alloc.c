@@ -92,12 +92,6 @@ static int node_index(const struct rtp_tensor *t) {
   return (int)(intptr_t)t->extra - 1; /* -1 for leafs */
 }
 
-/* The communication node whose result t is (through views), or NULL. */
-static const struct rtp_tensor *comm_source(const struct rtp_tensor *t) {
-  while (t && rtp__is_view_op(t->op)) t = t->src[0];
-  return t && t->op == RTP_OP_COMM ? t : NULL;
-}
-
 /* The index of the last node that reads each node, through any chain of views (a view's
  * data is its base's); outputs, and the bases of output views, live to the end. A
  * transfer is waited for only where its result is first read (or at the end), so what
@@ -108,10 +102,10 @@ static void compute_last_use(const struct rtp_graph *g, int *last, int *first_re
   for (int i = 0; i < n; i++) {
     const struct rtp_tensor *t = g->nodes[i];
     for (int s = 0; s < RTP_MAX_SRC; s++) {
-      if (!t->src[s] || (s == RTP_SRC_ORDER && t->op != RTP_OP_COMM)) continue;
+      if (!rtp__src_read(t, s)) continue;
       int j = node_index(base_of(t->src[s]));
       if (j >= 0 && last[j] < i) last[j] = i;
-      const struct rtp_tensor *c = rtp__is_view_op(t->op) ? NULL : comm_source(t->src[s]);
+      const struct rtp_tensor *c = rtp__is_view_op(t->op) ? NULL : rtp__waited_transfer(t, s);
       int k = c ? node_index(c) : -1;
       if (k >= 0 && first_read[k] > i) first_read[k] = i;
     }

@@ -198,10 +198,9 @@ struct graph_job {
                 * so it names the node rather than being a flag. */
 };
 
-/* The communication node whose result t is (through any chain of views), or NULL. */
-static struct rtp_tensor *comm_source(struct rtp_tensor *t) {
-  while (t && rtp__is_view_op(t->op)) t = t->src[0];
-  return t && t->op == RTP_OP_COMM ? t : NULL;
+/* The communicator a COMM node runs on (op_params[4..5]). */
+static struct rtp_comm *node_comm(const struct rtp_tensor *t) {
+  return (struct rtp_comm *)(uintptr_t)rtp__get_param_u64(t, 4);
 }
 
 static void comm_wait(struct graph_job *job, struct rtp_tensor *c) {
@@ -214,7 +213,7 @@ static void comm_wait(struct graph_job *job, struct rtp_tensor *c) {
 }
 
 static void comm_post(struct graph_job *job, struct rtp_tensor *t) {
-  struct rtp_comm *comm = (struct rtp_comm *)(uintptr_t)rtp__get_param_u64(t, 4);
+  struct rtp_comm *comm = node_comm(t);
   struct rtp_comm_req *req = NULL;
   int rc;
   if (t->op_params[0] == RTP__COMM_SENDRECV)
@@ -236,8 +235,7 @@ static void comm_post(struct graph_job *job, struct rtp_tensor *t) {
 /* Thread 0, before node t runs: every transfer t reads from must be complete. */
 static void wait_inputs(struct graph_job *job, struct rtp_tensor *t) {
   for (int s = 0; s < RTP_MAX_SRC; s++) {
-    if (s == RTP_SRC_ORDER && t->op != RTP_OP_COMM) continue; /* order only */
-    struct rtp_tensor *c = t->src[s] ? comm_source(t->src[s]) : NULL;
+    struct rtp_tensor *c = rtp__waited_transfer(t, s);
     if (c) comm_wait(job, c);
   }
 }
@@ -296,7 +294,7 @@ static int check_ready(const struct rtp_graph *g) {
  * after the transfer. These are the waits the CPU executor does on the host. */
 
 static int stream_comm(struct rtp_backend *b, struct rtp_tensor *t, int k) {
-  struct rtp_comm *comm = (struct rtp_comm *)(uintptr_t)rtp__get_param_u64(t, 4);
+  struct rtp_comm *comm = node_comm(t);
   int rc = b->i->record(b, RTP_STREAM_COMPUTE, 2 * k);
   if (!rc) rc = b->i->wait(b, RTP_STREAM_COMM, 2 * k);
   if (!rc) rc = b->i->comm(b, comm, t);
@@ -308,8 +306,7 @@ static int stream_comm(struct rtp_backend *b, struct rtp_tensor *t, int k) {
 static int stream_compute(struct rtp_backend *b, struct rtp_tensor *t, void *work) {
   int rc = RTP_OK;
   for (int s = 0; s < RTP_MAX_SRC && !rc; s++) {
-    if (s == RTP_SRC_ORDER && t->op != RTP_OP_COMM) continue; /* order only */
-    struct rtp_tensor *c = t->src[s] ? comm_source(t->src[s]) : NULL;
+    struct rtp_tensor *c = rtp__waited_transfer(t, s);
     if (!c || !c->extra) continue;
     int k = (int)(uintptr_t)c->extra - 1;
     c->extra = NULL; /* one wait orders every later node too */
@@ -321,7 +318,7 @@ static int stream_compute(struct rtp_backend *b, struct rtp_tensor *t, void *wor
 /* A transport that gives up on a peer aborts its device kernels, which then end without an
  * error of their own; the communicator knows why. */
 static int comm_failed(const struct rtp_tensor *t) {
-  struct rtp_comm *comm = (struct rtp_comm *)(uintptr_t)rtp__get_param_u64(t, 4);
+  struct rtp_comm *comm = node_comm(t);
   const char *msg = NULL;
   int st = comm ? rtp_comm_status(comm, &msg) : RTP_OK;
   return st ? rtp__error(st, "%s", msg) : RTP_OK;

@@ -78,6 +78,23 @@ static inline bool rtp__is_view_op(enum rtp_op op) {
          op == RTP_OP_TRANSPOSE || op == RTP_OP_ROT;
 }
 
+/* The communication node whose result t is (through any chain of views), or NULL. */
+static inline struct rtp_tensor *rtp__comm_source(const struct rtp_tensor *t) {
+  while (t && rtp__is_view_op(t->op)) t = t->src[0];
+  return t && t->op == RTP_OP_COMM ? (struct rtp_tensor *)t : NULL;
+}
+
+/* Whether node t reads its source k: a compute node's order edge (src[3]) only orders it,
+ * while a transfer waits for its order edge too (a hop that forwards what arrived). */
+static inline bool rtp__src_read(const struct rtp_tensor *t, int k) {
+  return t->src[k] && (k != RTP_SRC_ORDER || t->op == RTP_OP_COMM);
+}
+
+/* The transfer node t waits for through its source k, or NULL. */
+static inline struct rtp_tensor *rtp__waited_transfer(const struct rtp_tensor *t, int k) {
+  return rtp__src_read(t, k) ? rtp__comm_source(t->src[k]) : NULL;
+}
+
 /* get_rows / get_rows_back on the block of rows [first, first + a's rows) of a larger
  * table: indices outside the block give zero rows instead of an error. */
 struct rtp_tensor *rtp__get_rows_block(struct rtp_context *ctx, struct rtp_tensor *a,

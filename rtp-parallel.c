@@ -92,6 +92,13 @@ static void block_of(const struct rtp_tensor *full, int world, int s, int64_t *f
   *len = (int64_t)l;
 }
 
+/* Elements in full's largest block (block 0): the same number on every rank. */
+static size_t largest_block(int world, const struct rtp_tensor *full) {
+  int64_t first, len;
+  block_of(full, world, 0, &first, &len);
+  return (size_t)(rtp_nelements(full) / full->ne[split_dim(full)] * len);
+}
+
 /* Whether the tp pass applies (with one rank it is the one-device graph). */
 static bool tp_on(const struct rtp_parallel *p) {
   return p->world > 1 && p->strategy == RTP_STRATEGY_TP;
@@ -387,6 +394,12 @@ static int rot_kind_of(const struct rtp_tensor *t, const struct rtp_tensor *para
 /* Hops packed into one slot at most: a bound on the transfers in flight. */
 #define RTP_PACKED_HOPS 8
 
+/* Whether blocks of n elements are small: that many fit in one slot. Decided from a
+ * parameter's largest block, so alike on every rank. */
+static bool small_block(const struct rtp_parallel *p, size_t n) {
+  return n * RTP_PACKED_HOPS <= p->pool_elems;
+}
+
 static struct rtp_tensor *slot_tensor(struct rtp_parallel *p, int i) {
   return i < 2 ? p->pool_g[i] : p->pool_w[i - 2];
 }
@@ -455,6 +468,9 @@ static struct rtp_tensor *rot_forward(struct rtp_parallel *p, const struct rtp_t
   p->n_gathers++;
   struct rtp_tensor *parts[RTP_MAX_WORLD] = {0}, *held = own, *prev = NULL, *y = NULL;
   struct rtp_tensor **reader[RTP_MAX_WORLD] = {0}; /* of the slot step k reads */
+  /* Hops are sized as the largest block, not the one that arrives: every rank then packs
+   * alike, and posts its hops in the same order as the others. */
+  size_t n = largest_block(N, full);
   for (int k = 0; k < N; k++) {
     int s = (r + k) % N;
     struct rtp_tensor *next = NULL;
@@ -462,11 +478,7 @@ static struct rtp_tensor *rot_forward(struct rtp_parallel *p, const struct rtp_t
      * computes with it too, so every rank applies the same (rounded) weights. */
     if (k == 0 && !(held = to_wire(p, own))) return NULL;
     if (k + 1 < N) {
-      /* Sized as the largest block (block 0), not the one that arrives: every rank then
-       * packs alike, and posts its hops in the same order as the others. */
-      int64_t first, len;
-      block_of(full, N, 0, &first, &len);
-      size_t offs = 0, n = (size_t)(rtp_nelements(full) / full->ne[split_dim(full)] * len);
+      size_t offs = 0;
       struct rtp_tensor *slot, *dep;
       if (k == 0) { /* on 2 ranks forward has no other hops: the block slots are free */
         int i = pack_hop(p, 0, N == 2 ? 4 : 2, n, &offs, &dep);
@@ -481,7 +493,7 @@ static struct rtp_tensor *rot_forward(struct rtp_parallel *p, const struct rtp_t
                           slot_at(p, slot, full, (s + 1) % N, offs), right, k ? prev : NULL);
       if (!next) return NULL;
       next->src[RTP_SRC_ORDER] = dep;
-      if (n * RTP_PACKED_HOPS <= p->pool_elems) next->flags |= RTP__FLAG_SMALL_HOP;
+      if (small_block(p, n)) next->flags |= RTP__FLAG_SMALL_HOP;
     }
     /* Step k's block as f32, cast once the next hop is posted. */
     struct rtp_tensor *w = from_wire(p, held, next ? next : prev);
@@ -586,10 +598,8 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
   bool need_w = dx && (kind == ROT_MUL_MAT || kind == ROT_MUL);
   int j = p->n_backward++;
   struct rtp_tensor *parts[RTP_MAX_WORLD] = {0}, *dx_sum = NULL, *w = NULL;
-  int64_t first0, len0; /* the largest block: every rank packs alike (pack_hop) */
-  block_of(full, N, 0, &first0, &len0);
-  size_t n_block = (size_t)(rtp_nelements(full) / full->ne[split_dim(full)] * len0);
-  bool small = n_block * RTP_PACKED_HOPS <= p->pool_elems;
+  size_t n_block = largest_block(N, full); /* every rank packs alike (pack_hop) */
+  bool small = small_block(p, n_block);
   /* On 2 ranks this fetch is the op's only one: it is packed into the block slots as
    * forward's first hops are (slots 2 and 3 of pack_hop). */
   int w_slot = j % 2;
@@ -1076,9 +1086,7 @@ static int make_pool(struct rtp_parallel *p) {
                             "than the %d ranks to split it between",
                             rtp_strategy_name(p->strategy), s, p->world);
     }
-    int64_t first, len;
-    block_of(t, p->world, 0, &first, &len); /* block 0 is a largest one */
-    size_t n = (size_t)(rtp_nelements(t) / t->ne[split_dim(t)] * len);
+    size_t n = largest_block(p->world, t);
     if (n > largest) largest = n;
     if ((size_t)rtp_nelements(t) > whole) whole = (size_t)rtp_nelements(t);
   }
@@ -1142,12 +1150,8 @@ static void graph_move_after(struct rtp_graph *g, int at, struct rtp_tensor *t) 
 /* Whether t reads, through views, what a transfer delivers: where it is the executor waits
  * for that transfer. */
 static bool reads_transfer(const struct rtp_tensor *t) {
-  for (int k = 0; k < RTP_MAX_SRC; k++) {
-    const struct rtp_tensor *u = t->src[k];
-    if (k == RTP_SRC_ORDER && t->op != RTP_OP_COMM) continue;
-    while (u && rtp__is_view_op(u->op)) u = u->src[0];
-    if (u && u->op == RTP_OP_COMM) return true;
-  }
+  for (int k = 0; k < RTP_MAX_SRC; k++)
+    if (rtp__waited_transfer(t, k)) return true;
   return false;
 }
 
@@ -1192,10 +1196,8 @@ static void mark_first_waits(struct rtp_graph *g) {
     struct rtp_tensor *u = g->nodes[j];
     if (rtp__is_view_op(u->op)) continue;
     for (int k = 0; k < RTP_MAX_SRC; k++) {
-      struct rtp_tensor *c = u->src[k];
-      if (k == RTP_SRC_ORDER && u->op != RTP_OP_COMM) continue;
-      while (c && rtp__is_view_op(c->op)) c = c->src[0];
-      if (c && c->op == RTP_OP_COMM && first_wait(c) > j) c->extra = (void *)(intptr_t)(j + 1);
+      struct rtp_tensor *c = rtp__waited_transfer(u, k);
+      if (c && first_wait(c) > j) c->extra = (void *)(intptr_t)(j + 1);
     }
   }
 }
