@@ -61,6 +61,16 @@ inline int free_port() {
   return ntohs(a.sin_port);
 }
 
+// Block b of n of a count-element tensor for the rotation tests: distinct values that
+// say which element and which block they are.
+inline std::vector<float> rotation_block(size_t count, int n, int b) {
+  size_t first, len;
+  rtp_comm_block(count, n, b, &first, &len);
+  std::vector<float> v(len);
+  for (size_t i = 0; i < len; i++) v[i] = (float)(first + i) * 0.5f + (float)b;
+  return v;
+}
+
 inline double now_s() {
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);

@@ -63,13 +63,7 @@ int check_collectives(rtp_comm *c) {
 // blocks to rank r-1 while receiving from r+1; after k hops it holds block (r+k) mod n.
 int check_rotation(rtp_comm *c, size_t count) {
   int rank = rtp_comm_rank(c), n = rtp_comm_size(c);
-  auto block = [&](int b) {
-    size_t first, len;
-    rtp_comm_block(count, n, b, &first, &len);
-    std::vector<float> v(len);
-    for (size_t i = 0; i < len; i++) v[i] = (float)(first + i) * 0.5f + (float)b;
-    return v;
-  };
+  auto block = [&](int b) { return rotation_block(count, n, b); };
   std::vector<float> held = block(rank);
   for (int k = 1; k < n + 1; k++) {
     int s = (rank + k) % n;

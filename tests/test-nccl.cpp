@@ -407,13 +407,7 @@ int collectives(int rank, int n, rtp_comm *c) {
   Device d;
   CHECK(d.init() == 0, "device setup");
   const size_t count = 1001;
-  auto block = [&](int b) {
-    size_t first, len;
-    rtp_comm_block(count, n, b, &first, &len);
-    std::vector<float> v(len);
-    for (size_t i = 0; i < len; i++) v[i] = (float)(first + i) * 0.5f + (float)b;
-    return v;
-  };
+  auto block = [&](int b) { return rotation_block(count, n, b); };
   rtp_tensor *held = d.tensor({(int64_t)block(rank).size()}, block(rank));
   CHECK(held, "alloc");
   for (int k = 1; k <= n; k++) {

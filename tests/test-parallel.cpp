@@ -185,6 +185,31 @@ struct Rank {
   }
 };
 
+// The rank's plan made ready to train: planned, its parameters this rank's part of init
+// (f32 master weights), batch sequences from first_seq, an optimizer. 0, or the code of
+// the step that failed.
+int prepare_training(Rank &rk, const std::vector<std::vector<float>> &init, int batch,
+                     int first_seq, rtp_graph **g, rtp_optimizer **opt, rtp_tensor **loss) {
+  rtp_parallel *par = rk.par;
+  const gpt &m = rk.m;
+  *g = rtp_parallel_graph(par);
+  if (rtp_graph_plan(rk.ctx, *g)) return 24;
+  for (int i = 0; i < m.n_params; i++) {
+    rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
+    if (!mine || mine->type != RTP_TYPE_F32) return 25;
+    if (rtp_parallel_shard_copy(par, m.params[i], init[i].data(), (float *)mine->data))
+      return 26;
+  }
+  rtp_tensor *idx = rtp_parallel_tensor(par, m.idx), *tgt = rtp_parallel_tensor(par, m.targets);
+  for (int b = 0; b < batch; b++)
+    fill_sequence(first_seq + b, kCfg.seq_len, (int32_t *)idx->data + b * kCfg.seq_len,
+                  (int32_t *)tgt->data + b * kCfg.seq_len);
+  // Adam's state starts from zero, as the reference's did.
+  *opt = rtp_parallel_optimizer(par, adam());
+  *loss = rtp_parallel_tensor(par, m.loss);
+  return *opt && *loss ? 0 : 27;
+}
+
 int rank_main(rtp_strategy strategy, int rank, int world, int port) {
   std::vector<float> want, want_norm;
   Model ref;
@@ -200,25 +225,12 @@ int rank_main(rtp_strategy strategy, int rank, int world, int port) {
   if (int rc = rk.build(strategy, kCfg, batch, 22)) return rc;
   rtp_parallel *par = rk.par;
   const gpt &m = rk.m;
-  rtp_graph *g = rtp_parallel_graph(par);
-  if (rtp_graph_plan(rk.ctx, g)) return 24;
+  rtp_graph *g = nullptr;
+  rtp_optimizer *opt = nullptr;
+  rtp_tensor *loss = nullptr;
+  // The reference already ran, so its parameters are the final ones to compare with.
+  if (int rc = prepare_training(rk, init, batch, first_seq, &g, &opt, &loss)) return rc;
   if (strategy == RTP_STRATEGY_TP && world > 1 && !tp_is_split(par, m, g, world)) return 34;
-  // Parameters: this rank's part of the reference's initial values.
-  for (int i = 0; i < m.n_params; i++) {
-    rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
-    if (!mine) return 25;
-    if (rtp_parallel_shard_copy(par, m.params[i], init[i].data(), (float *)mine->data))
-      return 26;
-  }
-  rtp_tensor *idx = rtp_parallel_tensor(par, m.idx), *tgt = rtp_parallel_tensor(par, m.targets);
-  for (int b = 0; b < batch; b++)
-    fill_sequence(first_seq + b, kCfg.seq_len, (int32_t *)idx->data + b * kCfg.seq_len,
-                  (int32_t *)tgt->data + b * kCfg.seq_len);
-  // Adam's state starts from zero on both sides; the reference already ran, so its
-  // parameters are the final ones to compare with.
-  rtp_optimizer *opt = rtp_parallel_optimizer(par, adam());
-  rtp_tensor *loss = rtp_parallel_tensor(par, m.loss);
-  if (!opt || !loss) return 27;
   for (int s = 0; s < kSteps; s++) {
     if (rtp_graph_compute(g, nullptr)) {
       fprintf(stderr, "rank %d: %s\n", rank, rtp_last_error());
@@ -396,21 +408,11 @@ int rank_main_bf16(int rank, int world, int port) {
   if (int rc = rk.build(RTP_STRATEGY_RTP, kCfg, kBatch, 22, RTP_TYPE_BF16)) return rc;
   rtp_parallel *par = rk.par;
   const gpt &m = rk.m;
-  rtp_graph *g = rtp_parallel_graph(par);
-  if (rtp_graph_plan(rk.ctx, g)) return 24;
-  for (int i = 0; i < m.n_params; i++) {
-    rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
-    if (!mine || mine->type != RTP_TYPE_F32) return 25;  // the master weights stay f32
-    if (rtp_parallel_shard_copy(par, m.params[i], init[i].data(), (float *)mine->data))
-      return 26;
-  }
-  rtp_tensor *idx = rtp_parallel_tensor(par, m.idx), *tgt = rtp_parallel_tensor(par, m.targets);
-  for (int b = 0; b < kBatch; b++)
-    fill_sequence(rank * kBatch + b, kCfg.seq_len, (int32_t *)idx->data + b * kCfg.seq_len,
-                  (int32_t *)tgt->data + b * kCfg.seq_len);
-  rtp_optimizer *opt = rtp_parallel_optimizer(par, adam());
-  rtp_tensor *loss = rtp_parallel_tensor(par, m.loss);
-  if (!opt || !loss) return 27;
+  rtp_graph *g = nullptr;
+  rtp_optimizer *opt = nullptr;
+  rtp_tensor *loss = nullptr;
+  // (it checks that the master weights stay f32)
+  if (int rc = prepare_training(rk, init, kBatch, rank * kBatch, &g, &opt, &loss)) return rc;
   for (int s = 0; s < kSteps; s++) {
     if (rtp_graph_compute(g, nullptr)) {
       fprintf(stderr, "rank %d: %s\n", rank, rtp_last_error());
