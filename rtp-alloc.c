@@ -140,6 +140,11 @@ static int inplace_src(const struct rtp_tensor *t) {
       return 0;
     case RTP_OP_ACC: /* the base */
       return 1;
+    case RTP_OP_MUL_MAT: /* the addend, unless an operand reads the same memory */
+      return rtp__addend(t) && base_of(t->src[0]) != t->src[2] &&
+                     base_of(t->src[1]) != t->src[2]
+                 ? 2
+                 : -1;
     default:
       return -1;
   }

@@ -245,10 +245,13 @@ static void k_repeat_back(const struct rtp_compute_params *p, struct rtp_tensor 
 
 /* ---- matrix product ------------------------------------------------------------- */
 
-/* t{M,N,B2,B3}[n][m] = sum_k a[m][k] * b[n][k]: C = B . A^T per batch. Threads take whole
- * batches when there are enough of them, else rows of each product. */
+/* t{M,N,B2,B3}[n][m] = sum_k a[m][k] * b[n][k] (+ c[n][m] with an addend c = src[2]):
+ * C = B . A^T per batch. Threads take whole batches when there are enough of them, else
+ * rows of each product. */
 static void k_mul_mat(const struct rtp_compute_params *p, struct rtp_tensor *t) {
-  const struct rtp_tensor *a = t->src[0], *b = t->src[1];
+  const struct rtp_tensor *a = t->src[0], *b = t->src[1], *c = rtp__addend(t);
+  /* In place (the planner gave t c's memory), the GEMM adds to c where it lies. */
+  bool copy_c = c && DATA(c) != DATA(t);
   int64_t M = a->ne[1], N = b->ne[1], K = a->ne[0];
   int64_t nbatch = b->ne[2] * b->ne[3];
   bool a_2d = a->ne[2] == 1 && a->ne[3] == 1;
@@ -270,7 +273,10 @@ static void k_mul_mat(const struct rtp_compute_params *p, struct rtp_tensor *t) 
     const float *bp = (const float *)(DATA(b) + i2 * b->nb[2] + i3 * b->nb[3]);
     float *cp = (float *)(DATA(t) + i2 * t->nb[2] + i3 * t->nb[3]);
     int64_t ldc = t->nb[1] / 4; /* M, or wider when t is a block of a larger result */
-    rtp__gemm(n1 - n0, M, K, bp + n0 * br, br, bk, ap, ar, ak, cp + n0 * ldc, ldc);
+    if (copy_c) /* c is contiguous and shaped like t, so it has t's rows at ldc M */
+      for (int64_t n = n0; n < n1; n++)
+        memcpy(cp + n * ldc, (const float *)DATA(c) + (bi * N + n) * M, (size_t)M * 4);
+    rtp__gemm(n1 - n0, M, K, bp + n0 * br, br, bk, ap, ar, ak, cp + n0 * ldc, ldc, c != NULL);
   }
 }
 

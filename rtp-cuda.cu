@@ -979,18 +979,25 @@ int mm_operand(cuda_backend *cu, const struct rtp_tensor *x, tview *v, char **w)
   return RTP_OK;
 }
 
-/* t{M, N, B2, B3}: t[n][m] = sum_k a[m][k] * b[n][k] per batch, a shared when 2-D. In
- * cuBLAS's column-major terms C (M x N, ldc) = op(A) op(B) with A read as K x M (packed
- * rows: transposed) or M x K, and B as K x N or N x K (packed columns: transposed). */
+/* t{M, N, B2, B3}: t[n][m] = sum_k a[m][k] * b[n][k] per batch, a shared when 2-D, plus
+ * the addend's c[n][m] if there is one (beta 1, on a copy unless the planner gave t c's
+ * memory). In cuBLAS's column-major terms C (M x N, ldc) = op(A) op(B) + beta C with A read
+ * as K x M (packed rows: transposed) or M x K, and B as K x N or N x K (packed columns:
+ * transposed). */
 int op_mul_mat(cuda_backend *cu, struct rtp_tensor *t, void *work) {
   RTP_VIEW(y, t, RTP_TYPE_F32);
   RTP_VIEW(a, t->src[0], RTP_TYPE_F32);
   RTP_VIEW(b, t->src[1], RTP_TYPE_F32);
   const int64_t M = a.ne[1], N = b.ne[1], K = a.ne[0], ne2 = b.ne[2], ne3 = b.ne[3];
   cudaStream_t s = compute_stream(cu);
+  const struct rtp_tensor *addend = rtp__addend(t);
+  geom gy = geom_2d(y.ne[0], nrows_host(y));
+  if (addend && addend->data != t->data) {
+    RTP_VIEW(c, addend, RTP_TYPE_F32);
+    k_dup<uint32_t><<<gy.grid, gy.block, 0, s>>>(y, c);
+  }
   if (K == 0) { /* an empty sum */
-    geom g = geom_2d(y.ne[0], nrows_host(y));
-    k_fill<<<g.grid, g.block, 0, s>>>(y, 0.0f);
+    if (!addend) k_fill<<<gy.grid, gy.block, 0, s>>>(y, 0.0f);
     return RTP_OK;
   }
   char *w = (char *)work;
@@ -1005,7 +1012,7 @@ int op_mul_mat(cuda_backend *cu, struct rtp_tensor *t, void *work) {
                       cu->device, t->name);
   cublasOperation_t op_a = a_rows ? CUBLAS_OP_T : CUBLAS_OP_N;
   cublasOperation_t op_b = b_rows ? CUBLAS_OP_N : CUBLAS_OP_T;
-  const float one = 1.0f, zero = 0.0f;
+  const float one = 1.0f, beta = addend ? 1.0f : 0.0f;
   const float *pa = (const float *)a.data, *pb = (const float *)b.data;
   float *pc = (float *)y.data;
   const bool a_2d = a.ne[2] == 1 && a.ne[3] == 1;
@@ -1015,7 +1022,7 @@ int op_mul_mat(cuda_backend *cu, struct rtp_tensor *t, void *work) {
       b.nb[3] == b.nb[2] * ne2 && y.nb[0] == 1 && y.nb[1] >= M && y.nb[2] == y.nb[1] * N &&
       y.nb[3] == y.nb[2] * ne2) {
     RTP_CUBLAS_TRY(cu, blas_api.sgemm(cu->blas, op_a, CUBLAS_OP_N, M, N * nbatch, K, &one, pa,
-                                      lda, pb, b.nb[1], &zero, pc, y.nb[1]));
+                                      lda, pb, b.nb[1], &beta, pc, y.nb[1]));
     return RTP_OK;
   }
   /* Batches at one stride each for a, b and t when dims 2 and 3 collapse; else a loop
@@ -1032,7 +1039,7 @@ int op_mul_mat(cuda_backend *cu, struct rtp_tensor *t, void *work) {
   for (int64_t i3 = 0; i3 < outer; i3++)
     RTP_CUBLAS_TRY(
         cu, blas_api.sgemm_batched(cu->blas, op_a, op_b, M, N, K, &one, pa + i3 * sa[1], lda,
-                                   sa[step], pb + i3 * sb[1], ldb, sb[step], &zero,
+                                   sa[step], pb + i3 * sb[1], ldb, sb[step], &beta,
                                    pc + i3 * sc[1], ldc, sc[step], count));
   return RTP_OK;
 }

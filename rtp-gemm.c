@@ -38,11 +38,12 @@ static void micro_kernel(int64_t mr, int64_t kc, const float *xp, const float *y
 
 void rtp__gemm_fallback(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_row,
                         int64_t x_k, const float *y, int64_t y_row, int64_t y_k, float *c,
-                        int64_t ldc) {
+                        int64_t ldc, bool accumulate) {
   float yp[KC * NC] __attribute__((aligned(64)));
   float xp[KC * MR] __attribute__((aligned(64)));
   if (k == 0) {
-    for (int64_t i = 0; i < m; i++) memset(c + i * ldc, 0, (size_t)n * sizeof(float));
+    if (!accumulate)
+      for (int64_t i = 0; i < m; i++) memset(c + i * ldc, 0, (size_t)n * sizeof(float));
     return;
   }
   for (int64_t j0 = 0; j0 < n; j0 += NC) {
@@ -62,7 +63,7 @@ void rtp__gemm_fallback(int64_t m, int64_t n, int64_t k, const float *x, int64_t
             xp[kk * MR + r] = r < mr ? x[(i0 + r) * x_row + (k0 + kk) * x_k] : 0.0f;
         for (int64_t js = 0; js < nc; js += NR)
           micro_kernel(mr, kc, xp, yp + js * kc, c + i0 * ldc + j0 + js, ldc,
-                       nc - js < NR ? nc - js : NR, k0 == 0);
+                       nc - js < NR ? nc - js : NR, k0 == 0 && !accumulate);
       }
     }
   }
@@ -98,7 +99,8 @@ static bool cblas_layout(int64_t rows, int64_t k, int64_t row, int64_t kst, bool
 /* C (m x n, row-major) = X . Y^T with X(i,k) = x[i*x_row + k*x_k], Y(j,k) = y[j*y_row + k*y_k].
  */
 void rtp__gemm(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_row, int64_t x_k,
-               const float *y, int64_t y_row, int64_t y_k, float *c, int64_t ldc) {
+               const float *y, int64_t y_row, int64_t y_k, float *c, int64_t ldc,
+               bool accumulate) {
   if (m == 0 || n == 0) return;
 #ifdef RTP_USE_CBLAS
   bool tx, ty;
@@ -109,12 +111,13 @@ void rtp__gemm(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_row, i
     /* op(B) must be Y^T (k x n): Y with packed rows is read transposed. */
     if (ldx >= INT32_MAX || ldy >= INT32_MAX) goto fallback;
     cblas_sgemm(CblasRowMajor, tx ? CblasTrans : CblasNoTrans, ty ? CblasNoTrans : CblasTrans,
-                (int)m, (int)n, (int)k, 1.0f, x, (int)ldx, y, (int)ldy, 0.0f, c, (int)ldc);
+                (int)m, (int)n, (int)k, 1.0f, x, (int)ldx, y, (int)ldy,
+                accumulate ? 1.0f : 0.0f, c, (int)ldc);
     return;
   }
 fallback:
 #endif
-  rtp__gemm_fallback(m, n, k, x, x_row, x_k, y, y_row, y_k, c, ldc);
+  rtp__gemm_fallback(m, n, k, x, x_row, x_k, y, y_row, y_k, c, ldc, accumulate);
 }
 
 static void gemm_init_once(void) {

@@ -124,6 +124,7 @@ static void add_grad(struct backward *bw, struct rtp_tensor *t, struct rtp_tenso
 static void backward_mul_mat(struct backward *bw, struct rtp_tensor *t, struct rtp_tensor *dy) {
   struct rtp_context *ctx = bw->ctx;
   struct rtp_tensor *a = t->src[0], *b = t->src[1];
+  if (rtp__addend(t)) add_grad(bw, t->src[2], dy);
   if (needs_grad(bw, b)) add_grad(bw, b, rtp_mul_mat(ctx, rtp_transpose(ctx, a), dy));
   if (!needs_grad(bw, a)) return;
   bool a_2d = a->ne[2] == 1 && a->ne[3] == 1;

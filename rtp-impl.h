@@ -17,6 +17,14 @@
  * sooner (rtp-parallel.c, hoist_transfers); set from the largest block, so alike on all
  * ranks. */
 #define RTP__FLAG_SMALL_HOP (1 << 29)
+/* A mul_mat whose src[2] is an addend (rtp__mul_mat_add), not only kept alive by it (the
+ * rtp forward's blocks name the result they write into there). */
+#define RTP__FLAG_ADDEND (1 << 28)
+
+/* The addend of a mul_mat made by rtp__mul_mat_add, else NULL. */
+static inline struct rtp_tensor *rtp__addend(const struct rtp_tensor *t) {
+  return t->flags & RTP__FLAG_ADDEND ? t->src[2] : NULL;
+}
 
 /* Records msg as the calling thread's last error and returns status. */
 int rtp__error(int status, const char *fmt, ...) RTP_PRINTF(2, 3);
@@ -97,6 +105,11 @@ static inline struct rtp_tensor *rtp__waited_transfer(const struct rtp_tensor *t
 
 /* get_rows / get_rows_back on the block of rows [first, first + a's rows) of a larger
  * table: indices outside the block give zero rows instead of an error. */
+/* c + mul_mat(a, b), c f32, contiguous and shaped like the product: the product is added
+ * into c's memory when c dies there (the planner's in-place rule), else into a copy. It
+ * saves an add's pass over memory where a pass sums products (rtp's dx over blocks). */
+struct rtp_tensor *rtp__mul_mat_add(struct rtp_context *ctx, struct rtp_tensor *a,
+                                    struct rtp_tensor *b, struct rtp_tensor *c);
 struct rtp_tensor *rtp__get_rows_block(struct rtp_context *ctx, struct rtp_tensor *a,
                                        struct rtp_tensor *idx, int64_t first);
 struct rtp_tensor *rtp__get_rows_back_block(struct rtp_context *ctx, struct rtp_tensor *dy,
@@ -116,15 +129,16 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
                        struct rtp_tensor **dx, struct rtp_tensor **dp);
 
 /* ---- rtp-gemm.c ---- */
-/* C[m][n] = sum_k A(m,k) * B(n,k) (+ C if accumulate), all f32, where A(m,k) is at
+/* C[m][n] = sum_k A(m,k) * B(n,k) (+ C[m][n] if accumulate), all f32, where A(m,k) is at
  * a[m*lda_m + k*lda_k] and B(n,k) at b[n*ldb_n + k*ldb_k]; one of each pair of strides is 1.
  * C is row-major with leading dimension ldc. Single-threaded: callers split the work. */
 void rtp__gemm(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda_m, int64_t lda_k,
-               const float *b, int64_t ldb_n, int64_t ldb_k, float *c, int64_t ldc);
+               const float *b, int64_t ldb_n, int64_t ldb_k, float *c, int64_t ldc,
+               bool accumulate);
 /* The portable blocked kernel, exposed so tests can compare it with CBLAS. */
 void rtp__gemm_fallback(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda_m,
                         int64_t lda_k, const float *b, int64_t ldb_n, int64_t ldb_k, float *c,
-                        int64_t ldc);
+                        int64_t ldc, bool accumulate);
 bool rtp__gemm_has_cblas(void);
 
 /* ---- rtp-cpu.c: kernels ---- */

@@ -553,12 +553,14 @@ static struct rtp_tensor *block_grad(struct rtp_parallel *p, enum rot_kind kind,
   }
 }
 
-/* Block s's part of dx (NULL where the op has none). */
+/* Block s's part of dx (NULL where the op has none); for mul_mat, added to the sum of the
+ * blocks before (`sum`, NULL for the first). */
 static struct rtp_tensor *block_dx(struct rtp_parallel *p, enum rot_kind kind,
-                                   struct rtp_tensor *w, struct rtp_tensor *dys) {
+                                   struct rtp_tensor *w, struct rtp_tensor *dys,
+                                   struct rtp_tensor *sum) {
   switch (kind) {
-    case ROT_MUL_MAT: /* summed over blocks */
-      return rtp_mul_mat(p->ctx, rtp_transpose(p->ctx, w), dys);
+    case ROT_MUL_MAT:
+      return rtp__mul_mat_add(p->ctx, rtp_transpose(p->ctx, w), dys, sum);
     case ROT_MUL: /* concatenated over blocks */
       return rtp_mul(p->ctx, dys, w);
     default: /* add passes dy through whole; get_rows has no input gradient */
@@ -642,7 +644,7 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
         if (wire && wire != held && wire->op == RTP_OP_CAST) wire->src[RTP_SRC_ORDER] = after;
         hw = from_wire(p, wire, after);
       }
-      struct rtp_tensor *d = hw ? block_dx(p, kind, hw, dys) : NULL;
+      struct rtp_tensor *d = hw ? block_dx(p, kind, hw, dys, dx_sum) : NULL;
       if (d) {
         d->src[RTP_SRC_ORDER] = after;
         last_read = d;
@@ -652,7 +654,7 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
         p->w_reader[m == 0 ? w_slot : (j + m) % 2] = d;
         if (m > 0) p->w_reader[m == 1 ? w_slot : (j + m - 1) % 2] = d;
       }
-      if (kind == ROT_MUL_MAT) dx_sum = dx_sum ? rtp_add(ctx, dx_sum, d) : d;
+      if (kind == ROT_MUL_MAT) dx_sum = d;
       parts[s] = d;
     }
     /* The partial sum arrives as it travels (bf16: rounded) and is summed in f32; its
@@ -779,7 +781,7 @@ static void fsdp_backward(struct rtp_parallel *p, enum rot_kind kind, int dim,
   struct rtp_tensor *w = gather(p, full, own, &slot);
   /* The whole parameter is the one block [0, rows) of a world of one. */
   struct rtp_tensor *gw = block_grad(p, kind, dim, w, x, dy, 0, full->ne[dim]);
-  if (dx) *dx = kind == ROT_ADD ? dy : block_dx(p, kind, w, dy);
+  if (dx) *dx = kind == ROT_ADD ? dy : block_dx(p, kind, w, dy, NULL);
   if (!gw) return;
   p->w_reader[slot] = dx && *dx ? *dx : gw;
   struct rtp_tensor *acc = NULL, *prev = NULL;

@@ -903,6 +903,25 @@ struct rtp_tensor *rtp_transpose(struct rtp_context *ctx, struct rtp_tensor *a) 
 
 /* ---- backward-only builders (used by rtp-graph.c) -------------------------------- */
 
+struct rtp_tensor *rtp__mul_mat_add(struct rtp_context *ctx, struct rtp_tensor *a,
+                                    struct rtp_tensor *b, struct rtp_tensor *c) {
+  struct rtp_tensor *t = rtp_mul_mat(ctx, a, b);
+  if (!t || !c) return t;
+  if (c->type != RTP_TYPE_F32 || !rtp_are_same_shape(c, t) || !rtp_is_contiguous(c)) {
+    char sc[128], st[128];
+    rtp__shape_str(c, sc, sizeof(sc));
+    rtp__shape_str(t, st, sizeof(st));
+    rtp__ctx_error(
+        ctx, RTP_ESHAPE,
+        "mul_mat: the addend %s must be f32, contiguous and shaped like the product %s", sc,
+        st);
+    return NULL;
+  }
+  t->src[2] = c;
+  t->flags |= RTP__FLAG_ADDEND;
+  return t;
+}
+
 struct rtp_tensor *rtp__op3(struct rtp_context *ctx, enum rtp_op op, const int64_t ne[4],
                             struct rtp_tensor *a, struct rtp_tensor *b, struct rtp_tensor *c) {
   if (!inputs_ok(ctx, rtp_op_name(op), a, b, true)) return NULL;

@@ -72,7 +72,7 @@ static double run_fallback(void *arg) {
   const struct shape *s = d->s;
   double t0 = now_s();
   rtp__gemm_fallback(s->n, s->m, s->k, d->b, s->b_t ? 1 : s->k, s->b_t ? s->n : 1, d->a,
-                     s->a_t ? 1 : s->k, s->a_t ? s->m : 1, d->c, s->m);
+                     s->a_t ? 1 : s->k, s->a_t ? s->m : 1, d->c, s->m, false);
   return now_s() - t0;
 }
 

@@ -11,6 +11,9 @@
 #include <vector>
 
 #include "rtp.h"
+extern "C" {
+#include "rtp-impl.h"
+}
 
 namespace {
 
@@ -204,6 +207,63 @@ TEST(OpGradMatMul, Shapes) {
         },
         threads);
   }
+}
+
+// A product added to an addend (rtp's backward sums dx over blocks with it): a computed
+// addend that dies at the product is summed into in place, one read later is copied.
+TEST(OpGradMatMul, Addend) {
+  auto in_place = [](rtp_context *c, auto &x) {
+    return rtp__mul_mat_add(c, x[0], x[1], rtp_scale(c, x[2], 2.0f));
+  };
+  auto copied = [](rtp_context *c, auto &x) {
+    rtp_tensor *s = rtp_scale(c, x[2], 2.0f);
+    return rtp_add(c, rtp__mul_mat_add(c, x[0], x[1], s), s);
+  };
+  for (int threads : {1, 3}) {
+    check_grad("addend in place", {{{5, 3}}, {{5, 4}}, {{3, 4}}}, in_place, threads);
+    check_grad("addend copied", {{{5, 3}}, {{5, 4}}, {{3, 4}}}, copied, threads);
+    check_grad("addend batched", {{{4, 3, 2, 3}}, {{4, 5, 2, 3}}, {{3, 5, 2, 3}}}, in_place,
+               threads);
+    check_grad("addend shared a", {{{4, 3}}, {{4, 5, 2}}, {{3, 5, 2}}}, copied, threads);
+    check_grad(
+        "addend a^T", {{{3, 5}}, {{5, 4}}, {{3, 4}}},
+        [&](rtp_context *c, auto &x) {
+          std::vector<rtp_tensor *> y = {rtp_transpose(c, x[0]), x[1], x[2]};
+          return in_place(c, y);
+        },
+        threads);
+  }
+}
+
+TEST(OpForward, MulMatAddendPlacement) {
+  rtp_init_params ip = {1 << 20, nullptr, false, nullptr, 0};
+  rtp_context *ctx = rtp_init(ip);
+  rtp_tensor *a = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 2, 2);
+  rtp_tensor *b = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 2, 1);
+  rtp_tensor *c = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 2, 1);
+  for (int i = 0; i < 4; i++) ((float *)a->data)[i] = (float)(i + 1);  // rows {1,2}, {3,4}
+  ((float *)b->data)[0] = 1.0f, ((float *)b->data)[1] = 10.0f;
+  ((float *)c->data)[0] = 100.0f, ((float *)c->data)[1] = 200.0f;
+  rtp_tensor *dying = rtp_scale(ctx, c, 1.0f), *kept = rtp_scale(ctx, c, 1.0f);
+  rtp_tensor *p = rtp__mul_mat_add(ctx, a, b, dying), *q = rtp__mul_mat_add(ctx, a, b, kept);
+  rtp_tensor *f = rtp_add(ctx, rtp_add(ctx, p, q), kept);
+  ASSERT_NE(f, nullptr);
+  rtp_set_output(p);  // read after compute: its memory is not reused
+  rtp_graph *g = rtp_graph_new(ctx, 64);
+  ASSERT_EQ(rtp_graph_build(g, f), 0);
+  ASSERT_EQ(rtp_graph_plan(ctx, g), 0);
+  EXPECT_EQ(p->data, dying->data) << "an addend that dies at the product is summed in place";
+  EXPECT_NE(q->data, kept->data) << "an addend read later keeps its memory";
+  ASSERT_EQ(rtp_graph_compute(g, nullptr), 0);
+  EXPECT_FLOAT_EQ(rtp_get_f32_1d(p, 0), 121.0f);  // 1 + 20 + 100
+  EXPECT_FLOAT_EQ(rtp_get_f32_1d(p, 1), 243.0f);  // 3 + 40 + 200
+  EXPECT_FLOAT_EQ(rtp_get_f32_1d(f, 1), 243.0f * 2 + 200.0f);
+  rtp_tensor *bad = rtp__mul_mat_add(ctx, a, b, a);
+  EXPECT_EQ(bad, nullptr);
+  const char *msg = nullptr;
+  EXPECT_EQ(rtp_context_error(ctx, &msg), RTP_ESHAPE);
+  EXPECT_NE(std::string(msg).find("addend"), std::string::npos) << msg;
+  rtp_free(ctx);
 }
 
 TEST(OpGradIndex, GetRowsAndCrossEntropy) {
