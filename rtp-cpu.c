@@ -59,6 +59,59 @@ static inline float fast_tanhf(float u) {
   return (e - 1.0f) / (e + 1.0f);
 }
 
+/* Row reductions keep LANES partial results: one running sum is a chain the compiler must
+ * keep in order (no -ffast-math here), so it stays scalar; independent lanes vectorise.
+ * Sums are in double, as the single running sums before them were. */
+enum { LANES = 8 };
+
+static double sum_f32(const float *x, int64_t n) {
+  double acc[LANES] = {0}, s = 0;
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int l = 0; l < LANES; l++) acc[l] += x[i + l];
+  for (; i < n; i++) s += x[i];
+  for (int l = 0; l < LANES; l++) s += acc[l];
+  return s;
+}
+
+/* sum((x - m)^2) */
+static double sum_sq_dev(const float *x, float m, int64_t n) {
+  double acc[LANES] = {0}, s = 0;
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int l = 0; l < LANES; l++) acc[l] += (double)((x[i + l] - m) * (x[i + l] - m));
+  for (; i < n; i++) s += (double)((x[i] - m) * (x[i] - m));
+  for (int l = 0; l < LANES; l++) s += acc[l];
+  return s;
+}
+
+/* sum(x * (y - m)) */
+static double dot_dev(const float *x, const float *y, float m, int64_t n) {
+  double acc[LANES] = {0}, s = 0;
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int l = 0; l < LANES; l++) acc[l] += (double)(x[i + l] * (y[i + l] - m));
+  for (; i < n; i++) s += (double)(x[i] * (y[i] - m));
+  for (int l = 0; l < LANES; l++) s += acc[l];
+  return s;
+}
+
+/* max(x * scale). Rounding is monotonic, so for scale > 0 that is max(x) * scale. */
+static float max_scaled(const float *x, int64_t n, float scale) {
+  float acc[LANES], m = -INFINITY;
+  if (!(scale > 0)) {
+    for (int64_t i = 0; i < n; i++) m = fmaxf(m, x[i] * scale);
+    return m;
+  }
+  for (int l = 0; l < LANES; l++) acc[l] = -INFINITY;
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int l = 0; l < LANES; l++) acc[l] = acc[l] > x[i + l] ? acc[l] : x[i + l];
+  for (; i < n; i++) m = m > x[i] ? m : x[i];
+  for (int l = 0; l < LANES; l++) m = m > acc[l] ? m : acc[l];
+  return m * scale;
+}
+
 static void report(const struct rtp_compute_params *p, int status) {
   __atomic_store_n(p->status, status, __ATOMIC_RELAXED);
 }
@@ -283,12 +336,8 @@ static void k_mul_mat(const struct rtp_compute_params *p, struct rtp_tensor *t) 
 /* ---- normalisation and activations ---------------------------------------------- */
 
 static void row_stats(const float *x, int64_t n, float eps, float *mean, float *rstd) {
-  double s = 0, v = 0;
-  for (int64_t i = 0; i < n; i++) s += x[i];
-  double m = s / (double)n;
-  for (int64_t i = 0; i < n; i++) v += (x[i] - m) * (x[i] - m);
-  *mean = (float)m;
-  *rstd = (float)(1.0 / sqrt(v / (double)n + eps));
+  *mean = (float)(sum_f32(x, n) / (double)n);
+  *rstd = (float)(1.0 / sqrt(sum_sq_dev(x, *mean, n) / (double)n + eps));
 }
 
 static void k_norm(const struct rtp_compute_params *p, struct rtp_tensor *t) {
@@ -313,12 +362,8 @@ static void k_norm_back(const struct rtp_compute_params *p, struct rtp_tensor *t
     const float *x = (const float *)row_ptr(t->src[1], r);
     float *dx = (float *)row_ptr(t, r), mean, rstd;
     row_stats(x, n, eps, &mean, &rstd);
-    double s_dy = 0, s_dyx = 0;
-    for (int64_t i = 0; i < n; i++) {
-      s_dy += dy[i];
-      s_dyx += dy[i] * (x[i] - mean) * rstd;
-    }
-    float m_dy = (float)(s_dy / (double)n), m_dyx = (float)(s_dyx / (double)n);
+    float m_dy = (float)(sum_f32(dy, n) / (double)n);
+    float m_dyx = (float)(dot_dev(dy, x, mean, n) * rstd / (double)n);
     for (int64_t i = 0; i < n; i++)
       dx[i] = rstd * (dy[i] - m_dy - (x[i] - mean) * rstd * m_dyx);
   }
@@ -365,11 +410,9 @@ static void k_soft_max(const struct rtp_compute_params *p, struct rtp_tensor *t)
     const float *x = (const float *)row_ptr(t->src[0], r);
     float *y = (float *)row_ptr(t, r);
     int64_t len = causal ? r % t->ne[1] + (n - t->ne[1]) + 1 : n;
-    float mx = -INFINITY, s = 0.0f;
-    for (int64_t i = 0; i < len; i++) mx = fmaxf(mx, x[i] * scale);
+    float mx = max_scaled(x, len, scale);
     for (int64_t i = 0; i < len; i++) y[i] = fast_expf(x[i] * scale - mx);
-    for (int64_t i = 0; i < len; i++) s += y[i];
-    float inv = 1.0f / s;
+    float inv = (float)(1.0 / sum_f32(y, len));
     for (int64_t i = 0; i < len; i++) y[i] *= inv;
     for (int64_t i = len; i < n; i++) y[i] = 0.0f;
   }
@@ -385,9 +428,8 @@ static void k_soft_max_back(const struct rtp_compute_params *p, struct rtp_tenso
     const float *dy = (const float *)row_ptr(t->src[0], r);
     const float *y = (const float *)row_ptr(t->src[1], r);
     float *dx = (float *)row_ptr(t, r);
-    double dot = 0;
-    for (int64_t i = 0; i < ne0; i++) dot += dy[i] * y[i];
-    for (int64_t i = 0; i < ne0; i++) dx[i] = scale * y[i] * (dy[i] - (float)dot);
+    float dot = (float)dot_dev(dy, y, 0.0f, ne0);
+    for (int64_t i = 0; i < ne0; i++) dx[i] = scale * y[i] * (dy[i] - dot);
   }
 }
 
@@ -442,10 +484,13 @@ static void k_get_rows_back(const struct rtp_compute_params *p, struct rtp_tenso
 }
 
 static double row_logsumexp(const float *x, int64_t n) {
-  float mx = -INFINITY;
-  for (int64_t i = 0; i < n; i++) mx = fmaxf(mx, x[i]);
-  double s = 0;
-  for (int64_t i = 0; i < n; i++) s += exp((double)(x[i] - mx));
+  float mx = max_scaled(x, n, 1.0f);
+  double acc[LANES] = {0}, s = 0;
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int l = 0; l < LANES; l++) acc[l] += fast_expf(x[i + l] - mx);
+  for (; i < n; i++) s += fast_expf(x[i] - mx);
+  for (int l = 0; l < LANES; l++) s += acc[l];
   return mx + log(s);
 }
 
@@ -480,7 +525,7 @@ static void k_cross_entropy_back(const struct rtp_compute_params *p, struct rtp_
     const float *x = (const float *)row_ptr(logits, r);
     float *dx = (float *)row_ptr(t, r);
     float lse = (float)row_logsumexp(x, V);
-    for (int64_t i = 0; i < V; i++) dx[i] = expf(x[i] - lse) * g;
+    for (int64_t i = 0; i < V; i++) dx[i] = fast_expf(x[i] - lse) * g;
     if (index_ok(p, tgt[r], V)) dx[tgt[r]] -= g;
   }
 }
