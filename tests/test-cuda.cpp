@@ -372,6 +372,19 @@ TEST_F(Cuda, MulMat) {
     size_t nb[2] = {sizeof(float), 2 * sizeof(float)};
     return rtp_mul_mat(c, rtp_view(c, x[0], 2, ne, nb, 0), x[1]);
   });
+  // With an addend (rtp's backward sums dx over blocks so): beta 1 on the addend's memory
+  // when it dies at the product, on a copy of it when it is read later.
+  auto in_place = [](rtp_context *c, auto &x) {
+    return rtp__mul_mat_add(c, x[0], x[1], rtp_scale(c, x[2], 2.0f));
+  };
+  compare(b, "addend in place", {{{5, 3}}, {{5, 4}}, {{3, 4}}}, in_place);
+  compare(b, "addend batched", {{{4, 3, 2, 3}}, {{4, 5, 2, 3}}, {{3, 5, 2, 3}}}, in_place);
+  compare(b, "addend copied", {{{67, 45}}, {{67, 130}}, {{45, 130}}},
+          [](rtp_context *c, auto &x) {
+            rtp_tensor *s = rtp_scale(c, x[2], 2.0f);
+            return rtp_add(c, rtp__mul_mat_add(c, x[0], x[1], s), s);
+          });
+  compare(b, "addend, k = 0", {{{0, 3}, false}, {{0, 4}, false}, {{3, 4}}}, in_place);
 }
 
 // The parallel passes make ops write their result into a block of a larger tensor (an

@@ -225,6 +225,8 @@ TEST(OpGradMatMul, Addend) {
     check_grad("addend batched", {{{4, 3, 2, 3}}, {{4, 5, 2, 3}}, {{3, 5, 2, 3}}}, in_place,
                threads);
     check_grad("addend shared a", {{{4, 3}}, {{4, 5, 2}}, {{3, 5, 2}}}, copied, threads);
+    check_grad("addend, k = 0", {{{0, 3}, false}, {{0, 4}, false}, {{3, 4}}}, in_place,
+               threads);
     check_grad(
         "addend a^T", {{{3, 5}}, {{5, 4}}, {{3, 4}}},
         [&](rtp_context *c, auto &x) {
