@@ -18,6 +18,9 @@
  * ranks. */
 #define RTP__FLAG_SMALL_HOP (1 << 29)
 
+/* The op_params word of a mul_mat that holds its precision (rtp_mul_mat_set_prec). */
+#define RTP__MUL_MAT_PREC 0
+
 /* Records msg as the calling thread's last error and returns status. */
 int rtp__error(int status, const char *fmt, ...) RTP_PRINTF(2, 3);
 int rtp__verror(int status, const char *fmt, va_list ap);

@@ -146,6 +146,42 @@ TEST(Errors, BadTokensAreReportedNotRead) {
   rtp_free(ctx);
 }
 
+// A product's precision: only mul_mat nodes, only f32 and bf16; set before planning, since
+// the plan sizes the scratch a bf16 product rounds its operands into.
+TEST(Errors, MulMatPrecision) {
+  rtp_context *ctx = new_ctx();
+  rtp_tensor *a = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 4, 3);
+  rtp_tensor *b = rtp_set_name(rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 4, 5), "x");
+  rtp_tensor *mm = rtp_set_name(rtp_mul_mat(ctx, a, b), "mm");
+  rtp_tensor *g = rtp_set_name(rtp_gelu(ctx, mm), "act");
+  EXPECT_EQ(rtp_mul_mat_set_prec(g, RTP_TYPE_BF16), RTP_EINVAL);
+  EXPECT_NE(std::string(rtp_last_error()).find("'act' is a gelu node, not a mul_mat"),
+            std::string::npos)
+      << rtp_last_error();
+  EXPECT_EQ(rtp_mul_mat_set_prec(b, RTP_TYPE_BF16), RTP_EINVAL);  // a leaf
+  EXPECT_NE(std::string(rtp_last_error()).find("'x'"), std::string::npos) << rtp_last_error();
+  EXPECT_EQ(rtp_mul_mat_set_prec(nullptr, RTP_TYPE_BF16), RTP_EINVAL);
+  for (rtp_type bad : {RTP_TYPE_I32, RTP_TYPE_COUNT, (rtp_type)-1}) {
+    EXPECT_EQ(rtp_mul_mat_set_prec(mm, bad), RTP_EINVAL);
+    EXPECT_NE(std::string(rtp_last_error()).find("f32 or bf16 only"), std::string::npos)
+        << rtp_last_error();
+  }
+  EXPECT_EQ(rtp_mul_mat_get_prec(mm), RTP_TYPE_F32);  // the failures changed nothing
+  EXPECT_EQ(rtp_mul_mat_get_prec(g), RTP_TYPE_F32);
+  EXPECT_EQ(rtp_mul_mat_get_prec(nullptr), RTP_TYPE_F32);
+  rtp_set_output(g);
+  rtp_graph *gr = rtp_graph_new(ctx, 16);
+  ASSERT_EQ(rtp_graph_build(gr, g), 0);
+  ASSERT_EQ(rtp_graph_plan(ctx, gr), 0);
+  ASSERT_EQ(rtp_mul_mat_set_prec(mm, RTP_TYPE_BF16), RTP_OK);
+  EXPECT_EQ(rtp_graph_compute(gr, nullptr), RTP_ESTATE);
+  EXPECT_NE(std::string(rtp_last_error()).find("mul_mat 'mm' needs"), std::string::npos)
+      << rtp_last_error();
+  ASSERT_EQ(rtp_mul_mat_set_prec(mm, RTP_TYPE_F32), RTP_OK);
+  EXPECT_EQ(rtp_graph_compute(gr, nullptr), RTP_OK) << rtp_last_error();
+  rtp_free(ctx);
+}
+
 TEST(Errors, StatusNames) {
   EXPECT_STREQ(rtp_strerror(RTP_OK), "success");
   EXPECT_STREQ(rtp_strerror(RTP_ENOMEM), "out of memory (arena or system)");
