@@ -685,6 +685,11 @@ struct rtp_parallel_params {
                               gradients and Adam's states stay f32, every rank computes
                               with the bf16-rounded blocks and sums gradients in f32. Other
                               strategies refuse BF16 (RTP_EINVAL). See docs/parallel.md. */
+  /* The precision (rtp_mul_mat_set_prec) of every matrix product of the rank's graph,
+   * forward and backward, for every strategy: RTP_TYPE_F32 (0, the default) or
+   * RTP_TYPE_BF16, mixed precision: bf16 operands; f32 sums, results, weights, gradients and
+   * Adam states. The model's own products must be f32 or of this precision (RTP_EINVAL). */
+  enum rtp_type compute_type;
 };
 
 struct rtp_parallel;

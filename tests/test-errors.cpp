@@ -182,6 +182,33 @@ TEST(Errors, MulMatPrecision) {
   rtp_free(ctx);
 }
 
+// compute_type is f32 or bf16, and never lowers a product the model made bf16.
+TEST(Errors, ParallelComputeType) {
+  gpt_config cfg = {256, 16, 32, 2, 4};
+  for (int c = 0; c < 3; c++) {
+    rtp_init_params mip = {16 << 20, nullptr, true, nullptr, 0};
+    rtp_context *meta = rtp_init(mip);
+    gpt m{};
+    rtp_graph *fwd = rtp_graph_new(meta, 4096);
+    ASSERT_EQ(gpt_build(meta, &m, cfg, 1), 0);
+    ASSERT_EQ(rtp_graph_build(fwd, m.loss), 0);
+    rtp_type compute = c == 0 ? RTP_TYPE_I32 : c == 1 ? (rtp_type)7 : RTP_TYPE_F32;
+    if (c == 2) {
+      ASSERT_EQ(rtp_mul_mat_set_prec(m.logits, RTP_TYPE_BF16), 0);
+    }
+    rtp_context *ctx = new_ctx(gpt_arena_size(cfg, 1));
+    rtp_parallel_params pp = {RTP_STRATEGY_NONE, nullptr, 0, 0, RTP_TYPE_F32, compute};
+    EXPECT_EQ(rtp_parallelize(ctx, fwd, m.loss, &pp), nullptr);
+    EXPECT_EQ(rtp_context_error(ctx, nullptr), RTP_EINVAL);
+    std::string want = c == 0   ? "compute_type i32 (1): f32 or bf16 only"
+                       : c == 1 ? "compute_type ? (7)"
+                                : "mul_mat 'logits' has precision bf16 but compute_type is f32";
+    EXPECT_NE(ctx_msg(ctx).find(want), std::string::npos) << ctx_msg(ctx);
+    rtp_free(ctx);
+    rtp_free(meta);
+  }
+}
+
 TEST(Errors, StatusNames) {
   EXPECT_STREQ(rtp_strerror(RTP_OK), "success");
   EXPECT_STREQ(rtp_strerror(RTP_ENOMEM), "out of memory (arena or system)");
