@@ -1348,7 +1348,7 @@ static int check_same_model(struct rtp_parallel *p) {
   }
   if (p->comm_type) /* transfers must agree in size (f32 leaves the fingerprint as it was) */
     h = (h ^ (uint64_t)p->comm_type) * 1099511628211ull;
-  if (p->compute_type) /* and ranks on the numbers (the same rule) */
+  if (p->compute_type) /* shifted: bf16 products alone must not hash as bf16 rotation */
     h = (h ^ ((uint64_t)p->compute_type << 8)) * 1099511628211ull;
   uint64_t root = h;
   int rc = rtp_comm_broadcast(p->comm, &root, sizeof(root), 0, NULL);

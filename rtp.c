@@ -649,8 +649,11 @@ struct rtp_tensor *rtp_mul_mat(struct rtp_context *ctx, struct rtp_tensor *a,
 
 int rtp_mul_mat_set_prec(struct rtp_tensor *mm, enum rtp_type prec) {
   if (!mm || mm->op != RTP_OP_MUL_MAT)
-    return rtp__error(RTP_EINVAL, "rtp_mul_mat_set_prec: '%s' is a %s node, not a mul_mat",
-                      mm ? mm->name : "(null)", mm ? rtp_op_name(mm->op) : "NULL");
+    return rtp__error(RTP_EINVAL, "rtp_mul_mat_set_prec: '%s' is a %s, not a mul_mat",
+                      mm ? mm->name : "(null)",
+                      !mm                     ? "NULL tensor"
+                      : mm->op == RTP_OP_NONE ? "leaf"
+                                              : rtp_op_name(mm->op));
   if (prec != RTP_TYPE_F32 && prec != RTP_TYPE_BF16)
     return rtp__error(RTP_EINVAL,
                       "rtp_mul_mat_set_prec: precision %s (%d) of '%s': f32 or bf16 only",
