@@ -298,13 +298,53 @@ static void k_repeat_back(const struct rtp_compute_params *p, struct rtp_tensor 
 
 /* ---- matrix product ------------------------------------------------------------- */
 
+/* Bytes of scratch a bf16-precision product takes for a rounded copy of operand x. */
+static size_t rounded_bytes(const struct rtp_tensor *x) {
+  return RTP_PAD((size_t)rtp_nelements(x) * sizeof(float), RTP_ALIGN);
+}
+
+/* x rounded to bf16 (f32_to_bf16, so exactly rtp_cast's rounding) and kept as f32, into
+ * contiguous memory at dst, which *out describes: the GEMM then multiplies and sums the
+ * rounded values in f32. Threads share the rows; the caller's barrier ends the copy. */
+static const struct rtp_tensor *round_operand(const struct rtp_compute_params *p,
+                                              const struct rtp_tensor *x, float *dst,
+                                              struct rtp_tensor *out) {
+  const int64_t ne0 = x->ne[0];
+  const size_t stride = x->nb[0];
+  *out = *x;
+  out->data = dst;
+  out->nb[0] = sizeof(float);
+  for (int i = 1; i < RTP_MAX_DIMS; i++) out->nb[i] = out->nb[i - 1] * (size_t)out->ne[i - 1];
+  int64_t r0, r1;
+  split(rtp_nrows(x), p, &r0, &r1);
+  for (int64_t r = r0; r < r1; r++) {
+    const char *src = row_ptr(x, r);
+    float *y = dst + r * ne0;
+    if (stride == sizeof(float))
+      for (int64_t i = 0; i < ne0; i++)
+        y[i] = bf16_to_f32(f32_to_bf16(((const float *)src)[i]));
+    else
+      for (int64_t i = 0; i < ne0; i++)
+        y[i] = bf16_to_f32(f32_to_bf16(*(const float *)(src + i * stride)));
+  }
+  return out;
+}
+
 /* t{M,N,B2,B3}[n][m] = sum_k a[m][k] * b[n][k] (+ c[n][m] with an addend c = src[2]):
  * C = B . A^T per batch. Threads take whole batches when there are enough of them, else
- * rows of each product. */
+ * rows of each product. With bf16 precision the operands are read through rounded copies
+ * in scratch (the addend stays f32). */
 static void k_mul_mat(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   const struct rtp_tensor *a = t->src[0], *b = t->src[1], *c = rtp__addend(t);
   /* In place (the planner gave t c's memory), the GEMM adds to c where it lies. */
   bool copy_c = c && DATA(c) != DATA(t);
+  struct rtp_tensor ra, rb;
+  if (rtp_mul_mat_get_prec(t) == RTP_TYPE_BF16) {
+    float *w = p->work;
+    a = round_operand(p, a, w, &ra);
+    b = round_operand(p, b, w + rounded_bytes(t->src[0]) / sizeof(float), &rb);
+    rtp__barrier(p);
+  }
   int64_t M = a->ne[1], N = b->ne[1], K = a->ne[0];
   int64_t nbatch = b->ne[2] * b->ne[3];
   bool a_2d = a->ne[2] == 1 && a->ne[3] == 1;
@@ -584,6 +624,10 @@ size_t rtp__op_work_size(const struct rtp_tensor *t) {
     case RTP_OP_SUM:
     case RTP_OP_CROSS_ENTROPY:
       return RTP_MAX_THREADS * sizeof(double);
+    case RTP_OP_MUL_MAT:
+      return rtp_mul_mat_get_prec(t) == RTP_TYPE_BF16
+                 ? rounded_bytes(t->src[0]) + rounded_bytes(t->src[1])
+                 : 0;
     default:
       return 0;
   }

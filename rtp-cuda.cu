@@ -7,7 +7,9 @@
  * the same in-place cases (dst may be src[0] of the elementwise and row-wise ops, src[1] of
  * acc: each element or row is read before it is written), and the same out-of-range index
  * rules. Arithmetic is f32 (cuBLAS in its default math mode, which never uses TF32); bf16
- * is only copied, cast and transferred, as on the CPU.
+ * is only copied, cast and transferred, as on the CPU, but for the operands of products of
+ * bf16 precision (rtp_mul_mat_set_prec): cast to bf16 copies in scratch, which
+ * cublasGemmEx multiplies on tensor cores with f32 sums, to f32 results.
  *
  * Results are reproducible run to run: no float atomics where order matters (scatter-adds
  * are one block per output row scanning the indices in order), and reductions have a
@@ -109,6 +111,8 @@ int cuda_fail(int device, cudaError_t e, const char *what) {
   X(set_math_mode, cublasSetMathMode)                          \
   X(sgemm, cublasSgemm_64)                                     \
   X(sgemm_batched, cublasSgemmStridedBatched_64)               \
+  X(gemm_ex, cublasGemmEx_64)                                  \
+  X(gemm_batched_ex, cublasGemmStridedBatchedEx_64)            \
   X(status_string, cublasGetStatusString)
 // clang-format on
 
@@ -957,25 +961,76 @@ bool mm_needs_copy(const struct rtp_tensor *x) {
                       &packed_rows, &ld);
 }
 
+bool mm_bf16(const struct rtp_tensor *t) {
+  return rtp_mul_mat_get_prec(t) == RTP_TYPE_BF16;
+}
+
+/* A bf16-precision product copies both operands (as bf16), an f32 one those cuBLAS cannot
+ * read. */
 size_t mm_work(const struct rtp_tensor *t) {
+  const bool bf16 = mm_bf16(t);
   size_t n = 0;
   for (int s = 0; s < 2; s++)
-    if (mm_needs_copy(t->src[s])) n += pad_work((size_t)rtp_nelements(t->src[s]) * 4);
+    if (bf16 || mm_needs_copy(t->src[s]))
+      n += pad_work((size_t)rtp_nelements(t->src[s]) * (bf16 ? 2 : 4));
   return n;
 }
 
-/* x copied to contiguous memory at *w (which moves past it) when cuBLAS cannot read it. */
-int mm_operand(cuda_backend *cu, const struct rtp_tensor *x, tview *v, char **w) {
-  if (!mm_needs_copy(x)) return RTP_OK;
+/* x copied to contiguous memory at *w (which moves past it): rounded to bf16 (rtp-cpu.c's
+ * rounding, to_bf16) for a bf16-precision product, or as f32 when cuBLAS cannot read it. */
+int mm_operand(cuda_backend *cu, const struct rtp_tensor *x, bool bf16, tview *v, char **w) {
+  if (!bf16 && !mm_needs_copy(x)) return RTP_OK;
   if (!*w)
     return rtp__error(RTP_EINVAL,
                       "cuda device %d: mul_mat: no scratch memory for a copy of '%s'",
                       cu->device, x->name);
   tview c = packed_view(*w, v->ne);
   geom g = geom_2d(c.ne[0], nrows_host(c));
-  k_dup<uint32_t><<<g.grid, g.block, 0, compute_stream(cu)>>>(c, *v);
+  if (bf16)
+    k_cast_to_bf16<<<g.grid, g.block, 0, compute_stream(cu)>>>(c, *v);
+  else
+    k_dup<uint32_t><<<g.grid, g.block, 0, compute_stream(cu)>>>(c, *v);
   *v = c;
-  *w += pad_work((size_t)nelem(c) * 4);
+  *w += pad_work((size_t)nelem(c) * (bf16 ? 2 : 4));
+  return RTP_OK;
+}
+
+/* C = op(A) op(B) in cuBLAS's column-major terms, or `count` such products at strides sa,
+ * sb, sc (elements) when batched. A and B are f32 (cublasSgemm), or bf16 for a
+ * bf16-precision product (cublasGemmEx: tensor cores, f32 sums); C is f32 either way. */
+struct gemm_call {
+  cublasOperation_t op_a, op_b;
+  int64_t m, n, k;
+  const void *a, *b;
+  int64_t lda, ldb;
+  float *c;
+  int64_t ldc;
+  int64_t sa, sb, sc, count;
+  float beta; /* 1 adds the product to what c holds (an addend) */
+};
+
+int gemm_run(cuda_backend *cu, bool bf16, bool batched, const gemm_call &g) {
+  const float one = 1.0f;
+  const cudaDataType in = CUDA_R_16BF, out = CUDA_R_32F;
+  const cublasComputeType_t acc = CUBLAS_COMPUTE_32F;
+  if (!bf16 && !batched)
+    RTP_CUBLAS_TRY(
+        cu, blas_api.sgemm(cu->blas, g.op_a, g.op_b, g.m, g.n, g.k, &one, (const float *)g.a,
+                           g.lda, (const float *)g.b, g.ldb, &g.beta, g.c, g.ldc));
+  else if (!bf16)
+    RTP_CUBLAS_TRY(
+        cu, blas_api.sgemm_batched(cu->blas, g.op_a, g.op_b, g.m, g.n, g.k, &one,
+                                   (const float *)g.a, g.lda, g.sa, (const float *)g.b, g.ldb,
+                                   g.sb, &g.beta, g.c, g.ldc, g.sc, g.count));
+  else if (!batched)
+    RTP_CUBLAS_TRY(
+        cu, blas_api.gemm_ex(cu->blas, g.op_a, g.op_b, g.m, g.n, g.k, &one, g.a, in, g.lda, g.b,
+                             in, g.ldb, &g.beta, g.c, out, g.ldc, acc, CUBLAS_GEMM_DEFAULT));
+  else
+    RTP_CUBLAS_TRY(
+        cu, blas_api.gemm_batched_ex(cu->blas, g.op_a, g.op_b, g.m, g.n, g.k, &one, g.a, in,
+                                     g.lda, g.sa, g.b, in, g.ldb, g.sb, &g.beta, g.c, out,
+                                     g.ldc, g.sc, g.count, acc, CUBLAS_GEMM_DEFAULT));
   return RTP_OK;
 }
 
@@ -983,7 +1038,8 @@ int mm_operand(cuda_backend *cu, const struct rtp_tensor *x, tview *v, char **w)
  * the addend's c[n][m] if there is one (beta 1, on a copy unless the planner gave t c's
  * memory). In cuBLAS's column-major terms C (M x N, ldc) = op(A) op(B) + beta C with A read
  * as K x M (packed rows: transposed) or M x K, and B as K x N or N x K (packed columns:
- * transposed). */
+ * transposed). With bf16 precision both operands are read through bf16 copies, which are
+ * packed rows (the addend stays f32). */
 int op_mul_mat(cuda_backend *cu, struct rtp_tensor *t, void *work) {
   RTP_VIEW(y, t, RTP_TYPE_F32);
   RTP_VIEW(a, t->src[0], RTP_TYPE_F32);
@@ -1000,9 +1056,10 @@ int op_mul_mat(cuda_backend *cu, struct rtp_tensor *t, void *work) {
     if (!addend) k_fill<<<gy.grid, gy.block, 0, s>>>(y, 0.0f);
     return RTP_OK;
   }
+  const bool bf16 = mm_bf16(t);
   char *w = (char *)work;
-  int rc = mm_operand(cu, t->src[0], &a, &w);
-  if (!rc) rc = mm_operand(cu, t->src[1], &b, &w);
+  int rc = mm_operand(cu, t->src[0], bf16, &a, &w);
+  if (!rc) rc = mm_operand(cu, t->src[1], bf16, &b, &w);
   if (rc) return rc;
   bool a_rows, b_rows;
   int64_t lda, ldb, ldc = N == 1 ? (M > 1 ? M : 1) : y.nb[1];
@@ -1010,20 +1067,23 @@ int op_mul_mat(cuda_backend *cu, struct rtp_tensor *t, void *work) {
       !gemm_layout(N, K, b.nb[1], b.nb[0], &b_rows, &ldb) || (M > 1 && y.nb[0] != 1) || ldc < M)
     return rtp__error(RTP_ENOSYS, "cuda device %d: mul_mat '%s': a layout cuBLAS cannot take",
                       cu->device, t->name);
-  cublasOperation_t op_a = a_rows ? CUBLAS_OP_T : CUBLAS_OP_N;
-  cublasOperation_t op_b = b_rows ? CUBLAS_OP_N : CUBLAS_OP_T;
-  const float one = 1.0f, beta = addend ? 1.0f : 0.0f;
-  const float *pa = (const float *)a.data, *pb = (const float *)b.data;
-  float *pc = (float *)y.data;
+  const size_t es = bf16 ? 2 : 4; /* bytes per operand element */
+  gemm_call g = {};
+  g.op_a = a_rows ? CUBLAS_OP_T : CUBLAS_OP_N, g.op_b = b_rows ? CUBLAS_OP_N : CUBLAS_OP_T;
+  g.m = M, g.n = N, g.k = K;
+  g.a = a.data, g.lda = lda, g.b = b.data, g.ldb = ldb, g.c = (float *)y.data, g.ldc = ldc;
+  g.beta = addend ? 1.0f : 0.0f;
   const bool a_2d = a.ne[2] == 1 && a.ne[3] == 1;
   const int64_t nbatch = ne2 * ne3;
   /* A shared a and batches of b that follow each other: one product with more rows. */
   if (a_2d && nbatch > 1 && b.nb[0] == 1 && b.nb[1] >= K && b.nb[2] == b.nb[1] * N &&
       b.nb[3] == b.nb[2] * ne2 && y.nb[0] == 1 && y.nb[1] >= M && y.nb[2] == y.nb[1] * N &&
       y.nb[3] == y.nb[2] * ne2) {
-    RTP_CUBLAS_TRY(cu, blas_api.sgemm(cu->blas, op_a, CUBLAS_OP_N, M, N * nbatch, K, &one, pa,
-                                      lda, pb, b.nb[1], &beta, pc, y.nb[1]));
-    return RTP_OK;
+    g.op_b = CUBLAS_OP_N;
+    g.n = N * nbatch;
+    g.ldb = b.nb[1];
+    g.ldc = y.nb[1];
+    return gemm_run(cu, bf16, false, g);
   }
   /* Batches at one stride each for a, b and t when dims 2 and 3 collapse; else a loop
    * over dim 3 of products batched over dim 2. */
@@ -1036,12 +1096,15 @@ int op_mul_mat(cuda_backend *cu, struct rtp_tensor *t, void *work) {
              (sa[1] == sa[0] * ne2 && sb[1] == sb[0] * ne2 && sc[1] == sc[0] * ne2)) {
     count = nbatch, outer = 1;
   }
-  for (int64_t i3 = 0; i3 < outer; i3++)
-    RTP_CUBLAS_TRY(
-        cu, blas_api.sgemm_batched(cu->blas, op_a, op_b, M, N, K, &one, pa + i3 * sa[1], lda,
-                                   sa[step], pb + i3 * sb[1], ldb, sb[step], &beta,
-                                   pc + i3 * sc[1], ldc, sc[step], count));
-  return RTP_OK;
+  g.sa = sa[step], g.sb = sb[step], g.sc = sc[step], g.count = count;
+  for (int64_t i3 = 0; i3 < outer && !rc; i3++) {
+    gemm_call gi = g;
+    gi.a = (const char *)a.data + (size_t)(i3 * sa[1]) * es;
+    gi.b = (const char *)b.data + (size_t)(i3 * sb[1]) * es;
+    gi.c = (float *)y.data + i3 * sc[1];
+    rc = gemm_run(cu, bf16, true, gi);
+  }
+  return rc;
 }
 
 int op_norm(cuda_backend *cu, struct rtp_tensor *t) {
@@ -1529,7 +1592,8 @@ int cuda_open(cuda_backend *cu) {
   RTP_CUBLAS_TRY(cu, blas_api.create(&cu->blas));
   RTP_CUBLAS_TRY(cu, blas_api.set_stream(cu->blas, compute_stream(cu)));
   RTP_CUBLAS_TRY(cu, blas_api.set_workspace(cu->blas, cu->blas_ws, ws));
-  /* f32 results within rounding of the CPU's: no TF32 (the default already, said here). */
+  /* f32 results within rounding of the CPU's: no TF32 (the default already, said here).
+   * Products of bf16 precision pass bf16 operands, which use tensor cores in this mode. */
   RTP_CUBLAS_TRY(cu, blas_api.set_math_mode(cu->blas, CUBLAS_DEFAULT_MATH));
   RTP_CUDA_TRY(cu, cudaMemsetAsync(cu->err, 0, sizeof(int), compute_stream(cu)));
   RTP_CUDA_TRY(cu, cudaStreamSynchronize(compute_stream(cu)));

@@ -286,6 +286,22 @@ static int check_ready(const struct rtp_graph *g) {
   return RTP_OK;
 }
 
+/* The plan sized the kernels' scratch; a node changed since (a product's precision set
+ * after planning) could need more, which a kernel must never write past. */
+static int check_work(const struct rtp_graph *g, const struct rtp_plan *plan) {
+  struct rtp_backend *be = plan->backend;
+  for (int i = 0; i < g->n_nodes; i++) {
+    const struct rtp_tensor *t = g->nodes[i];
+    size_t need = be ? be->i->work_size(be, t) : rtp__op_work_size(t);
+    if (need > plan->work_size)
+      return rtp__error(RTP_ESTATE,
+                        "rtp_graph_compute: %s '%s' needs %zu bytes of scratch, the plan has "
+                        "%zu (was it changed after rtp_graph_plan?)",
+                        rtp_op_name(t->op), t->name, need, plan->work_size);
+  }
+  return RTP_OK;
+}
+
 /* ---- device backends ----------------------------------------------------------------
  * The same schedule on two in-order queues. A COMM node is posted on the comm stream
  * after an event recorded on the compute stream at its place in the graph: everything
@@ -346,9 +362,10 @@ static int stream_graph_compute(struct rtp_graph *g, const struct rtp_plan *plan
 int rtp_graph_compute(struct rtp_graph *g, struct rtp_threadpool *tp) {
   if (!g) return rtp__error(RTP_EINVAL, "rtp_graph_compute: NULL graph");
   if (!g->plan) return rtp__error(RTP_ESTATE, "rtp_graph_compute: call rtp_graph_plan first");
-  int rc = check_ready(g);
-  if (rc) return rc;
   const struct rtp_plan *plan = g->plan;
+  int rc = check_ready(g);
+  if (!rc) rc = check_work(g, plan);
+  if (rc) return rc;
   if (plan->backend) return stream_graph_compute(g, plan);
   struct graph_job job = {.g = g, .work = plan->work, .stop_at = INT_MAX};
   rtp__threadpool_run(tp, compute_job, &job);

@@ -121,11 +121,19 @@ static void add_grad(struct backward *bw, struct rtp_tensor *t, struct rtp_tenso
   t->grad = t->grad ? rtp_add(bw->ctx, t->grad, c) : c;
 }
 
+/* A gradient product of mul_mat t: in t's precision, as autocast computes it. */
+static struct rtp_tensor *grad_mul_mat(struct rtp_context *ctx, const struct rtp_tensor *t,
+                                       struct rtp_tensor *a, struct rtp_tensor *b) {
+  struct rtp_tensor *g = rtp_mul_mat(ctx, a, b);
+  if (g) rtp_mul_mat_set_prec(g, rtp_mul_mat_get_prec(t));
+  return g;
+}
+
 static void backward_mul_mat(struct backward *bw, struct rtp_tensor *t, struct rtp_tensor *dy) {
   struct rtp_context *ctx = bw->ctx;
   struct rtp_tensor *a = t->src[0], *b = t->src[1];
   if (rtp__addend(t)) add_grad(bw, t->src[2], dy);
-  if (needs_grad(bw, b)) add_grad(bw, b, rtp_mul_mat(ctx, rtp_transpose(ctx, a), dy));
+  if (needs_grad(bw, b)) add_grad(bw, b, grad_mul_mat(ctx, t, rtp_transpose(ctx, a), dy));
   if (!needs_grad(bw, a)) return;
   bool a_2d = a->ne[2] == 1 && a->ne[3] == 1;
   if (a_2d && (b->ne[2] > 1 || b->ne[3] > 1)) {
@@ -133,7 +141,7 @@ static void backward_mul_mat(struct backward *bw, struct rtp_tensor *t, struct r
     b = rtp_reshape_2d(ctx, rtp_cont(ctx, b), b->ne[0], rtp_nrows(b));
     dy = rtp_reshape_2d(ctx, dy, dy->ne[0], rtp_nrows(dy));
   }
-  add_grad(bw, a, rtp_mul_mat(ctx, rtp_transpose(ctx, b), rtp_transpose(ctx, dy)));
+  add_grad(bw, a, grad_mul_mat(ctx, t, rtp_transpose(ctx, b), rtp_transpose(ctx, dy)));
 }
 
 static void backward_view(struct backward *bw, struct rtp_tensor *t, struct rtp_tensor *dy) {

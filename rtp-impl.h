@@ -26,6 +26,9 @@ static inline struct rtp_tensor *rtp__addend(const struct rtp_tensor *t) {
   return t->flags & RTP__FLAG_ADDEND ? t->src[2] : NULL;
 }
 
+/* The op_params word of a mul_mat that holds its precision (rtp_mul_mat_set_prec). */
+#define RTP__MUL_MAT_PREC 0
+
 /* Records msg as the calling thread's last error and returns status. */
 int rtp__error(int status, const char *fmt, ...) RTP_PRINTF(2, 3);
 int rtp__verror(int status, const char *fmt, va_list ap);

@@ -26,7 +26,8 @@ struct rtp_parallel {
   struct rtp_context *ctx;
   struct rtp_comm *comm;
   enum rtp_strategy strategy;
-  enum rtp_type comm_type; /* rtp: what the travelling copies are (f32 or bf16) */
+  enum rtp_type comm_type;    /* rtp: what the travelling copies are (f32 or bf16) */
+  enum rtp_type compute_type; /* the precision of every product (f32 or bf16) */
   int rank, world;
   const struct rtp_graph *src; /* the one-device forward graph */
   struct rtp_tensor **map;     /* rank tensor of src node i, then of src leaf i */
@@ -1349,15 +1350,46 @@ static int check_same_model(struct rtp_parallel *p) {
   }
   if (p->comm_type) /* transfers must agree in size (f32 leaves the fingerprint as it was) */
     h = (h ^ (uint64_t)p->comm_type) * 1099511628211ull;
+  if (p->compute_type) /* shifted: bf16 products alone must not hash as bf16 rotation */
+    h = (h ^ ((uint64_t)p->compute_type << 8)) * 1099511628211ull;
   uint64_t root = h;
   int rc = rtp_comm_broadcast(p->comm, &root, sizeof(root), 0, NULL);
   if (rc) return rc;
   if (root != h)
     return rtp__error(RTP_EPEER,
                       "rtp_parallelize: rank %d built a different model than "
-                      "rank 0 (parameter names or shapes, or comm_type, differ)",
+                      "rank 0 (parameter names or shapes, comm_type or compute_type "
+                      "differ)",
                       p->rank);
   return RTP_OK;
+}
+
+/* compute_type is f32 or bf16, and no product of the model asks for a precision the pass
+ * would lower: each rank's products are rebuilt (rtp, fsdp, tp) and take compute_type. */
+static int check_compute_type(struct rtp_context *ctx, const struct rtp_graph *fwd,
+                              enum rtp_type ct) {
+  if (ct != RTP_TYPE_F32 && ct != RTP_TYPE_BF16)
+    return rtp__ctx_error(ctx, RTP_EINVAL,
+                          "rtp_parallelize: compute_type %s (%d): f32 or bf16 only",
+                          rtp_type_name(ct), (int)ct);
+  for (int i = 0; i < fwd->n_nodes; i++) {
+    enum rtp_type prec = rtp_mul_mat_get_prec(fwd->nodes[i]);
+    if (prec != RTP_TYPE_F32 && prec != ct)
+      return rtp__ctx_error(ctx, RTP_EINVAL,
+                            "rtp_parallelize: mul_mat '%s' has precision %s but compute_type "
+                            "is %s (it sets the precision of every product: set it to %s)",
+                            fwd->nodes[i]->name, rtp_type_name(prec), rtp_type_name(ct),
+                            rtp_type_name(prec));
+  }
+  return RTP_OK;
+}
+
+/* Every product of the rank's graph, forward, backward and the passes' own, computes in
+ * compute_type's precision. */
+static void set_compute_type(struct rtp_parallel *p) {
+  for (int i = 0; i < p->graph->n_nodes; i++)
+    if (p->graph->nodes[i]->op == RTP_OP_MUL_MAT)
+      rtp_mul_mat_set_prec(p->graph->nodes[i], p->compute_type);
 }
 
 struct rtp_parallel *rtp_parallelize(struct rtp_context *ctx, const struct rtp_graph *fwd,
@@ -1387,6 +1419,7 @@ struct rtp_parallel *rtp_parallelize(struct rtp_context *ctx, const struct rtp_g
                      rtp_strategy_name(pp->strategy));
     return NULL;
   }
+  if (check_compute_type(ctx, fwd, pp->compute_type)) return NULL;
   struct rtp_parallel *p = rtp__ctx_alloc(ctx, sizeof(*p), "the parallel plan");
   struct rtp_tensor **map = rtp__ctx_alloc(
       ctx, sizeof(*map) * (size_t)(fwd->n_nodes + fwd->n_leafs + 1), "the parallel map");
@@ -1395,6 +1428,7 @@ struct rtp_parallel *rtp_parallelize(struct rtp_context *ctx, const struct rtp_g
                              .comm = pp->comm,
                              .strategy = pp->strategy,
                              .comm_type = pp->comm_type,
+                             .compute_type = pp->compute_type,
                              .rank = pp->comm ? rtp_comm_rank(pp->comm) : 0,
                              .world = world,
                              .src = fwd,
@@ -1421,6 +1455,7 @@ struct rtp_parallel *rtp_parallelize(struct rtp_context *ctx, const struct rtp_g
     sink_sums(p);
   }
   if (!rc) rc = global_loss(p);
+  if (!rc) set_compute_type(p);
   if (rc) {
     if (!rtp_context_error(ctx, NULL)) rtp__ctx_error(ctx, rc, "%s", rtp_last_error());
     return NULL;

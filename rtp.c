@@ -647,6 +647,26 @@ struct rtp_tensor *rtp_mul_mat(struct rtp_context *ctx, struct rtp_tensor *a,
   return rtp__new_node(ctx, RTP_OP_MUL_MAT, RTP_TYPE_F32, ne, a, b);
 }
 
+int rtp_mul_mat_set_prec(struct rtp_tensor *mm, enum rtp_type prec) {
+  if (!mm || mm->op != RTP_OP_MUL_MAT)
+    return rtp__error(RTP_EINVAL, "rtp_mul_mat_set_prec: '%s' is a %s, not a mul_mat",
+                      mm ? mm->name : "(null)",
+                      !mm                     ? "NULL tensor"
+                      : mm->op == RTP_OP_NONE ? "leaf"
+                                              : rtp_op_name(mm->op));
+  if (prec != RTP_TYPE_F32 && prec != RTP_TYPE_BF16)
+    return rtp__error(RTP_EINVAL,
+                      "rtp_mul_mat_set_prec: precision %s (%d) of '%s': f32 or bf16 only",
+                      rtp_type_name(prec), (int)prec, mm->name);
+  mm->op_params[RTP__MUL_MAT_PREC] = (int32_t)prec;
+  return RTP_OK;
+}
+
+enum rtp_type rtp_mul_mat_get_prec(const struct rtp_tensor *mm) {
+  return mm && mm->op == RTP_OP_MUL_MAT ? (enum rtp_type)mm->op_params[RTP__MUL_MAT_PREC]
+                                        : RTP_TYPE_F32;
+}
+
 struct rtp_tensor *rtp_norm(struct rtp_context *ctx, struct rtp_tensor *a, float eps) {
   if (!(eps >= 0.0f)) {
     rtp__ctx_error(ctx, RTP_EINVAL, "norm: eps must be >= 0");

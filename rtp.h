@@ -96,8 +96,9 @@ enum rtp_type {
   RTP_TYPE_F32 = 0,
   RTP_TYPE_I32 = 1,
   RTP_TYPE_BF16 = 2, /* bfloat16: f32's sign and 8 exponent bits, 7 mantissa bits; only
-                        rtp_cast, views, copies and transfers take it (kernels compute in
-                        f32) */
+                        rtp_cast, views, copies and transfers take it (other ops compute in
+                        f32; rtp_mul_mat_set_prec makes a product read bf16-rounded
+                        operands) */
   RTP_TYPE_COUNT,
 };
 
@@ -291,6 +292,17 @@ RTP_API struct rtp_tensor *rtp_repeat_back(struct rtp_context *ctx, struct rtp_t
  */
 RTP_API struct rtp_tensor *rtp_mul_mat(struct rtp_context *ctx, struct rtp_tensor *a,
                                        struct rtp_tensor *b);
+/*
+ * The precision of the product mm (a node made by rtp_mul_mat): RTP_TYPE_F32 (the
+ * default) or RTP_TYPE_BF16, which rounds both operands to bf16 as rtp_cast does and
+ * multiplies and sums in f32 to an f32 result: mixed precision, what GPU tensor cores do
+ * with bf16 inputs. Types in the graph stay as they are, and so does the memory plan, but
+ * for the kernel's scratch (set the precision before rtp_graph_plan). Backward gives mm's
+ * gradient products mm's precision. RTP_EINVAL for any other node or type.
+ */
+RTP_API int rtp_mul_mat_set_prec(struct rtp_tensor *mm, enum rtp_type prec);
+/* mm's precision; RTP_TYPE_F32 for a node that is not a mul_mat. */
+RTP_API enum rtp_type rtp_mul_mat_get_prec(const struct rtp_tensor *mm);
 /* Normalise each row (ne[0]) to zero mean and unit variance. */
 RTP_API struct rtp_tensor *rtp_norm(struct rtp_context *ctx, struct rtp_tensor *a, float eps);
 /* norm(a) * w + b with w, b of shape {ne[0]} (either may be NULL). */
@@ -673,6 +685,11 @@ struct rtp_parallel_params {
                               gradients and Adam's states stay f32, every rank computes
                               with the bf16-rounded blocks and sums gradients in f32. Other
                               strategies refuse BF16 (RTP_EINVAL). See docs/parallel.md. */
+  /* The precision (rtp_mul_mat_set_prec) of every matrix product of the rank's graph,
+   * forward and backward, for every strategy: RTP_TYPE_F32 (0, the default) or
+   * RTP_TYPE_BF16, mixed precision: bf16 operands; f32 sums, results, weights, gradients and
+   * Adam states. The model's own products must be f32 or of this precision (RTP_EINVAL). */
+  enum rtp_type compute_type;
 };
 
 struct rtp_parallel;

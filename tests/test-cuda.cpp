@@ -1,8 +1,9 @@
 // The CUDA backend against the CPU: every op, forward and gradients, on views, broadcasts
-// and the batched and transposed products; the GPT reference model through a training step
-// with Adam; bad indices reported, not crashing; the backend interface itself (memory,
-// events, Adam, sums of squares, single-rank transfers). Tests that need a GPU skip on
-// machines without one; the mapping of CUDA and cuBLAS errors needs none and runs anyway.
+// and the batched and transposed products (in f32 and bf16 precision); the GPT reference model
+// through a training step with Adam; bad indices reported, not crashing; the backend interface
+// itself (memory, events, Adam, sums of squares, single-rank transfers). Tests that need a GPU
+// skip on machines without one; the mapping of CUDA and cuBLAS errors needs none and runs
+// anyway.
 #include <gtest/gtest.h>
 
 #include <cublas_v2.h>
@@ -387,6 +388,37 @@ TEST_F(Cuda, MulMat) {
   compare(b, "addend, k = 0", {{{0, 3}, false}, {{0, 4}, false}, {{3, 4}}}, in_place);
 }
 
+// Products of bf16 precision: operands cast to bf16 copies and multiplied by cublasGemmEx
+// with f32 sums, against the CPU's f32 GEMM of the same rounded operands. Both sum the
+// same exact products (bf16 x bf16 fits in f32) in their own order: 1e-5 of the largest
+// element, where an f32 product of the unrounded operands is off by about 1e-3.
+TEST_F(Cuda, MulMatBf16) {
+  auto bf = [](rtp_tensor *y) {
+    EXPECT_EQ(rtp_mul_mat_set_prec(y, RTP_TYPE_BF16), RTP_OK);
+    return y;
+  };
+  auto mm = [bf](rtp_context *c, auto &x) { return bf(rtp_mul_mat(c, x[0], x[1])); };
+  auto tr = [](rtp_context *c, rtp_tensor *t) { return rtp_transpose(c, t); };
+  const double tol = 1e-5;
+  compare(b, "bf16 2d", {{{5, 3}}, {{5, 4}}}, mm, tol);
+  compare(b, "bf16 large", {{{67, 45}}, {{67, 130}}}, mm, tol);
+  compare(b, "bf16 batched", {{{4, 3, 2, 3}}, {{4, 5, 2, 3}}}, mm, tol);
+  compare(b, "bf16 shared a", {{{4, 3}}, {{4, 5, 2}}}, mm, tol);
+  compare(
+      b, "bf16 a^T", {{{3, 5}}, {{5, 4}}},
+      [=](rtp_context *c, auto &x) { return bf(rtp_mul_mat(c, tr(c, x[0]), x[1])); }, tol);
+  compare(
+      b, "bf16 both^T 4d", {{{3, 5, 2, 3}}, {{4, 5, 2, 3}}},
+      [=](rtp_context *c, auto &x) { return bf(rtp_mul_mat(c, tr(c, x[0]), tr(c, x[1]))); },
+      tol);
+  compare(
+      b, "bf16 permuted batches", {{{4, 3, 2, 3}}, {{4, 5, 3, 2}}},
+      [=](rtp_context *c, auto &x) {
+        return bf(rtp_mul_mat(c, x[0], rtp_permute(c, x[1], 0, 1, 3, 2)));
+      },
+      tol);
+}
+
 // The parallel passes make ops write their result into a block of a larger tensor (an
 // EMPTY node): columns of each row for a product (ldc > M), rows for an elementwise op.
 // Built here as rtp-parallel.c's write_into does.
@@ -478,8 +510,9 @@ TEST_F(Cuda, IntegerCopies) {
           [](rtp_context *c, auto &x) { return rtp_concat(c, x[0], x[1], 1); });
 }
 
-// bf16 is copied, cast and transferred, never computed with: casts on the way in and out,
-// copies of strided views in between; the gradients come back through the same ops.
+// bf16 tensors are copied, cast and transferred, never computed with (a product of bf16
+// precision makes its own bf16 copies: MulMatBf16): casts on the way in and out, copies of
+// strided views in between; the gradients come back through the same ops.
 TEST_F(Cuda, Bf16) {
   auto bf = [](rtp_context *c, rtp_tensor *t) { return rtp_cast(c, t, RTP_TYPE_BF16); };
   auto f32 = [](rtp_context *c, rtp_tensor *t) { return rtp_cast(c, t, RTP_TYPE_F32); };

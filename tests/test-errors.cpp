@@ -146,6 +146,70 @@ TEST(Errors, BadTokensAreReportedNotRead) {
   rtp_free(ctx);
 }
 
+// A product's precision: only mul_mat nodes, only f32 and bf16; set before planning, since
+// the plan sizes the scratch a bf16 product rounds its operands into.
+TEST(Errors, MulMatPrecision) {
+  rtp_context *ctx = new_ctx();
+  rtp_tensor *a = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 4, 3);
+  rtp_tensor *b = rtp_set_name(rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 4, 5), "x");
+  rtp_tensor *mm = rtp_set_name(rtp_mul_mat(ctx, a, b), "mm");
+  rtp_tensor *g = rtp_set_name(rtp_gelu(ctx, mm), "act");
+  EXPECT_EQ(rtp_mul_mat_set_prec(g, RTP_TYPE_BF16), RTP_EINVAL);
+  EXPECT_NE(std::string(rtp_last_error()).find("'act' is a gelu, not a mul_mat"),
+            std::string::npos)
+      << rtp_last_error();
+  EXPECT_EQ(rtp_mul_mat_set_prec(b, RTP_TYPE_BF16), RTP_EINVAL);  // a leaf
+  EXPECT_NE(std::string(rtp_last_error()).find("'x' is a leaf"), std::string::npos)
+      << rtp_last_error();
+  EXPECT_EQ(rtp_mul_mat_set_prec(nullptr, RTP_TYPE_BF16), RTP_EINVAL);
+  for (rtp_type bad : {RTP_TYPE_I32, RTP_TYPE_COUNT}) {  // (C++ has no values past these)
+    EXPECT_EQ(rtp_mul_mat_set_prec(mm, bad), RTP_EINVAL);
+    EXPECT_NE(std::string(rtp_last_error()).find("f32 or bf16 only"), std::string::npos)
+        << rtp_last_error();
+  }
+  EXPECT_EQ(rtp_mul_mat_get_prec(mm), RTP_TYPE_F32);  // the failures changed nothing
+  EXPECT_EQ(rtp_mul_mat_get_prec(g), RTP_TYPE_F32);
+  EXPECT_EQ(rtp_mul_mat_get_prec(nullptr), RTP_TYPE_F32);
+  rtp_set_output(g);
+  rtp_graph *gr = rtp_graph_new(ctx, 16);
+  ASSERT_EQ(rtp_graph_build(gr, g), 0);
+  ASSERT_EQ(rtp_graph_plan(ctx, gr), 0);
+  ASSERT_EQ(rtp_mul_mat_set_prec(mm, RTP_TYPE_BF16), RTP_OK);
+  EXPECT_EQ(rtp_graph_compute(gr, nullptr), RTP_ESTATE);
+  EXPECT_NE(std::string(rtp_last_error()).find("mul_mat 'mm' needs"), std::string::npos)
+      << rtp_last_error();
+  ASSERT_EQ(rtp_mul_mat_set_prec(mm, RTP_TYPE_F32), RTP_OK);
+  EXPECT_EQ(rtp_graph_compute(gr, nullptr), RTP_OK) << rtp_last_error();
+  rtp_free(ctx);
+}
+
+// compute_type is f32 or bf16, and never lowers a product the model made bf16.
+TEST(Errors, ParallelComputeType) {
+  gpt_config cfg = {256, 16, 32, 2, 4};
+  for (int c = 0; c < 3; c++) {
+    rtp_init_params mip = {16 << 20, nullptr, true, nullptr, 0};
+    rtp_context *meta = rtp_init(mip);
+    gpt m{};
+    rtp_graph *fwd = rtp_graph_new(meta, 4096);
+    ASSERT_EQ(gpt_build(meta, &m, cfg, 1), 0);
+    ASSERT_EQ(rtp_graph_build(fwd, m.loss), 0);
+    rtp_type compute = c == 0 ? RTP_TYPE_I32 : c == 1 ? RTP_TYPE_COUNT : RTP_TYPE_F32;
+    if (c == 2) {
+      ASSERT_EQ(rtp_mul_mat_set_prec(m.logits, RTP_TYPE_BF16), 0);
+    }
+    rtp_context *ctx = new_ctx(gpt_arena_size(cfg, 1));
+    rtp_parallel_params pp = {RTP_STRATEGY_NONE, nullptr, 0, 0, RTP_TYPE_F32, compute};
+    EXPECT_EQ(rtp_parallelize(ctx, fwd, m.loss, &pp), nullptr);
+    EXPECT_EQ(rtp_context_error(ctx, nullptr), RTP_EINVAL);
+    std::string want = c == 0   ? "compute_type i32 (1): f32 or bf16 only"
+                       : c == 1 ? "compute_type ? (3)"
+                                : "mul_mat 'logits' has precision bf16 but compute_type is f32";
+    EXPECT_NE(ctx_msg(ctx).find(want), std::string::npos) << ctx_msg(ctx);
+    rtp_free(ctx);
+    rtp_free(meta);
+  }
+}
+
 TEST(Errors, StatusNames) {
   EXPECT_STREQ(rtp_strerror(RTP_OK), "success");
   EXPECT_STREQ(rtp_strerror(RTP_ENOMEM), "out of memory (arena or system)");

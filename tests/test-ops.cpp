@@ -562,6 +562,170 @@ TEST(Cast, Bf16GradientsAreNotSummed) {
   rtp_free(ctx);
 }
 
+// ---- matrix products in bf16 precision ------------------------------------------------
+
+using View = std::function<rtp_tensor *(rtp_context *, rtp_tensor *)>;
+
+rtp_tensor *as_is(rtp_context *, rtp_tensor *x) {
+  return x;
+}
+
+struct MmCase {
+  const char *what;
+  Shape a, b;       // the leaves
+  View va = as_is;  // the operands, views of them
+  View vb = as_is;
+};
+
+const MmCase kMmCases[] = {
+    {"2d", {5, 3}, {5, 4}},
+    {"m = 1", {7, 1}, {7, 9}},
+    {"large", {67, 45}, {67, 130}},
+    {"batched", {4, 3, 2, 3}, {4, 5, 2, 3}},
+    {"shared a", {4, 3}, {4, 5, 2}},
+    {"a^T", {3, 5}, {5, 4}, [](rtp_context *c, rtp_tensor *x) { return rtp_transpose(c, x); }},
+    {"b^T shared a",
+     {5, 3},
+     {4, 5, 2},
+     as_is,
+     [](rtp_context *c, rtp_tensor *x) { return rtp_transpose(c, x); }},
+    {"both^T batched",
+     {3, 5, 2},
+     {4, 5, 2},
+     [](rtp_context *c, rtp_tensor *x) { return rtp_transpose(c, x); },
+     [](rtp_context *c, rtp_tensor *x) { return rtp_transpose(c, x); }},
+    {"permuted batches",
+     {4, 3, 2, 3},
+     {4, 5, 3, 2},
+     as_is,
+     [](rtp_context *c, rtp_tensor *x) { return rtp_permute(c, x, 0, 1, 3, 2); }},
+};
+
+// x rounded to bf16 and back to f32 by the CAST op: the operand a bf16 product reads.
+rtp_tensor *rounded(rtp_context *c, rtp_tensor *x) {
+  return rtp_cast(c, rtp_cast(c, x, RTP_TYPE_BF16), RTP_TYPE_F32);
+}
+
+rtp_tensor *new_random(rtp_context *ctx, const Shape &ne, std::mt19937 &rng) {
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  rtp_tensor *x = rtp_new_tensor(ctx, RTP_TYPE_F32, (int)ne.size(), ne.data());
+  for (int64_t i = 0; i < rtp_nelements(x); i++) ((float *)x->data)[i] = u(rng);
+  return x;
+}
+
+// The gradient of leaf x, read through view v of x (the same strides into x's layout,
+// which x's gradient has), in v's element order.
+std::vector<uint32_t> grad_through(const rtp_tensor *x, const rtp_tensor *v) {
+  std::vector<uint32_t> out;
+  for (int64_t i3 = 0; i3 < v->ne[3]; i3++)
+    for (int64_t i2 = 0; i2 < v->ne[2]; i2++)
+      for (int64_t i1 = 0; i1 < v->ne[1]; i1++)
+        for (int64_t i0 = 0; i0 < v->ne[0]; i0++) {
+          size_t offs = i0 * v->nb[0] + i1 * v->nb[1] + i2 * v->nb[2] + i3 * v->nb[3];
+          out.push_back(*(const uint32_t *)((const char *)x->grad->data + offs));
+        }
+  return out;
+}
+
+std::vector<uint32_t> bits(const rtp_tensor *t) {
+  const uint32_t *p = (const uint32_t *)t->data;
+  return std::vector<uint32_t>(p, p + rtp_nelements(t));
+}
+
+// y = a'.b' in bf16 precision (a', b' views of leaves a, b) and loss = sum(y * R), with
+// backward; against the f32 products, built explicitly, of a' and b' rounded by the CAST
+// op, and of what backward multiplies (rtp-graph.c's rule: b'^T and dy^T for a', a'^T and
+// dy for b', where dy = R, flattened over batches when a' serves all of them) rounded the
+// same way. Rounded copies are contiguous, like the casts, so the GEMMs are the same
+// calls: equal bit for bit.
+void check_bf16_product(const MmCase &mc, int threads) {
+  SCOPED_TRACE(std::string(mc.what) + ", threads " + std::to_string(threads));
+  rtp_init_params ip = {16 << 20, nullptr, false, nullptr, 0};
+  rtp_context *ctx = rtp_init(ip);
+  std::mt19937 rng(11);
+  rtp_tensor *a = new_random(ctx, mc.a, rng), *b = new_random(ctx, mc.b, rng);
+  rtp_set_param(a);
+  rtp_set_param(b);
+  rtp_tensor *av = mc.va(ctx, a), *bv = mc.vb(ctx, b);
+  rtp_tensor *y = rtp_mul_mat(ctx, av, bv);
+  ASSERT_NE(y, nullptr) << rtp_last_error();
+  ASSERT_EQ(rtp_mul_mat_set_prec(y, RTP_TYPE_BF16), RTP_OK);
+  EXPECT_EQ(rtp_mul_mat_get_prec(y), RTP_TYPE_BF16);
+  rtp_tensor *r = new_random(ctx, {y->ne[0], y->ne[1], y->ne[2], y->ne[3]}, rng);
+  rtp_tensor *loss = rtp_sum(ctx, rtp_mul(ctx, y, r));
+  rtp_set_output(y);
+  rtp_graph *g = rtp_graph_new(ctx, 256);
+  ASSERT_EQ(rtp_graph_build(g, loss), 0);
+  ASSERT_EQ(rtp_build_backward(ctx, g, loss), 0) << rtp_last_error();
+  int products = 0;
+  for (int i = 0; i < g->n_nodes; i++) {
+    if (g->nodes[i]->op != RTP_OP_MUL_MAT) continue;
+    products++;
+    EXPECT_EQ(rtp_mul_mat_get_prec(g->nodes[i]), RTP_TYPE_BF16) << "product " << products;
+  }
+  EXPECT_EQ(products, 3);  // y and its two gradient products
+
+  bool a_2d = av->ne[2] == 1 && av->ne[3] == 1, batched = bv->ne[2] > 1 || bv->ne[3] > 1;
+  rtp_tensor *b2 = bv, *r2 = r;
+  if (a_2d && batched) {
+    b2 = rtp_reshape_2d(ctx, rtp_cont(ctx, bv), bv->ne[0], rtp_nrows(bv));
+    r2 = rtp_reshape_2d(ctx, r, r->ne[0], rtp_nrows(r));
+  }
+  rtp_tensor *want_y = rtp_mul_mat(ctx, rounded(ctx, av), rounded(ctx, bv));
+  rtp_tensor *want_da = rtp_mul_mat(ctx, rounded(ctx, rtp_transpose(ctx, b2)),
+                                    rounded(ctx, rtp_transpose(ctx, r2)));
+  rtp_tensor *want_db = rtp_mul_mat(ctx, rounded(ctx, rtp_transpose(ctx, av)), rounded(ctx, r));
+  rtp_tensor *exact = rtp_mul_mat(ctx, av, bv);  // f32: the rounding must show
+  rtp_graph *ref = rtp_graph_new(ctx, 256);
+  for (rtp_tensor *t : {want_y, want_da, want_db, exact}) {
+    ASSERT_NE(t, nullptr) << rtp_last_error();
+    EXPECT_EQ(rtp_mul_mat_get_prec(t), RTP_TYPE_F32);
+    rtp_set_output(t);
+    ASSERT_EQ(rtp_graph_build(ref, t), 0);
+  }
+  ASSERT_EQ(rtp_graph_plan(ctx, g), 0) << rtp_last_error();
+  ASSERT_EQ(rtp_graph_plan(ctx, ref), 0) << rtp_last_error();
+  rtp_threadpool *tp = rtp_threadpool_new(threads);
+  ASSERT_EQ(rtp_graph_compute(g, tp), 0) << rtp_last_error();
+  ASSERT_EQ(rtp_graph_compute(ref, tp), 0) << rtp_last_error();
+  EXPECT_EQ(bits(y), bits(want_y));
+  EXPECT_NE(bits(y), bits(exact));
+  EXPECT_EQ(grad_through(a, av), bits(want_da)) << "gradient of a";
+  EXPECT_EQ(grad_through(b, bv), bits(want_db)) << "gradient of b";
+  rtp_threadpool_free(tp);
+  rtp_free(ctx);
+}
+
+TEST(MulMatBf16, ProductOfRoundedOperandsAndItsBackward) {
+  for (int threads : {1, 2, 3})
+    for (const MmCase &mc : kMmCases) check_bf16_product(mc, threads);
+}
+
+// The rounding is exactly the cast's, specials included: a product with one nonzero term
+// per element gives back each rounded operand value (times 1, which bf16 holds).
+TEST(MulMatBf16, RoundsAsTheCast) {
+  const uint32_t vals[] = {0x3f808000u, 0x3f818000u, 0x3f808001u, 0xbf808000u, 0x7f7fffffu,
+                           0x00008001u, 0x007fffffu, 0x7f800000u, 0x3fffffffu, 0x00000001u};
+  const int n = (int)(sizeof(vals) / sizeof(vals[0]));
+  rtp_init_params ip = {1 << 20, nullptr, false, nullptr, 0};
+  rtp_context *ctx = rtp_init(ip);
+  rtp_tensor *x = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 1, n);  // n rows of K = 1
+  rtp_tensor *one = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 1, 1);
+  memcpy(x->data, vals, sizeof(vals));
+  rtp_set_f32(one, 1.0f);
+  rtp_tensor *y = rtp_mul_mat(ctx, x, one);  // {n, 1}: y[m] = x[m] * 1
+  ASSERT_EQ(rtp_mul_mat_set_prec(y, RTP_TYPE_BF16), RTP_OK);
+  rtp_set_output(y);
+  rtp_graph *g = rtp_graph_new(ctx, 16);
+  ASSERT_EQ(rtp_graph_build(g, y), 0);
+  ASSERT_EQ(rtp_graph_plan(ctx, g), 0);
+  ASSERT_EQ(rtp_graph_compute(g, nullptr), 0);
+  for (int i = 0; i < n; i++)
+    EXPECT_EQ(((const uint32_t *)y->data)[i], (uint32_t)bf16_reference(vals[i]) << 16)
+        << std::hex << vals[i];
+  rtp_free(ctx);
+}
+
 // ---- forward values against direct formulas ----------------------------------------
 
 TEST(OpForward, Example) {

@@ -51,16 +51,29 @@ struct Model {
   }
 };
 
+// Sets the precision of every product of g; false if one of g's products has another.
+bool set_prec(rtp_graph *g, rtp_type prec, bool check) {
+  for (int i = 0; i < g->n_nodes; i++) {
+    rtp_tensor *t = g->nodes[i];
+    if (t->op != RTP_OP_MUL_MAT) continue;
+    if (check && rtp_mul_mat_get_prec(t) != prec) return false;
+    if (rtp_mul_mat_set_prec(t, prec)) return false;
+  }
+  return true;
+}
+
 // The one-process reference: batch world x B, K Adam steps from the initial values
-// (kept in init).
+// (kept in init). Its forward products take precision `prec`, and backward gives their
+// gradient products the same (checked).
 bool reference(int world, std::vector<float> &losses, std::vector<float> &norms, Model &ref,
                std::vector<std::vector<float>> &moving, std::vector<std::vector<float>> &init,
-               std::vector<std::vector<float>> &grad0) {
+               std::vector<std::vector<float>> &grad0, rtp_type prec = RTP_TYPE_F32) {
   rtp_init_params ip = {gpt_arena_size(kCfg, world * kBatch), nullptr, false, nullptr, 0};
   ref.ctx = rtp_init(ip);
   if (gpt_build(ref.ctx, &ref.m, kCfg, world * kBatch)) return false;
   ref.g = rtp_graph_new(ref.ctx, 8192);
-  if (rtp_graph_build(ref.g, ref.m.loss) || rtp_build_backward(ref.ctx, ref.g, ref.m.loss) ||
+  if (rtp_graph_build(ref.g, ref.m.loss) || !set_prec(ref.g, prec, false) ||
+      rtp_build_backward(ref.ctx, ref.g, ref.m.loss) || !set_prec(ref.g, prec, true) ||
       rtp_graph_plan(ref.ctx, ref.g))
     return false;
   gpt_init_weights(&ref.m, 42);
@@ -158,14 +171,14 @@ struct Rank {
   }
 
   int build(rtp_strategy strategy, gpt_config cfg, int batch, int code,
-            rtp_type comm_type = RTP_TYPE_F32) {
+            rtp_type comm_type = RTP_TYPE_F32, rtp_type compute_type = RTP_TYPE_F32) {
     rtp_init_params meta_ip = {32 << 20, nullptr, true, nullptr, 0};
     meta = rtp_init(meta_ip);
     rtp_graph *fwd = rtp_graph_new(meta, 8192);
     if (gpt_build(meta, &m, cfg, batch) || rtp_graph_build(fwd, m.loss)) return code;
     rtp_init_params ip = {gpt_arena_size(cfg, batch), nullptr, false, nullptr, 0};
     ctx = rtp_init(ip);
-    rtp_parallel_params pp = {strategy, comm, 0, 0, comm_type};
+    rtp_parallel_params pp = {strategy, comm, 0, 0, comm_type, compute_type};
     par = rtp_parallelize(ctx, fwd, m.loss, &pp);
     if (par) return 0;
     fprintf(stderr, "rtp_parallelize: %s\n", rtp_last_error());
@@ -487,6 +500,128 @@ TEST(RtpBf16, NRanksMatchOneProcess) {
   }
 }
 
+// ---- mixed precision: products of bf16 operands -----------------------------------------
+
+// N ranks with compute_type bf16 against one process whose products are all bf16 (the
+// same global batch), and against f32 training.
+//  - Against the bf16 process: the ranks compute each product's operands in another order
+//    or split (sums over ranks, tp's partial sums, products over blocks of rows), so they
+//    differ from the process's by f32 rounding (about 1e-7 of a value), as in the f32 test.
+//    Where that moves an operand across a bf16 rounding boundary, its rounded value differs
+//    by a whole bf16 step (2^-8 of it): rare (an operand within 1e-7 of a boundary 2^-8
+//    wide, one in 10^4 to 10^5), but each such term of a sum is off by 4e-3 of itself, so
+//    the f32 test's 1e-5 would be luck. Bounds: losses 1e-4 relative, first gradients 1e-3
+//    of each tensor's largest element (a few flipped terms of that size), parameters after
+//    three Adam steps 5% of the distance they moved (Adam steps a small gradient's element
+//    by about lr in its direction, which a flip can reverse). Measured here: losses within
+//    4e-7, gradients 1.3e-5, parameters 0.1%.
+//  - Against f32 training: every operand moves by up to 2^-9 of itself; the losses of a few
+//    steps stay within 1e-2 relative (measured: 2e-5).
+// rtp with comm_type bf16 too: the blocks arrive rounded and rounding them again is exact,
+// so the first loss is the bf16 process's as above; then the gradients, summed in bf16 on
+// their way (RtpBf16), move Adam's steps: later losses within 1e-3, and the gradients and
+// parameters are RtpBf16's to check.
+int rank_main_mixed(rtp_strategy strategy, rtp_type comm_type, int rank, int world, int port) {
+  std::vector<float> want, want_norm, want32, norm32;
+  Model ref, ref32;
+  std::vector<std::vector<float>> moving, init, grad0, moving32, init32, grad32;
+  if (!reference(world, want, want_norm, ref, moving, init, grad0, RTP_TYPE_BF16)) return 20;
+  if (!reference(world, want32, norm32, ref32, moving32, init32, grad32)) return 19;
+  const bool exact_comm = comm_type == RTP_TYPE_F32;
+  const double grad_tol = 1e-3, param_tol = 0.05;
+
+  Rank rk;
+  if (int rc = rk.join(rank, world, port, 21)) return rc;
+  int batch = strategy == RTP_STRATEGY_TP ? world * kBatch : kBatch;
+  int first_seq = strategy == RTP_STRATEGY_TP ? 0 : rank * kBatch;
+  if (int rc = rk.build(strategy, kCfg, batch, 22, comm_type, RTP_TYPE_BF16)) return rc;
+  rtp_parallel *par = rk.par;
+  const gpt &m = rk.m;
+  rtp_graph *g = nullptr;
+  rtp_optimizer *opt = nullptr;
+  rtp_tensor *loss = nullptr;
+  if (int rc = prepare_training(rk, init, batch, first_seq, &g, &opt, &loss)) return rc;
+  if (!set_prec(g, RTP_TYPE_BF16, true)) {
+    fprintf(stderr, "rank %d: a product of the rank's graph is not bf16\n", rank);
+    return 35;
+  }
+  double worst_loss = 0, worst_grad = 0, worst_param = 0, worst32 = 0;
+  for (int s = 0; s < kSteps; s++) {
+    if (rtp_graph_compute(g, nullptr)) {
+      fprintf(stderr, "rank %d: %s\n", rank, rtp_last_error());
+      return 28;
+    }
+    float got = rtp_get_f32_1d(loss, 0);
+    double err = std::fabs(got - want[s]) / std::fabs(want[s]);
+    double err32 = std::fabs(got - want32[s]) / std::fabs(want32[s]);
+    worst_loss = std::fmax(worst_loss, err), worst32 = std::fmax(worst32, err32);
+    if (err > (exact_comm || s == 0 ? 1e-4 : 1e-3) || err32 > 1e-2) {
+      fprintf(stderr, "rank %d step %d: loss %.8f, one process %.8f in bf16, %.8f in f32\n",
+              rank, s, got, want[s], want32[s]);
+      return 29;
+    }
+    if (s == 0 && exact_comm && (worst_grad = grad_error(par, m, grad0)) > grad_tol) {
+      fprintf(stderr, "rank %d: gradients differ by %.3g of their largest element\n", rank,
+              worst_grad);
+      return 32;
+    }
+    if (rtp_optimizer_step(opt, nullptr)) return 30;
+  }
+  for (int i = 0; i < m.n_params && exact_comm; i++) {
+    rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
+    const float *fin = (const float *)ref.m.params[i]->data;
+    std::vector<float> want_p =
+        shard(par, m, i, std::vector<float>(fin, fin + rtp_nelements(ref.m.params[i])));
+    std::vector<float> mv = shard(par, m, i, moving[i]), in = shard(par, m, i, init[i]);
+    double err = 0, moved = 0;  // over the elements whose steps rounding does not decide
+    for (int64_t j = 0; j < rtp_nelements(mine); j++) {
+      if (mv[j] == 0.0f) continue;
+      double d = ((float *)mine->data)[j] - want_p[j], t = (double)want_p[j] - in[j];
+      err += d * d;
+      moved += t * t;
+    }
+    worst_param = std::fmax(worst_param, std::sqrt(err / moved));
+    if (std::sqrt(err) > param_tol * std::sqrt(moved)) {
+      fprintf(stderr, "rank %d: %s is %g from the bf16 process's, which moved %g\n", rank,
+              m.params[i]->name, std::sqrt(err), std::sqrt(moved));
+      return 31;
+    }
+  }
+  if (rank == 0)
+    printf(
+        "%s world %d comm %s: losses within %.2g of the bf16 process (%.2g of f32), "
+        "gradients %.2g, parameters %.2g\n",
+        rtp_strategy_name(strategy), world, rtp_type_name(comm_type), worst_loss, worst32,
+        worst_grad, worst_param);
+  rk.leave();
+  return 0;
+}
+
+class MixedPrecision : public ::testing::TestWithParam<rtp_strategy> {};
+
+TEST_P(MixedPrecision, NRanksMatchOneProcess) {
+  rtp_strategy s = GetParam();
+  for (int world : {1, 2, 3, 4}) {
+    if (s == RTP_STRATEGY_TP && world == 3) continue;  // 3 ranks cannot share 4 heads
+    for (rtp_type comm : {RTP_TYPE_F32, RTP_TYPE_BF16}) {
+      if (comm == RTP_TYPE_BF16 && (s != RTP_STRATEGY_RTP || world == 1)) continue;
+      int port = rtptest::free_port();
+      auto res = rtptest::run_procs(
+          world, [&](int r) { return rank_main_mixed(s, comm, r, world, port); }, 120);
+      for (int r = 0; r < world; r++)
+        EXPECT_EQ(res[r].code, 0) << rtp_strategy_name(s) << " world " << world << " comm "
+                                  << rtp_type_name(comm) << " rank " << r;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Strategies, MixedPrecision,
+                         ::testing::Values(RTP_STRATEGY_DDP, RTP_STRATEGY_FSDP, RTP_STRATEGY_TP,
+                                           RTP_STRATEGY_RTP),
+                         [](const auto &info) {
+                           return std::string(rtp_strategy_name(info.param));
+                         });
+
 // The transfer whose result t is (through views), as the executor finds it, or NULL.
 const rtp_tensor *comm_of(const rtp_tensor *t) {
   while (t && (t->op == RTP_OP_RESHAPE || t->op == RTP_OP_VIEW || t->op == RTP_OP_PERMUTE ||
@@ -690,7 +825,7 @@ TEST(RtpBf16, OtherStrategiesRefuse) {
       ASSERT_EQ(rtp_graph_build(fwd, m.loss), 0);
       rtp_init_params ip = {gpt_arena_size(kCfg, 1), nullptr, false, nullptr, 0};
       rtp_context *ctx = rtp_init(ip);
-      rtp_parallel_params pp = {s, nullptr, 0, 0, type};
+      rtp_parallel_params pp = {s, nullptr, 0, 0, type, RTP_TYPE_F32};
       EXPECT_EQ(rtp_parallelize(ctx, fwd, m.loss, &pp), nullptr);
       const char *msg = "";
       EXPECT_EQ(rtp_context_error(ctx, &msg), RTP_EINVAL);
@@ -851,7 +986,7 @@ TEST(ParallelErrors, TooFewRowsToSplit) {
     rtp_context *ctx = rtp_init(ip);
     int code = 0;
     for (rtp_strategy s : {RTP_STRATEGY_RTP, RTP_STRATEGY_FSDP}) {
-      rtp_parallel_params pp = {s, comm, 0, 0, RTP_TYPE_F32};
+      rtp_parallel_params pp = {s, comm, 0, 0, RTP_TYPE_F32, RTP_TYPE_F32};
       if (rtp_parallelize(ctx, g, loss, &pp) != nullptr) code = 51;
       const char *msg = nullptr;
       rtp_context_error(ctx, &msg);
@@ -883,7 +1018,7 @@ TEST(ParallelErrors, TpHeadsNotDivisible) {
     if (gpt_build(meta, &m, cfg, 2) || rtp_graph_build(g, m.loss)) return 61;
     rtp_init_params ip = {gpt_arena_size(cfg, 2), nullptr, false, nullptr, 0};
     rtp_context *ctx = rtp_init(ip);
-    rtp_parallel_params pp = {RTP_STRATEGY_TP, comm, 0, 0, RTP_TYPE_F32};
+    rtp_parallel_params pp = {RTP_STRATEGY_TP, comm, 0, 0, RTP_TYPE_F32, RTP_TYPE_F32};
     int code = rtp_parallelize(ctx, g, m.loss, &pp) == nullptr ? 0 : 62;
     const char *msg = "";
     if (!code && rtp_context_error(ctx, &msg) != RTP_EINVAL) code = 63;

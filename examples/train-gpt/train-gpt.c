@@ -78,7 +78,7 @@ static int flag_table(struct options *o, struct flag *f) {
       {"--strategy", ARG_STR, &o->strategy, "S",
        "rtp | ddp | fsdp | tp, on N ranks (default rtp; one process: all equal)"},
       {"--bf16", ARG_BOOL, &o->bf16, NULL,
-       "rtp: rotate bf16 copies of the blocks (half the bytes; weights, Adam stay f32)"},
+       "mixed precision: bf16 products (f32 sums, weights, Adam); rtp rotates bf16 blocks"},
       {"--data", ARG_STR, &o->data, "FILE",
        "bytes as tokens, last 10% held out (default: built-in sums)"},
       {"--metrics", ARG_STR, &o->metrics, "FILE", "write one JSON object per step (JSONL)"},
@@ -224,10 +224,6 @@ static int check_options(const struct options *o) {
   if (rtp_comm_params_from_env(&p) != RTP_OK)
     return usage_error("bad rank environment: %s", rtp_last_error());
   if (o->batch < 1) return usage_error("--batch must be at least 1");
-  if (o->bf16 && (strcmp(o->strategy, "rtp") != 0 || p.world_size < 2))
-    return usage_error(
-        "--bf16 rounds the copies of blocks that rtp rotates: it needs "
-        "--strategy rtp on 2 or more ranks");
   if (o->prompt && !*o->prompt) return usage_error("--prompt must not be empty");
   return 0;
 }
@@ -456,9 +452,20 @@ static int parallel_graph_size(struct gpt_config c, int world) {
   return graph_size(c) * (1 + world);
 }
 
+/* --bf16: the scratch a product rounds its two operands into, for the largest product (an
+ * MLP layer's, the head's backward with the logits' gradient, or attention's with the
+ * scores), bounded by the sum of them all; once for training's plan, once for evaluation's. */
+static size_t bf16_scratch(struct gpt_config c, int batch) {
+  size_t d = (size_t)c.d_model, tokens = (size_t)c.seq_len * (size_t)batch;
+  size_t floats = 4 * d * d + (size_t)c.vocab * d +
+                  tokens * (5 * d + (size_t)c.vocab + (size_t)c.seq_len * (size_t)c.n_head);
+  return 2 * floats * sizeof(float);
+}
+
 /* The rank's graphs and their tensor headers come on top of what gpt_arena_size counts. */
-static size_t arena_size(struct gpt_config c, int batch, int world) {
-  return gpt_arena_size(c, batch) + (size_t)parallel_graph_size(c, world) * 1024 + (1u << 20);
+static size_t arena_size(struct gpt_config c, int batch, int world, bool bf16) {
+  return gpt_arena_size(c, batch) + (size_t)parallel_graph_size(c, world) * 1024 + (1u << 20) +
+         (bf16 ? bf16_scratch(c, batch) : 0);
 }
 
 /* Threads per rank: by default the cores shared among the ranks on this host. */
@@ -487,7 +494,8 @@ static int join_job(struct trainer *tr) {
 static int parallelize(struct trainer *tr, struct gpt_config c, const struct options *o) {
   size_t meta_bytes = (size_t)graph_size(c) * 2048 + (8u << 20);
   tr->meta = rtp_init((struct rtp_init_params){.mem_size = meta_bytes, .no_alloc = true});
-  tr->ctx = rtp_init((struct rtp_init_params){.mem_size = arena_size(c, o->batch, tr->world)});
+  tr->ctx = rtp_init(
+      (struct rtp_init_params){.mem_size = arena_size(c, o->batch, tr->world, o->bf16)});
   if (!tr->meta || !tr->ctx) return fail(RTP_ENOMEM, "creating the arena");
   struct rtp_graph *fwd = rtp_graph_new(tr->meta, graph_size(c));
   if (!fwd || gpt_build(tr->meta, &tr->m, c, o->batch) || rtp_graph_build(fwd, tr->m.loss))
@@ -502,10 +510,15 @@ static int parallelize(struct trainer *tr, struct gpt_config c, const struct opt
             tr->world, c.n_head, tr->world);
     return EXIT_USAGE;
   }
+  /* --bf16: every strategy's products take bf16 operands; rtp's blocks travel as bf16 too
+   * (its products would round them anyway), while the others' all-reduces and gathers
+   * stay f32. */
+  bool bf16_rotation = o->bf16 && tr->strategy == RTP_STRATEGY_RTP;
   struct rtp_parallel_params pp = {.strategy = tr->strategy,
                                    .comm = tr->comm,
                                    .graph_size = parallel_graph_size(c, tr->world),
-                                   .comm_type = o->bf16 ? RTP_TYPE_BF16 : RTP_TYPE_F32};
+                                   .comm_type = bf16_rotation ? RTP_TYPE_BF16 : RTP_TYPE_F32,
+                                   .compute_type = o->bf16 ? RTP_TYPE_BF16 : RTP_TYPE_F32};
   tr->par = rtp_parallelize(tr->ctx, fwd, tr->m.loss, &pp);
   int rc = tr->par ? RTP_OK : rtp_context_error(tr->ctx, NULL);
   if (rc == RTP_ENOSYS) {
