@@ -21,6 +21,8 @@
  *   bench-parallel [--model tiny|small|medium] [--ranks N] [--batch B] [--threads T]
  *                  [--steps S] [--strategies "ddp rtp"] [--master-port P] [--net LABEL]
  *                  [--comm-type f32|bf16]   (bf16: rtp rotates bf16 copies; others stay f32)
+ *                  [--compute-type f32|bf16] (bf16: every product, one process included,
+ *                                             rounds its operands to bf16)
  */
 #include <signal.h>
 #include <stdio.h>
@@ -41,7 +43,8 @@ struct opts {
   char strategies[64];
   enum rtp_strategy list[8]; /* --strategies, parsed before any rank joins */
   int n_list;
-  enum rtp_type comm_type; /* rtp's travelling copies */
+  enum rtp_type comm_type;    /* rtp's travelling copies */
+  enum rtp_type compute_type; /* the products' precision, every strategy */
 };
 
 static enum rtp_type comm_type_of(const struct opts *o, enum rtp_strategy s) {
@@ -222,8 +225,10 @@ static struct result run_rank(const struct opts *o, enum rtp_strategy strategy,
     die("build");
   struct rtp_init_params ip = {.mem_size = gpt_arena_size(o->cfg, o->batch), .no_alloc = false};
   struct rtp_context *ctx = rtp_init(ip);
-  struct rtp_parallel_params pp = {
-      .strategy = strategy, .comm = comm, .comm_type = comm_type_of(o, strategy)};
+  struct rtp_parallel_params pp = {.strategy = strategy,
+                                   .comm = comm,
+                                   .comm_type = comm_type_of(o, strategy),
+                                   .compute_type = o->compute_type};
   struct rtp_parallel *par = ctx ? rtp_parallelize(ctx, fwd, m.loss, &pp) : NULL;
   if (!par) die("parallelize");
   struct rtp_graph *g = rtp_parallel_graph(par);
@@ -276,19 +281,20 @@ static void print_result(const struct opts *o, const char *strategy, int world,
       r->mem.bytes[RTP_ROLE_PARAM] + r->mem.bytes[RTP_ROLE_GRAD] + r->mem.bytes[RTP_ROLE_OPTIM];
   printf(
       "{\"bench\":\"parallel\",\"model\":\"%s\",\"strategy\":\"%s\",\"comm_type\":\"%s\","
-      "\"ranks\":%d,\"batch\":%d,"
+      "\"compute_type\":\"%s\",\"ranks\":%d,\"batch\":%d,"
       "\"threads\":%d,\"net\":\"%s\",\"step_ms\":%.1f,\"tokens_per_s\":%.0f,\"params\":%zu,"
       "\"grads\":%zu,\"optim\":%zu,\"model_states\":%zu,\"activations\":%zu,\"comm\":%zu,"
       "\"arena_total\":%zu,\"bytes_sent_per_step\":%.0f,\"comm_only_ms\":%.1f,"
       "\"comm_only_method\":\"%s\",\"comm_est_ms\":%.1f,\"compute_only_ms\":%.1f,"
       "\"step_over_max\":%.3f,\"comm_hidden\":%.2f,\"peak_rss\":%zu,\"baseline_rss\":%zu}\n",
       o->model, strategy,
-      rtp_type_name(strcmp(strategy, "rtp") == 0 ? o->comm_type : RTP_TYPE_F32), world,
-      o->batch, o->threads, o->net, r->step_s * 1e3, tokens / r->step_s,
-      r->mem.bytes[RTP_ROLE_PARAM], r->mem.bytes[RTP_ROLE_GRAD], r->mem.bytes[RTP_ROLE_OPTIM],
-      states, r->mem.bytes[RTP_ROLE_ACTIVATION], r->mem.bytes[RTP_ROLE_COMM], r->mem.total,
-      r->sent, r->comm_s * 1e3, r->comm_s > 0 ? "replay" : "none", r->comm_est_s * 1e3,
-      compute_s * 1e3, r->step_s / bound, hidden, r->peak, r->baseline);
+      rtp_type_name(strcmp(strategy, "rtp") == 0 ? o->comm_type : RTP_TYPE_F32),
+      rtp_type_name(o->compute_type), world, o->batch, o->threads, o->net, r->step_s * 1e3,
+      tokens / r->step_s, r->mem.bytes[RTP_ROLE_PARAM], r->mem.bytes[RTP_ROLE_GRAD],
+      r->mem.bytes[RTP_ROLE_OPTIM], states, r->mem.bytes[RTP_ROLE_ACTIVATION],
+      r->mem.bytes[RTP_ROLE_COMM], r->mem.total, r->sent, r->comm_s * 1e3,
+      r->comm_s > 0 ? "replay" : "none", r->comm_est_s * 1e3, compute_s * 1e3,
+      r->step_s / bound, hidden, r->peak, r->baseline);
   fflush(stdout);
 }
 
@@ -409,6 +415,8 @@ static int parse_args(struct opts *o, int argc, char **argv) {
       o->net = v;
     else if (!strcmp(a, "--comm-type") && (!strcmp(v, "f32") || !strcmp(v, "bf16")))
       o->comm_type = strcmp(v, "bf16") ? RTP_TYPE_F32 : RTP_TYPE_BF16;
+    else if (!strcmp(a, "--compute-type") && (!strcmp(v, "f32") || !strcmp(v, "bf16")))
+      o->compute_type = strcmp(v, "bf16") ? RTP_TYPE_F32 : RTP_TYPE_BF16;
     else if (!strcmp(a, "--strategies"))
       snprintf(o->strategies, sizeof(o->strategies), "%s", v);
     else
@@ -432,12 +440,13 @@ int main(int argc, char **argv) {
                    .steps = 5,
                    .port = 29600,
                    .strategies = "ddp rtp",
-                   .comm_type = RTP_TYPE_F32};
+                   .comm_type = RTP_TYPE_F32,
+                   .compute_type = RTP_TYPE_F32};
   if (parse_args(&o, argc, argv)) {
     fprintf(stderr,
             "usage: bench-parallel [--model tiny|small|medium] [--ranks N] [--batch B] "
             "[--threads T] [--steps S] [--strategies \"ddp rtp\"] [--master-port P] "
-            "[--net LABEL] [--comm-type f32|bf16]\n"
+            "[--net LABEL] [--comm-type f32|bf16] [--compute-type f32|bf16]\n"
             "  with RTP_WORLD_SIZE set, runs as rank RTP_RANK of that job (--ranks ignored)\n");
     return 2;
   }
