@@ -106,13 +106,13 @@ static inline struct rtp_tensor *rtp__waited_transfer(const struct rtp_tensor *t
   return rtp__src_read(t, k) ? rtp__comm_source(t->src[k]) : NULL;
 }
 
-/* get_rows / get_rows_back on the block of rows [first, first + a's rows) of a larger
- * table: indices outside the block give zero rows instead of an error. */
 /* c + mul_mat(a, b), c f32, contiguous and shaped like the product: the product is added
  * into c's memory when c dies there (the planner's in-place rule), else into a copy. It
  * saves an add's pass over memory where a pass sums products (rtp's dx over blocks). */
 struct rtp_tensor *rtp__mul_mat_add(struct rtp_context *ctx, struct rtp_tensor *a,
                                     struct rtp_tensor *b, struct rtp_tensor *c);
+/* get_rows / get_rows_back on the block of rows [first, first + a's rows) of a larger
+ * table: indices outside the block give zero rows instead of an error. */
 struct rtp_tensor *rtp__get_rows_block(struct rtp_context *ctx, struct rtp_tensor *a,
                                        struct rtp_tensor *idx, int64_t first);
 struct rtp_tensor *rtp__get_rows_back_block(struct rtp_context *ctx, struct rtp_tensor *dy,
