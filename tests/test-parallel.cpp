@@ -117,6 +117,29 @@ std::vector<float> shard(rtp_parallel *par, const gpt &m, int i,
   return mine;
 }
 
+// How far this rank's part of parameter i is from the reference run's (L2), and how far
+// the reference moved it from `init`, over the elements whose steps rounding does not
+// decide (`moving` nonzero).
+struct Distance {
+  double err, moved;
+};
+Distance param_distance(rtp_parallel *par, const gpt &m, int i, const Model &ref,
+                        const std::vector<float> &moving, const std::vector<float> &init) {
+  rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
+  const float *fin = (const float *)ref.m.params[i]->data;
+  std::vector<float> want_p =
+      shard(par, m, i, std::vector<float>(fin, fin + rtp_nelements(ref.m.params[i])));
+  std::vector<float> mv = shard(par, m, i, moving), in = shard(par, m, i, init);
+  double err = 0, moved = 0;
+  for (int64_t j = 0; j < rtp_nelements(mine); j++) {
+    if (mv[j] == 0.0f) continue;
+    double d = ((float *)mine->data)[j] - want_p[j], t = (double)want_p[j] - in[j];
+    err += d * d;
+    moved += t * t;
+  }
+  return {std::sqrt(err), std::sqrt(moved)};
+}
+
 // After the first step, each rank's gradients (of the parameter rows it holds) are the
 // one-process gradients of the global batch.
 bool grads_match(rtp_parallel *par, const gpt &m, const std::vector<std::vector<float>> &grad0,
@@ -468,21 +491,10 @@ int rank_main_bf16(int rank, int world, int port) {
     }
   }
   for (int i = 0; i < m.n_params; i++) {
-    rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
-    const float *fin = (const float *)ref.m.params[i]->data;
-    std::vector<float> want_p =
-        shard(par, m, i, std::vector<float>(fin, fin + rtp_nelements(ref.m.params[i])));
-    std::vector<float> mv = shard(par, m, i, moving[i]), in = shard(par, m, i, init[i]);
-    double err = 0, moved = 0;  // over the elements whose steps rounding does not decide
-    for (int64_t j = 0; j < rtp_nelements(mine); j++) {
-      if (mv[j] == 0.0f) continue;
-      double d = ((float *)mine->data)[j] - want_p[j], t = (double)want_p[j] - in[j];
-      err += d * d;
-      moved += t * t;
-    }
-    if (std::sqrt(err) > param_tol * std::sqrt(moved)) {
+    Distance d = param_distance(par, m, i, ref, moving[i], init[i]);
+    if (d.err > param_tol * d.moved) {
       fprintf(stderr, "rank %d: %s is %g from the f32 run's, which moved %g\n", rank,
-              m.params[i]->name, std::sqrt(err), std::sqrt(moved));
+              m.params[i]->name, d.err, d.moved);
       return 31;
     }
   }
@@ -568,22 +580,11 @@ int rank_main_mixed(rtp_strategy strategy, rtp_type comm_type, int rank, int wor
     if (rtp_optimizer_step(opt, nullptr)) return 30;
   }
   for (int i = 0; i < m.n_params && exact_comm; i++) {
-    rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
-    const float *fin = (const float *)ref.m.params[i]->data;
-    std::vector<float> want_p =
-        shard(par, m, i, std::vector<float>(fin, fin + rtp_nelements(ref.m.params[i])));
-    std::vector<float> mv = shard(par, m, i, moving[i]), in = shard(par, m, i, init[i]);
-    double err = 0, moved = 0;  // over the elements whose steps rounding does not decide
-    for (int64_t j = 0; j < rtp_nelements(mine); j++) {
-      if (mv[j] == 0.0f) continue;
-      double d = ((float *)mine->data)[j] - want_p[j], t = (double)want_p[j] - in[j];
-      err += d * d;
-      moved += t * t;
-    }
-    worst_param = std::fmax(worst_param, std::sqrt(err / moved));
-    if (std::sqrt(err) > param_tol * std::sqrt(moved)) {
+    Distance d = param_distance(par, m, i, ref, moving[i], init[i]);
+    worst_param = std::fmax(worst_param, d.err / d.moved);
+    if (d.err > param_tol * d.moved) {
       fprintf(stderr, "rank %d: %s is %g from the bf16 process's, which moved %g\n", rank,
-              m.params[i]->name, std::sqrt(err), std::sqrt(moved));
+              m.params[i]->name, d.err, d.moved);
       return 31;
     }
   }
