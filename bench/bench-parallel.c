@@ -23,6 +23,9 @@
  *                  [--comm-type f32|bf16]   (bf16: rtp rotates bf16 copies; others stay f32)
  *                  [--compute-type f32|bf16] (bf16: every product, one process included,
  *                                             rounds its operands to bf16)
+ *                  [--interleave 0|1]        (1: every rank builds all the strategies and
+ *                                             takes their steps in turn; for ratios on a
+ *                                             machine whose speed drifts; no peak memory)
  */
 #include <signal.h>
 #include <stdio.h>
@@ -45,6 +48,7 @@ struct opts {
   int n_list;
   enum rtp_type comm_type;    /* rtp's travelling copies */
   enum rtp_type compute_type; /* the products' precision, every strategy */
+  bool interleave;            /* --interleave: strategies' steps taken in turn */
 };
 
 static enum rtp_type comm_type_of(const struct opts *o, enum rtp_strategy s) {
@@ -211,62 +215,92 @@ static double comm_estimate_s(struct rtp_comm *comm, double sent) {
   return sent / bw;
 }
 
-/* One rank's run: build for one device (no memory for parameters), parallelize, train. */
-static struct result run_rank(const struct opts *o, enum rtp_strategy strategy,
-                              struct rtp_comm *comm) {
-  struct result res = {0};
-  struct rtp_threadpool *tp = rtp_threadpool_new(o->threads);
-  res.baseline = proc_bytes("VmRSS:");
+/* One strategy on this rank: built for one device (no memory for parameters), then
+ * parallelized, planned and given an optimizer; steps are timed into `times`. */
+struct run {
+  enum rtp_strategy strategy;
+  struct rtp_context *meta, *ctx;
+  struct rtp_parallel *par;
+  struct rtp_graph *g;
+  struct rtp_optimizer *opt;
+  size_t baseline;
+  double times[64];
+  int n_times;
+};
+
+static void run_setup(const struct opts *o, enum rtp_strategy strategy, struct rtp_comm *comm,
+                      struct run *u) {
+  memset(u, 0, sizeof(*u));
+  u->strategy = strategy;
+  u->baseline = proc_bytes("VmRSS:");
   struct rtp_init_params meta_ip = {.mem_size = 64 << 20, .no_alloc = true};
-  struct rtp_context *meta = rtp_init(meta_ip);
+  u->meta = rtp_init(meta_ip);
   struct gpt m;
-  struct rtp_graph *fwd = rtp_graph_new(meta, 16384);
-  if (!meta || gpt_build(meta, &m, o->cfg, o->batch) || rtp_graph_build(fwd, m.loss))
+  struct rtp_graph *fwd = u->meta ? rtp_graph_new(u->meta, 16384) : NULL;
+  if (!fwd || gpt_build(u->meta, &m, o->cfg, o->batch) || rtp_graph_build(fwd, m.loss))
     die("build");
   struct rtp_init_params ip = {.mem_size = gpt_arena_size(o->cfg, o->batch), .no_alloc = false};
-  struct rtp_context *ctx = rtp_init(ip);
+  u->ctx = rtp_init(ip);
   struct rtp_parallel_params pp = {.strategy = strategy,
                                    .comm = comm,
                                    .comm_type = comm_type_of(o, strategy),
                                    .compute_type = o->compute_type};
-  struct rtp_parallel *par = ctx ? rtp_parallelize(ctx, fwd, m.loss, &pp) : NULL;
-  if (!par) die("parallelize");
-  struct rtp_graph *g = rtp_parallel_graph(par);
-  if (rtp_graph_plan(ctx, g)) die("plan");
-  struct rtp_optimizer *opt = rtp_optimizer_new(ctx, g, rtp_adamw_default());
-  if (!opt) die("optimizer");
+  u->par = u->ctx ? rtp_parallelize(u->ctx, fwd, m.loss, &pp) : NULL;
+  if (!u->par) die("parallelize");
+  u->g = rtp_parallel_graph(u->par);
+  if (rtp_graph_plan(u->ctx, u->g)) die("plan");
+  u->opt = rtp_optimizer_new(u->ctx, u->g, rtp_adamw_default());
+  if (!u->opt) die("optimizer");
   for (int i = 0; i < m.n_params; i++) { /* values do not matter for speed, only finiteness */
-    struct rtp_tensor *t = rtp_parallel_tensor(par, m.params[i]);
+    struct rtp_tensor *t = rtp_parallel_tensor(u->par, m.params[i]);
     float *d = t->data;
     for (int64_t j = 0; j < rtp_nelements(t); j++)
       d[j] = 0.02f * (float)((j * 7919) % 101 - 50) / 50;
   }
-  struct rtp_tensor *idx = rtp_parallel_tensor(par, m.idx),
-                    *tgt = rtp_parallel_tensor(par, m.targets);
+  struct rtp_tensor *idx = rtp_parallel_tensor(u->par, m.idx),
+                    *tgt = rtp_parallel_tensor(u->par, m.targets);
   for (int64_t j = 0; j < rtp_nelements(idx); j++) {
     ((int32_t *)idx->data)[j] = (int32_t)((j * 31) % 256);
     ((int32_t *)tgt->data)[j] = (int32_t)((j * 17 + 3) % 256);
   }
-  double times[64];
-  int n = o->steps < 64 ? o->steps : 64;
-  for (int s = 0; s <= n; s++) {
-    double t0 = now_s();
-    if (rtp_graph_compute(g, tp) || rtp_optimizer_step(opt, tp)) die("step");
-    if (s > 0) times[s - 1] = now_s() - t0; /* step 0 warms up */
-  }
-  qsort(times, (size_t)n, sizeof(double), cmp_double);
-  res.step_s = times[n / 2];
-  res.sent = bytes_sent(g, comm ? rtp_comm_size(comm) : 1, comm ? rtp_comm_rank(comm) : 0);
-  res.peak = proc_bytes("VmHWM:");
-  rtp_mem_report_get(ctx, &res.mem);
+}
+
+/* One training step; `timed` false for the warm-up. */
+static void run_step(struct run *u, struct rtp_threadpool *tp, bool timed) {
+  double t0 = now_s();
+  if (rtp_graph_compute(u->g, tp) || rtp_optimizer_step(u->opt, tp)) die("step");
+  if (timed && u->n_times < 64) u->times[u->n_times++] = now_s() - t0;
+}
+
+/* The median step, bytes and memory, then communication alone; frees the run. */
+static struct result run_finish(struct run *u, struct rtp_comm *comm) {
+  struct result res = {.baseline = u->baseline, .peak = proc_bytes("VmHWM:")};
+  qsort(u->times, (size_t)u->n_times, sizeof(double), cmp_double);
+  res.step_s = u->times[u->n_times / 2];
+  res.sent = bytes_sent(u->g, comm ? rtp_comm_size(comm) : 1, comm ? rtp_comm_rank(comm) : 0);
+  rtp_mem_report_get(u->ctx, &res.mem);
   if (comm && rtp_comm_size(comm) > 1 && res.sent > 0) {
-    res.comm_s = comm_only_s(g, comm, n);
+    res.comm_s = comm_only_s(u->g, comm, u->n_times);
     res.comm_est_s = comm_estimate_s(comm, res.sent);
   }
-  rtp_free(ctx);
-  rtp_free(meta);
-  rtp_threadpool_free(tp);
+  rtp_free(u->ctx);
+  rtp_free(u->meta);
   return res;
+}
+
+static int n_steps(const struct opts *o) {
+  return o->steps < 64 ? o->steps : 64;
+}
+
+/* One rank's run of one strategy: a warm-up step, then the timed ones. */
+static struct result run_rank(const struct opts *o, enum rtp_strategy strategy,
+                              struct rtp_comm *comm) {
+  struct rtp_threadpool *tp = rtp_threadpool_new(o->threads);
+  struct run u;
+  run_setup(o, strategy, comm, &u);
+  for (int s = 0; s <= n_steps(o); s++) run_step(&u, tp, s > 0);
+  rtp_threadpool_free(tp);
+  return run_finish(&u, comm);
 }
 
 static void print_result(const struct opts *o, const char *strategy, int world,
@@ -277,6 +311,11 @@ static void print_result(const struct opts *o, const char *strategy, int world,
     hidden = (compute_s + r->comm_s - r->step_s) / r->comm_s;
     hidden = hidden < 0 ? 0 : hidden > 1 ? 1 : hidden;
   }
+  char peak[24] = "null", baseline[24] = "null"; /* interleaved: the process's, not its own */
+  if (!o->interleave) {
+    snprintf(peak, sizeof(peak), "%zu", r->peak);
+    snprintf(baseline, sizeof(baseline), "%zu", r->baseline);
+  }
   size_t states =
       r->mem.bytes[RTP_ROLE_PARAM] + r->mem.bytes[RTP_ROLE_GRAD] + r->mem.bytes[RTP_ROLE_OPTIM];
   printf(
@@ -286,7 +325,8 @@ static void print_result(const struct opts *o, const char *strategy, int world,
       "\"grads\":%zu,\"optim\":%zu,\"model_states\":%zu,\"activations\":%zu,\"comm\":%zu,"
       "\"arena_total\":%zu,\"bytes_sent_per_step\":%.0f,\"comm_only_ms\":%.1f,"
       "\"comm_only_method\":\"%s\",\"comm_est_ms\":%.1f,\"compute_only_ms\":%.1f,"
-      "\"step_over_max\":%.3f,\"comm_hidden\":%.2f,\"peak_rss\":%zu,\"baseline_rss\":%zu}\n",
+      "\"step_over_max\":%.3f,\"comm_hidden\":%.2f,\"interleaved\":%s,\"peak_rss\":%s,"
+      "\"baseline_rss\":%s}\n",
       o->model, strategy,
       rtp_type_name(strcmp(strategy, "rtp") == 0 ? o->comm_type : RTP_TYPE_F32),
       rtp_type_name(o->compute_type), world, o->batch, o->threads, o->net, r->step_s * 1e3,
@@ -294,11 +334,42 @@ static void print_result(const struct opts *o, const char *strategy, int world,
       r->mem.bytes[RTP_ROLE_OPTIM], states, r->mem.bytes[RTP_ROLE_ACTIVATION],
       r->mem.bytes[RTP_ROLE_COMM], r->mem.total, r->sent, r->comm_s * 1e3,
       r->comm_s > 0 ? "replay" : "none", r->comm_est_s * 1e3, compute_s * 1e3,
-      r->step_s / bound, hidden, r->peak, r->baseline);
+      r->step_s / bound, hidden, o->interleave ? "true" : "false", peak, baseline);
   fflush(stdout);
 }
 
-/* Forks the ranks of one strategy; rank 0 prints. Returns 0 if every rank succeeded. */
+/* --interleave: this rank builds a one-process run and every strategy, then takes their
+ * steps in turn (the order rotating each round), so that a machine whose speed drifts
+ * during the run slows every strategy alike and the ratios between them hold. The
+ * one-process step runs on every rank at once, as the ranks do (compute_only_s). Peak
+ * memory is the process's, over all of them, so it is not reported. */
+static void run_interleaved(const struct opts *o, struct rtp_comm *comm) {
+  struct rtp_threadpool *tp = rtp_threadpool_new(o->threads);
+  struct run one, runs[8];
+  int n = o->n_list;
+  run_setup(o, RTP_STRATEGY_NONE, NULL, &one);
+  for (int k = 0; k < n; k++) run_setup(o, o->list[k], comm, &runs[k]);
+  for (int s = 0; s <= n_steps(o); s++) {
+    float barrier = 0; /* every rank starts the strategies' steps together */
+    run_step(&one, tp, s > 0);
+    if (rtp_comm_allreduce(comm, &barrier, 1, NULL)) die("allreduce");
+    for (int k = 0; k < n; k++) run_step(&runs[(s + k) % n], tp, s > 0);
+  }
+  rtp_threadpool_free(tp);
+  struct result r1 = run_finish(&one, NULL);
+  float c = (float)r1.step_s;
+  if (rtp_comm_allreduce(comm, &c, 1, NULL)) die("allreduce");
+  double compute_s = (double)c / rtp_comm_size(comm);
+  bool print = rtp_comm_rank(comm) == 0;
+  if (print) print_result(o, "none", 1, &r1, compute_s);
+  for (int k = 0; k < n; k++) {
+    struct result res = run_finish(&runs[k], comm);
+    if (print) print_result(o, rtp_strategy_name(o->list[k]), o->ranks, &res, compute_s);
+  }
+}
+
+/* Forks the ranks of one strategy (with --interleave, of all); rank 0 prints. Returns 0
+ * if every rank succeeded. */
 static int run_strategy(const struct opts *o, enum rtp_strategy s, double compute_s) {
   int port = o->port + (int)s * 7 + (int)(getpid() % 97) * 13;
   pid_t pids[RTP_MAX_WORLD];
@@ -313,8 +384,12 @@ static int run_strategy(const struct opts *o, enum rtp_strategy s, double comput
     snprintf(cp.token, sizeof(cp.token), "bench-%d", (int)getppid());
     struct rtp_comm *comm;
     if (rtp_comm_init(&cp, &comm)) die("comm");
-    struct result res = run_rank(o, s, comm);
-    if (r == 0) print_result(o, rtp_strategy_name(s), o->ranks, &res, compute_s);
+    if (o->interleave) {
+      run_interleaved(o, comm);
+    } else {
+      struct result res = run_rank(o, s, comm);
+      if (r == 0) print_result(o, rtp_strategy_name(s), o->ranks, &res, compute_s);
+    }
     rtp_comm_free(comm);
     exit(0); /* exit, not _exit: RTP_PROFILE prints at exit */
   }
@@ -329,6 +404,7 @@ static int run_strategy(const struct opts *o, enum rtp_strategy s, double comput
 
 /* Default mode: the parent measures compute alone, then forks the ranks of each strategy. */
 static int run_forked(const struct opts *o) {
+  if (o->interleave) return run_strategy(o, RTP_STRATEGY_NONE, 0);
   struct result one = run_rank(o, RTP_STRATEGY_NONE, NULL);
   print_result(o, "none", 1, &one, one.step_s);
   int bad = 0;
@@ -354,6 +430,11 @@ static int run_env(struct opts *o) {
   if (rtp_comm_init(&cp, &comm)) die("comm");
   int rank = rtp_comm_rank(comm);
   o->ranks = rtp_comm_size(comm);
+  if (o->interleave) {
+    run_interleaved(o, comm);
+    rtp_comm_free(comm);
+    return 0;
+  }
   struct result one;
   double compute_s = compute_only_s(o, comm, &one);
   if (rank == 0) print_result(o, "none", 1, &one, compute_s);
@@ -417,6 +498,8 @@ static int parse_args(struct opts *o, int argc, char **argv) {
       o->comm_type = strcmp(v, "bf16") ? RTP_TYPE_F32 : RTP_TYPE_BF16;
     else if (!strcmp(a, "--compute-type") && (!strcmp(v, "f32") || !strcmp(v, "bf16")))
       o->compute_type = strcmp(v, "bf16") ? RTP_TYPE_F32 : RTP_TYPE_BF16;
+    else if (!strcmp(a, "--interleave") && (!strcmp(v, "0") || !strcmp(v, "1")))
+      o->interleave = v[0] == '1';
     else if (!strcmp(a, "--strategies"))
       snprintf(o->strategies, sizeof(o->strategies), "%s", v);
     else
@@ -446,7 +529,8 @@ int main(int argc, char **argv) {
     fprintf(stderr,
             "usage: bench-parallel [--model tiny|small|medium] [--ranks N] [--batch B] "
             "[--threads T] [--steps S] [--strategies \"ddp rtp\"] [--master-port P] "
-            "[--net LABEL] [--comm-type f32|bf16] [--compute-type f32|bf16]\n"
+            "[--net LABEL] [--comm-type f32|bf16] [--compute-type f32|bf16] "
+            "[--interleave 0|1]\n"
             "  with RTP_WORLD_SIZE set, runs as rank RTP_RANK of that job (--ranks ignored)\n");
     return 2;
   }
