@@ -62,12 +62,42 @@ bool set_prec(rtp_graph *g, rtp_type prec, bool check) {
   return true;
 }
 
+// f32 rounded to bf16 (to nearest, ties to even) and back: what the cast gives, from the
+// definition on the bits.
+float bf16_round(float v) {
+  uint32_t u;
+  memcpy(&u, &v, sizeof(u));
+  uint32_t lower = u & 0xffffu, upper = u >> 16;
+  if (lower > 0x8000u || (lower == 0x8000u && (upper & 1u))) upper++;
+  u = upper << 16;
+  memcpy(&v, &u, sizeof(v));
+  return v;
+}
+
+// GPT-2's initial values with LayerNorm weights and biases moved off 1 and 0: as
+// initialised, a pass that applied one of them to the wrong elements (or in the wrong
+// memory) would give the same first step. The new values are bf16's, as 1 and 0 were,
+// so rotating bf16 copies rounds none of them at first. (RtpBf16 keeps GPT-2's: its
+// parameter bound is relative to the distance moved, which these would make
+// rounding-sized after they move.)
+void init_weights(gpt &m, bool moved_off) {
+  gpt_init_weights(&m, 42);
+  for (int i = 0; i < m.n_params && moved_off; i++) {
+    rtp_tensor *p = m.params[i];
+    if (rtp_n_dims(p) != 1) continue;
+    float *d = (float *)p->data;
+    for (int64_t j = 0; j < rtp_nelements(p); j++)
+      d[j] = bf16_round(d[j] + 0.1f * std::sin(0.7f * j + i));
+  }
+}
+
 // The one-process reference: batch world x B, K Adam steps from the initial values
 // (kept in init). Its forward products take precision `prec`, and backward gives their
 // gradient products the same (checked).
 bool reference(int world, std::vector<float> &losses, std::vector<float> &norms, Model &ref,
                std::vector<std::vector<float>> &moving, std::vector<std::vector<float>> &init,
-               std::vector<std::vector<float>> &grad0, rtp_type prec = RTP_TYPE_F32) {
+               std::vector<std::vector<float>> &grad0, rtp_type prec = RTP_TYPE_F32,
+               bool moved_off = true) {
   rtp_init_params ip = {gpt_arena_size(kCfg, world * kBatch), nullptr, false, nullptr, 0};
   ref.ctx = rtp_init(ip);
   if (gpt_build(ref.ctx, &ref.m, kCfg, world * kBatch)) return false;
@@ -76,7 +106,7 @@ bool reference(int world, std::vector<float> &losses, std::vector<float> &norms,
       rtp_build_backward(ref.ctx, ref.g, ref.m.loss) || !set_prec(ref.g, prec, true) ||
       rtp_graph_plan(ref.ctx, ref.g))
     return false;
-  gpt_init_weights(&ref.m, 42);
+  init_weights(ref.m, moved_off);
   for (int i = 0; i < ref.m.n_params; i++) {
     const float *d = (const float *)ref.m.params[i]->data;
     init.emplace_back(d, d + rtp_nelements(ref.m.params[i]));
@@ -342,18 +372,6 @@ INSTANTIATE_TEST_SUITE_P(Strategies, Equivalence,
 
 // ---- rtp with bf16 rotation ----------------------------------------------------------
 
-// f32 rounded to bf16 (to nearest, ties to even) and back: what the cast gives, from the
-// definition on the bits.
-float bf16_round(float v) {
-  uint32_t u;
-  memcpy(&u, &v, sizeof(u));
-  uint32_t lower = u & 0xffffu, upper = u >> 16;
-  if (lower > 0x8000u || (lower == 0x8000u && (upper & 1u))) upper++;
-  u = upper << 16;
-  memcpy(&v, &u, sizeof(v));
-  return v;
-}
-
 // One process, batch world x B, with the initial weights rounded to bf16: the first step's
 // loss and gradients, which N ranks rotating bf16 copies compute with.
 bool rounded_reference(int world, float *loss, std::vector<std::vector<float>> &grads) {
@@ -365,7 +383,7 @@ bool rounded_reference(int world, float *loss, std::vector<std::vector<float>> &
   if (rtp_graph_build(ref.g, ref.m.loss) || rtp_build_backward(ref.ctx, ref.g, ref.m.loss) ||
       rtp_graph_plan(ref.ctx, ref.g))
     return false;
-  gpt_init_weights(&ref.m, 42);
+  init_weights(ref.m, false);
   for (int i = 0; i < ref.m.n_params; i++) {
     float *d = (float *)ref.m.params[i]->data;
     for (int64_t j = 0; j < rtp_nelements(ref.m.params[i]); j++) d[j] = bf16_round(d[j]);
@@ -430,7 +448,8 @@ int rank_main_bf16(int rank, int world, int port) {
   Model ref;
   std::vector<std::vector<float>> moving, init, grad0, grad_r;
   float loss_r = 0;
-  if (!reference(world, want, want_norm, ref, moving, init, grad0)) return 20;
+  if (!reference(world, want, want_norm, ref, moving, init, grad0, RTP_TYPE_F32, false))
+    return 20;
   if (!rounded_reference(world, &loss_r, grad_r)) return 19;
   double first_order = 0;
   for (size_t i = 0; i < init.size(); i++)
