@@ -442,6 +442,35 @@ static int pack_hop(struct rtp_parallel *p, int lo, int hi, size_t n, size_t *of
   return best;
 }
 
+/* Whether node u of the one-device graph is read by any node but t (views count). */
+static bool read_elsewhere(const struct rtp_graph *g, const struct rtp_tensor *u,
+                           const struct rtp_tensor *t) {
+  for (int i = 0; i < g->n_nodes; i++) {
+    const struct rtp_tensor *v = g->nodes[i];
+    for (int s = 0; s < RTP_MAX_SRC && v != t; s++)
+      if (v->src[s] == u) return true;
+  }
+  return false;
+}
+
+/* A bias added to a product writes into the product's memory, as one device's in-place
+ * add does, rather than into a second buffer of the product's size. Safe when nothing
+ * else reads the product: the one-device graph has no other reader, it is no output, and
+ * neither the product's backward nor the add's reads it. Returns the memory to write
+ * into, or NULL. */
+static struct rtp_tensor *add_in_place(struct rtp_parallel *p, const struct rtp_tensor *t,
+                                       struct rtp_tensor *x) {
+  const struct rtp_tensor *u = t->src[0];
+  struct rtp_tensor *b = x->view_src ? x->view_src : x;
+  if (u->op != RTP_OP_MUL_MAT || (u->flags & (RTP_FLAG_OUTPUT | RTP_FLAG_LOSS)) ||
+      read_elsewhere(p->src, u, t))
+    return NULL;
+  if (b->op != RTP_OP_EMPTY || x->type != RTP_TYPE_F32 || x->view_offs != 0 ||
+      !rtp_is_contiguous(x) || rtp_nbytes(x) != rtp_nbytes(b))
+    return NULL;
+  return b;
+}
+
 /* y = op(param, x) on this rank. rtp: step k applies block (rank + k) % N, which arrived
  * from rank + 1 during step k - 1; step 0 uses the owned block and never waits. */
 static struct rtp_tensor *rot_forward(struct rtp_parallel *p, const struct rtp_tensor *t,
@@ -467,7 +496,8 @@ static struct rtp_tensor *rot_forward(struct rtp_parallel *p, const struct rtp_t
    * alternate between the block slots. A transfer into a slot waits (src[3]) for whatever
    * last read the slot. */
   p->n_gathers++;
-  struct rtp_tensor *parts[RTP_MAX_WORLD] = {0}, *held = own, *prev = NULL, *y = NULL;
+  struct rtp_tensor *parts[RTP_MAX_WORLD] = {0}, *held = own, *prev = NULL;
+  struct rtp_tensor *y = kind == ROT_ADD ? add_in_place(p, t, x) : NULL;
   struct rtp_tensor **reader[RTP_MAX_WORLD] = {0}; /* of the slot step k reads */
   /* Hops are sized as the largest block, not the one that arrives: every rank then packs
    * alike, and posts its hops in the same order as the others. */
@@ -663,11 +693,11 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
     g = g_in ? rtp_add(ctx, from_wire(p, g_in, contrib), contrib) : contrib;
     if (g_in && g) {
       /* The add reads the slot after what read it before (pack_hop relies on that
-       * order). The owner's sum of a small block is read by nothing in the step (the
-       * optimizer reads it after), so sink_sums moves it late, where its hop is long done. */
+       * order). The owner's sum is read by nothing in the step (the optimizer reads it
+       * after), so sink_sums moves it late, where its hop is long done. */
       g->src[RTP_SRC_ORDER] = p->g_reader[g_slot];
       p->g_reader[g_slot] = g;
-      if (k == 0 && small) p->sink[p->n_sink++] = g;
+      if (k == 0) p->sink[p->n_sink++] = g;
     }
     if (k > 0) { /* the summed gradient of s goes on to the next holder, packed as forward's
                   * first hops are */
@@ -1253,11 +1283,12 @@ static int node_pos(const struct rtp_graph *g, const struct rtp_tensor *t) {
 }
 
 /*
- * rtp: each owner's final sum of a small block's gradient (and, with bf16, the cast of
- * the partial sum it adds) moves down to just before the first node that refers to it,
- * or to the end. It waits for the last hop of that gradient; late, the hop is long done,
- * so small ops no longer make the ranks meet in backward. Later sums move first, so an
- * earlier one can follow them down.
+ * rtp: each owner's final sum of a block's gradient (and, with bf16, the cast of the
+ * partial sum it adds) moves down to just before the first node that refers to it (the
+ * next hop into its slot waits for it), or to the end. It waits for the last hop of that
+ * gradient; late, the hop is long done, so the ranks do not meet there. Later sums move
+ * first, so an earlier one can follow them down. Runs before hoist_transfers: a sum
+ * moved down no longer holds back the hops posted before its transfer.
  */
 static void sink_sums(struct rtp_parallel *p) {
   struct rtp_graph *g = p->graph;
@@ -1451,8 +1482,8 @@ struct rtp_parallel *rtp_parallelize(struct rtp_context *ctx, const struct rtp_g
   if (!rc && p->strategy == RTP_STRATEGY_DDP && world > 1)
     rc = ddp_buckets(p, pp->bucket_bytes ? pp->bucket_bytes : (size_t)4 << 20);
   if (!rc && p->strategy == RTP_STRATEGY_RTP && world > 1) {
-    hoist_transfers(p);
     sink_sums(p);
+    hoist_transfers(p);
   }
   if (!rc) rc = global_loss(p);
   if (!rc) set_compute_type(p);
