@@ -608,8 +608,8 @@ static struct rtp_tensor *block_dx(struct rtp_parallel *p, enum rot_kind kind,
 void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp_tensor *dy,
                        struct rtp_tensor **dx, struct rtp_tensor **dp) {
   struct rtp_parallel *p = (struct rtp_parallel *)(uintptr_t)rtp__get_param_u64(t, 2);
-  const struct rtp_tensor *full =
-      (const struct rtp_tensor *)(uintptr_t)rtp__get_param_u64(t, 4);
+  /* The one-device parameter (the model's context): its shape only */
+  struct rtp_tensor *full = (struct rtp_tensor *)(uintptr_t)rtp__get_param_u64(t, 4);
   enum rot_kind kind = (enum rot_kind)t->op_params[0];
   int dim = t->op_params[1], N = p->world, r = p->rank;
   int left = (r + N - 1) % N, right = (r + 1) % N;
@@ -646,15 +646,17 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
     if (w && p->last_step) p->last_step->src[RTP_SRC_ORDER] = w;
   }
   struct rtp_tensor *g_in = NULL, *g = NULL, *last_read = NULL;
-  /* On 2 ranks a product's contributions to both blocks' gradients come from one GEMM
-   * over the whole of dW, whose row ranges are the blocks': split, the smaller products
-   * ran ~10% slower (and a 3-D dy's slices were copied first). The whole dW (two blocks,
-   * less than the pool) lives through this op's backward only. With more ranks the
-   * partial sums in between are added at their steps, which need a product of their own
-   * to wait behind, so each block's part is computed at its step. */
+  /* On 2 ranks the contributions to both blocks' gradients come from one pass over the
+   * whole parameter, whose ranges are the blocks': for a product one GEMM over the whole
+   * of dW (split, the smaller products ran ~10% slower, and a 3-D dy's slices were
+   * copied first), for a bias or LayerNorm one sum over dy's rows instead of two. The
+   * whole gradient (two blocks, less than the pool) lives through this op's backward
+   * only. With more ranks the partial sums in between are added at their steps, which
+   * need a product of their own to wait behind, so each block's part is computed at its
+   * step; an embedding's blocks scatter only their own rows either way. */
   struct rtp_tensor *all = NULL;
-  if (kind == ROT_MUL_MAT && N == 2) {
-    if (!(all = block_grad(p, kind, dim, NULL, x, dy, 0, 0))) return;
+  if (kind != ROT_GET_ROWS && N == 2) {
+    if (!(all = block_grad(p, kind, dim, full, x, dy, 0, full->ne[split_dim(full)]))) return;
     all->src[RTP_SRC_ORDER] = w; /* computed while the first block arrives */
     last_read = all;
   }
@@ -667,15 +669,17 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
     struct rtp_tensor *shape = k == 0 ? own : slot_as(p, p->pool_g[0], full, s);
     int64_t first, len;
     block_of(full, N, s, &first, &len);
-    struct rtp_tensor *contrib = all ? slice(ctx, all, 1, first, len)
+    struct rtp_tensor *contrib = all ? slice(ctx, all, split_dim(full), first, len)
                                      : block_grad(p, kind, dim, shape, x, dys, first, len);
     if (!contrib) return;
     if (!all) {
       contrib->src[RTP_SRC_ORDER] = last_read;
       last_read = contrib;
     }
-    if (k == 0) p->last_step = all ? NULL : contrib; /* the step's first node */
-    if (need_w && k > 1) {                           /* at k = 1 the next block is our own */
+    /* The step's first node, which the next op's fetch is posted before: with `all`, the
+     * dx product (set below), or none: the sum's order edge chains its slot's readers. */
+    if (k == 0) p->last_step = all ? NULL : contrib;
+    if (need_w && k > 1) { /* at k = 1 the next block is our own */
       int slot = (j + m + 1) % 2;
       next_w = rtp_sendrecv(ctx, p->comm, held, right,
                             slot_as(p, p->pool_w[slot], full, (s + N - 1) % N), left, contrib);
@@ -702,7 +706,7 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
       }
       if (kind == ROT_MUL_MAT) dx_sum = d;
       parts[s] = d;
-      if (k == 0 && !p->last_step) p->last_step = d; /* contrib is a view of all */
+      if (k == 0 && all) p->last_step = d;
     }
     /* The partial sum arrives as it travels (bf16: rounded) and is summed in f32; its
      * cast waits for the transfer after this step's contribution, as the add did. */
@@ -715,7 +719,6 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
       p->g_reader[g_slot] = g;
       if (k == 0) p->sink[p->n_sink++] = g;
     }
-    if (k == 0 && !p->last_step) p->last_step = g;
     if (k > 0) { /* the summed gradient of s goes on to the next holder, packed as forward's
                   * first hops are */
       size_t offs;
