@@ -52,7 +52,8 @@ struct rtp_parallel {
    * moves late */
   struct rtp_tensor **sink;
   int n_sink;
-  /* rtp backward: ops done so far, and the first node of the last one's final step */
+  /* rtp backward: ops done so far, and the first node of the last one's final step (NULL
+   * when that step has none but its sum, whose order edge is taken) */
   int n_backward;
   struct rtp_tensor *last_step;
   int *groups; /* tp: groups of the split dimension of each src node's rank tensor */
@@ -650,8 +651,8 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
    * whole parameter, whose ranges are the blocks': for a product one GEMM over the whole
    * of dW (split, the smaller products ran ~10% slower, and a 3-D dy's slices were
    * copied first), for a bias or LayerNorm one sum over dy's rows instead of two. The
-   * whole gradient (two blocks, less than the pool) lives through this op's backward
-   * only. With more ranks the partial sums in between are added at their steps, which
+   * whole gradient (two blocks of planned memory) lives until the owner's sum reads its
+   * half. With more ranks the partial sums in between are added at their steps, which
    * need a product of their own to wait behind, so each block's part is computed at its
    * step; an embedding's blocks scatter only their own rows either way. */
   struct rtp_tensor *all = NULL;
