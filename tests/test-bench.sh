@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# bench-parallel runs every strategy on 2 local ranks, one at a time and interleaved, and
+# prints one well-formed JSON line per strategy (numbers are not checked: no timing here).
+# Usage: test-bench.sh BENCH_PARALLEL
+set -euo pipefail
+bench=$1
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+# bench-parallel spreads its ranks' ports above this one by its pid; below Linux's ephemeral
+# range (32768 on), no connection of another test can hold them.
+port=$((20000 + RANDOM % 10000))
+for mode in 0 1; do
+  "$bench" --model tiny --ranks 2 --batch 2 --steps 2 --strategies "ddp fsdp tp rtp" \
+    --interleave $mode --master-port "$port" > "$scratch/out$mode.jsonl"
+  /usr/bin/python3 - "$scratch/out$mode.jsonl" $mode <<'PY'
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1])]
+interleaved = sys.argv[2] == "1"
+want = ["none", "ddp", "fsdp", "tp", "rtp"]
+got = [l["strategy"] for l in lines]
+assert got == want, f"strategies {got}, want {want}"
+by = {l["strategy"]: l for l in lines}
+for l in lines:
+    assert l["interleaved"] is interleaved, l
+    assert l["step_ms"] > 0 and l["tokens_per_s"] > 0, l
+    assert (l["peak_rss"] is None) == interleaved, l
+    if l["strategy"] != "none":
+        assert l["bytes_sent_per_step"] > 0 and l["comm_only_ms"] > 0, l
+# 2 ranks: rtp and fsdp hold half of every parameter, gradient and Adam state
+for s in ("fsdp", "rtp"):
+    assert 2 * by[s]["model_states"] == by["ddp"]["model_states"], (s, by[s], by["ddp"])
+print(f"bench-parallel --interleave {sys.argv[2]}: {len(lines)} lines ok")
+PY
+done
