@@ -7,6 +7,7 @@
 
 #include "gpt.h"
 #include "rtp.h"
+#include "test-gpt-ranks.h"
 
 namespace {
 
@@ -187,12 +188,10 @@ TEST(Errors, MulMatPrecision) {
 TEST(Errors, ParallelComputeType) {
   gpt_config cfg = {256, 16, 32, 2, 4};
   for (int c = 0; c < 3; c++) {
-    rtp_init_params mip = {16 << 20, nullptr, true, nullptr, 0};
-    rtp_context *meta = rtp_init(mip);
     gpt m{};
-    rtp_graph *fwd = rtp_graph_new(meta, 4096);
-    ASSERT_EQ(gpt_build(meta, &m, cfg, 1), 0);
-    ASSERT_EQ(rtp_graph_build(fwd, m.loss), 0);
+    rtp_graph *fwd;
+    rtp_context *meta = rtptest::gpt_forward(cfg, 1, &m, &fwd);
+    ASSERT_NE(meta, nullptr) << rtp_last_error();
     rtp_type compute = c == 0 ? RTP_TYPE_I32 : c == 1 ? RTP_TYPE_COUNT : RTP_TYPE_F32;
     if (c == 2) {
       ASSERT_EQ(rtp_mul_mat_set_prec(m.logits, RTP_TYPE_BF16), 0);

@@ -1,5 +1,6 @@
-// test-gpt-ranks.h - K training steps of the reference model as one rank of a parallel
-// plan, on the CPU or a device backend: what the device tests compare with the CPU.
+// test-gpt-ranks.h - the reference model built for one device, as the tests that
+// parallelize it take it, and K training steps of it as one rank of a parallel plan, on
+// the CPU or a device backend: what the device tests compare with the CPU.
 #pragma once
 
 #include <cstdio>
@@ -9,6 +10,20 @@
 #include "rtp.h"
 
 namespace rtptest {
+
+// The reference model built for one device in a no_alloc context (its parameters take no
+// memory) and its forward graph, as rtp_parallelize takes them: the context, or NULL
+// (the message in rtp_last_error) with nothing left allocated.
+inline rtp_context *gpt_forward(gpt_config cfg, int batch, gpt *m, rtp_graph **fwd) {
+  rtp_init_params mip = {32 << 20, nullptr, true, nullptr, 0};
+  rtp_context *meta = rtp_init(mip);
+  *fwd = meta ? rtp_graph_new(meta, 8192) : nullptr;
+  if (!*fwd || gpt_build(meta, m, cfg, batch) || rtp_graph_build(*fwd, m->loss)) {
+    rtp_free(meta);
+    return nullptr;
+  }
+  return meta;
+}
 
 const gpt_config kRanksCfg = {64, 16, 32, 2, 4};
 const int kRanksBatch = 2, kRanksSteps = 3;
@@ -26,12 +41,10 @@ inline int train_gpt_rank(const rtp_comm_params &cp, rtp_strategy strategy, rtp_
   };
   rtp_comm *comm = nullptr;
   if (rtp_comm_init(&cp, &comm)) return fail(30);
-  rtp_init_params mip = {16 << 20, nullptr, true, nullptr, 0};
-  rtp_context *meta = rtp_init(mip);
   gpt m{};
-  rtp_graph *fwd = rtp_graph_new(meta, 8192);
-  if (gpt_build(meta, &m, kRanksCfg, kRanksBatch) || rtp_graph_build(fwd, m.loss))
-    return fail(31);
+  rtp_graph *fwd;
+  rtp_context *meta = gpt_forward(kRanksCfg, kRanksBatch, &m, &fwd);
+  if (!meta) return fail(31);
   size_t bytes = gpt_arena_size(kRanksCfg, kRanksBatch) + (16 << 20);
   rtp_init_params ip = {bytes, nullptr, false, b, b ? bytes : 0};
   rtp_context *ctx = rtp_init(ip);

@@ -16,6 +16,7 @@
 #include "gpt.h"
 #include "rtp.h"
 #include "test-comm-util.h"
+#include "test-gpt-ranks.h"
 
 namespace {
 
@@ -225,10 +226,8 @@ struct Rank {
 
   int build(rtp_strategy strategy, gpt_config cfg, int batch, int code,
             rtp_type comm_type = RTP_TYPE_F32, rtp_type compute_type = RTP_TYPE_F32) {
-    rtp_init_params meta_ip = {32 << 20, nullptr, true, nullptr, 0};
-    meta = rtp_init(meta_ip);
-    rtp_graph *fwd = rtp_graph_new(meta, 8192);
-    if (gpt_build(meta, &m, cfg, batch) || rtp_graph_build(fwd, m.loss)) return code;
+    rtp_graph *fwd;
+    if (!(meta = rtptest::gpt_forward(cfg, batch, &m, &fwd))) return code;
     rtp_init_params ip = {gpt_arena_size(cfg, batch), nullptr, false, nullptr, 0};
     ctx = rtp_init(ip);
     rtp_parallel_params pp = {strategy, comm, 0, 0, comm_type, compute_type};
@@ -250,6 +249,16 @@ struct Rank {
     rtp_comm_free(comm);
   }
 };
+
+// The sequences of the global batch (world x kBatch) a rank trains on: its own kBatch,
+// or under tp, which splits the model and not the batch, all of them.
+struct Share {
+  int batch, first_seq;
+};
+Share share_of(rtp_strategy strategy, int rank, int world) {
+  if (strategy == RTP_STRATEGY_TP) return {world * kBatch, 0};
+  return {kBatch, rank * kBatch};
+}
 
 // The rank's plan made ready to train: planned, its parameters this rank's part of init
 // (f32 master weights), batch sequences from first_seq, an optimizer. 0, or the code of
@@ -285,17 +294,15 @@ int rank_main(rtp_strategy strategy, int rank, int world, int port) {
 
   Rank rk;
   if (int rc = rk.join(rank, world, port, 21)) return rc;
-  // tp splits the model, not the batch: every rank runs the whole global batch.
-  int batch = strategy == RTP_STRATEGY_TP ? world * kBatch : kBatch;
-  int first_seq = strategy == RTP_STRATEGY_TP ? 0 : rank * kBatch;
-  if (int rc = rk.build(strategy, kCfg, batch, 22)) return rc;
+  Share sh = share_of(strategy, rank, world);
+  if (int rc = rk.build(strategy, kCfg, sh.batch, 22)) return rc;
   rtp_parallel *par = rk.par;
   const gpt &m = rk.m;
   rtp_graph *g = nullptr;
   rtp_optimizer *opt = nullptr;
   rtp_tensor *loss = nullptr;
   // The reference already ran, so its parameters are the final ones to compare with.
-  if (int rc = prepare_training(rk, init, batch, first_seq, &g, &opt, &loss)) return rc;
+  if (int rc = prepare_training(rk, init, sh.batch, sh.first_seq, &g, &opt, &loss)) return rc;
   if (strategy == RTP_STRATEGY_TP && world > 1 && !tp_is_split(par, m, g, world)) return 34;
   for (int s = 0; s < kSteps; s++) {
     if (rtp_graph_compute(g, nullptr)) {
@@ -347,6 +354,13 @@ int rank_main(rtp_strategy strategy, int rank, int world, int port) {
   return 0;
 }
 
+// The strategies the N-rank tests run, named in the tests' names as the library names them.
+const auto kStrategies =
+    ::testing::Values(RTP_STRATEGY_DDP, RTP_STRATEGY_FSDP, RTP_STRATEGY_TP, RTP_STRATEGY_RTP);
+std::string strategy_name(const ::testing::TestParamInfo<rtp_strategy> &info) {
+  return rtp_strategy_name(info.param);
+}
+
 class Equivalence : public ::testing::TestWithParam<rtp_strategy> {};
 
 TEST_P(Equivalence, NRanksMatchOneProcess) {
@@ -363,12 +377,7 @@ TEST_P(Equivalence, NRanksMatchOneProcess) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Strategies, Equivalence,
-                         ::testing::Values(RTP_STRATEGY_DDP, RTP_STRATEGY_FSDP, RTP_STRATEGY_TP,
-                                           RTP_STRATEGY_RTP),
-                         [](const auto &info) {
-                           return std::string(rtp_strategy_name(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(Strategies, Equivalence, kStrategies, strategy_name);
 
 // ---- rtp with bf16 rotation ----------------------------------------------------------
 
@@ -563,15 +572,14 @@ int rank_main_mixed(rtp_strategy strategy, rtp_type comm_type, int rank, int wor
 
   Rank rk;
   if (int rc = rk.join(rank, world, port, 21)) return rc;
-  int batch = strategy == RTP_STRATEGY_TP ? world * kBatch : kBatch;
-  int first_seq = strategy == RTP_STRATEGY_TP ? 0 : rank * kBatch;
-  if (int rc = rk.build(strategy, kCfg, batch, 22, comm_type, RTP_TYPE_BF16)) return rc;
+  Share sh = share_of(strategy, rank, world);
+  if (int rc = rk.build(strategy, kCfg, sh.batch, 22, comm_type, RTP_TYPE_BF16)) return rc;
   rtp_parallel *par = rk.par;
   const gpt &m = rk.m;
   rtp_graph *g = nullptr;
   rtp_optimizer *opt = nullptr;
   rtp_tensor *loss = nullptr;
-  if (int rc = prepare_training(rk, init, batch, first_seq, &g, &opt, &loss)) return rc;
+  if (int rc = prepare_training(rk, init, sh.batch, sh.first_seq, &g, &opt, &loss)) return rc;
   if (!set_prec(g, RTP_TYPE_BF16, true)) {
     fprintf(stderr, "rank %d: a product of the rank's graph is not bf16\n", rank);
     return 35;
@@ -635,12 +643,7 @@ TEST_P(MixedPrecision, NRanksMatchOneProcess) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Strategies, MixedPrecision,
-                         ::testing::Values(RTP_STRATEGY_DDP, RTP_STRATEGY_FSDP, RTP_STRATEGY_TP,
-                                           RTP_STRATEGY_RTP),
-                         [](const auto &info) {
-                           return std::string(rtp_strategy_name(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(Strategies, MixedPrecision, kStrategies, strategy_name);
 
 // The transfer whose result t is (through views), as the executor finds it, or NULL.
 const rtp_tensor *comm_of(const rtp_tensor *t) {
@@ -837,12 +840,10 @@ TEST(RtpBf16, OtherStrategiesRefuse) {
                          RTP_STRATEGY_TP, RTP_STRATEGY_RTP})
     for (rtp_type type : {RTP_TYPE_BF16, RTP_TYPE_I32}) {
       if (s == RTP_STRATEGY_RTP && type == RTP_TYPE_BF16) continue;
-      rtp_init_params mip = {16 << 20, nullptr, true, nullptr, 0};
-      rtp_context *meta = rtp_init(mip);
       gpt m{};
-      rtp_graph *fwd = rtp_graph_new(meta, 4096);
-      ASSERT_EQ(gpt_build(meta, &m, kCfg, 1), 0);
-      ASSERT_EQ(rtp_graph_build(fwd, m.loss), 0);
+      rtp_graph *fwd;
+      rtp_context *meta = rtptest::gpt_forward(kCfg, 1, &m, &fwd);
+      ASSERT_NE(meta, nullptr) << rtp_last_error();
       rtp_init_params ip = {gpt_arena_size(kCfg, 1), nullptr, false, nullptr, 0};
       rtp_context *ctx = rtp_init(ip);
       rtp_parallel_params pp = {s, nullptr, 0, 0, type, RTP_TYPE_F32};
@@ -1031,11 +1032,10 @@ TEST(ParallelErrors, TpHeadsNotDivisible) {
     rtp_comm *comm = nullptr;
     if (rtp_comm_init(&cp, &comm)) return 60;
     gpt_config cfg = {256, 16, 48, 1, 4};
-    rtp_init_params mip = {16 << 20, nullptr, true, nullptr, 0};
-    rtp_context *meta = rtp_init(mip);
     gpt m{};
-    rtp_graph *g = rtp_graph_new(meta, 4096);
-    if (gpt_build(meta, &m, cfg, 2) || rtp_graph_build(g, m.loss)) return 61;
+    rtp_graph *g;
+    rtp_context *meta = rtptest::gpt_forward(cfg, 2, &m, &g);
+    if (!meta) return 61;
     rtp_init_params ip = {gpt_arena_size(cfg, 2), nullptr, false, nullptr, 0};
     rtp_context *ctx = rtp_init(ip);
     rtp_parallel_params pp = {RTP_STRATEGY_TP, comm, 0, 0, RTP_TYPE_F32, RTP_TYPE_F32};
