@@ -666,17 +666,19 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
     int s = (r + k) % N;
     struct rtp_tensor *held = k == 0 ? own : w, *next_w = NULL;
     struct rtp_tensor *dys = dy_part(p, kind, dim, full, dy, s);
-    /* The gradient's shape is block s's, whether or not the block itself is here. */
-    struct rtp_tensor *shape = k == 0 ? own : slot_as(p, p->pool_g[0], full, s);
     int64_t first, len;
     block_of(full, N, s, &first, &len);
-    struct rtp_tensor *contrib = all ? slice(ctx, all, split_dim(full), first, len)
-                                     : block_grad(p, kind, dim, shape, x, dys, first, len);
-    if (!contrib) return;
-    if (!all) {
-      contrib->src[RTP_SRC_ORDER] = last_read;
-      last_read = contrib;
+    struct rtp_tensor *contrib;
+    if (all) {
+      contrib = slice(ctx, all, split_dim(full), first, len);
+    } else { /* shaped as block s, whether or not the block itself is here */
+      struct rtp_tensor *shape = k == 0 ? own : slot_as(p, p->pool_g[0], full, s);
+      if ((contrib = block_grad(p, kind, dim, shape, x, dys, first, len))) {
+        contrib->src[RTP_SRC_ORDER] = last_read;
+        last_read = contrib;
+      }
     }
+    if (!contrib) return;
     /* The step's first node, which the next op's fetch is posted before: with `all`, the
      * dx product (set below), or none: the sum's order edge chains its slot's readers. */
     if (k == 0) p->last_step = all ? NULL : contrib;
@@ -689,7 +691,7 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
     if (dx) {
       /* dx reads the block as f32; at k = 0 the owned block rounded like every rank's
        * copy of it. The casts come where d comes: after the next hop is posted. */
-      struct rtp_tensor *after = next_w ? next_w : all ? last_read : contrib, *hw = held;
+      struct rtp_tensor *after = next_w ? next_w : last_read, *hw = held;
       if (need_w) {
         struct rtp_tensor *wire = k == 0 ? to_wire(p, own) : held;
         if (wire && wire != held && wire->op == RTP_OP_CAST) wire->src[RTP_SRC_ORDER] = after;
