@@ -1,8 +1,8 @@
 /* rtp-parallel.c - passes that turn a one-device forward graph into one rank's training
  * graph: ddp (every rank holds everything; gradients all-reduced in buckets during
- * backward), fsdp (blocks gathered per op), rtp (each rank owns one block of every
- * parameter; blocks rotate around the ring, forward one way and with their gradients the
- * other way back) and tp (Megatron's column- and row-parallel layers, marked on the
+ * backward), fsdp (parameters gathered whole, a unit at a time), rtp (each rank owns one block
+ * of every parameter; blocks rotate around the ring, forward one way and with their gradients
+ * the other way back) and tp (Megatron's column- and row-parallel layers, marked on the
  * parameters with rtp_set_tp; the nodes between them are rebuilt for the rank's part).
  *
  * The model is built once, for one device, in a context that may give parameters no
@@ -37,10 +37,16 @@ struct rtp_parallel {
    * shared by every op; forward rotation uses the block slots. Of comm_type. */
   struct rtp_tensor *pool_w[2], *pool_g[2];
   size_t pool_elems;
-  /* fsdp: the last node that read each slot, so the next write into it waits for it;
-   * and the previous op's compute, so the next op's gather is posted before it. */
+  /* The last node that read each slot, so the next write into it waits for it (fsdp:
+   * the readers of a slot are chained by order edges, so this one is the last); rtp:
+   * the previous op's last step, so the next op's first hop is posted before it. */
   struct rtp_tensor *w_reader[2], *g_reader[2], *prev_apply;
-  int n_gathers;
+  /* fsdp: the unit each whole-parameter slot holds (0: none; unit_key), which slot was
+   * read last, where each parameter (by leaf) lies in its unit's slot, and each slot's
+   * gathered parameters (by leaf) */
+  int unit_in[2], recent;
+  size_t *unit_offs;
+  struct rtp_tensor **gathered[2];
   /* rtp forward: the first hop of each op lands in a gradient slot (which forward leaves
    * free), packed after the blocks already there when it fits: elements used, hops
    * packed, the last reader before the slot was last emptied (what every hop packed
@@ -120,6 +126,23 @@ int rtp_set_tp(struct rtp_tensor *param, enum rtp_tp_role role, int groups) {
   param->op_params[0] = (int32_t)role;
   param->op_params[1] = role == RTP_TP_COLUMN ? groups : 1;
   return RTP_OK;
+}
+
+int rtp_set_fsdp_unit(struct rtp_tensor *param, int unit) {
+  if (!param || param->op != RTP_OP_NONE || !(param->flags & RTP_FLAG_PARAM))
+    return rtp__error(RTP_EINVAL,
+                      "rtp_set_fsdp_unit: not a parameter (call rtp_set_param first)");
+  if (unit < 0)
+    return rtp__error(RTP_EINVAL, "rtp_set_fsdp_unit: unit %d for '%s' (0 or more)", unit,
+                      param->name);
+  param->op_params[2] = unit;
+  return RTP_OK;
+}
+
+/* fsdp: which parameters are gathered together: a marked unit (> 0), or the parameter
+ * alone (leaf: its index among the leaves). */
+static int unit_key(const struct rtp_tensor *param, int leaf) {
+  return param->op_params[2] > 0 ? param->op_params[2] : -(leaf + 1);
 }
 
 /* What a rank holds of a parameter: along dim, in each of `groups` equal parts, the
@@ -274,9 +297,8 @@ static struct rtp_tensor *fsdp_forward(struct rtp_parallel *p, const struct rtp_
                                        const struct rtp_tensor *full, enum rot_kind kind,
                                        struct rtp_tensor *x, struct rtp_tensor *own);
 static void fsdp_backward(struct rtp_parallel *p, enum rot_kind kind, int dim,
-                          const struct rtp_tensor *full, struct rtp_tensor *x,
-                          struct rtp_tensor *own, struct rtp_tensor *dy, struct rtp_tensor **dx,
-                          struct rtp_tensor **dp);
+                          struct rtp_tensor *full, struct rtp_tensor *dy, struct rtp_tensor *x,
+                          struct rtp_tensor **dx, struct rtp_tensor **dp);
 static void tp_backward(struct rtp_context *ctx, struct rtp_parallel *p, struct rtp_tensor *t,
                         struct rtp_tensor *dy, struct rtp_tensor **dx, struct rtp_tensor **dp);
 static struct rtp_tensor *handle(struct rtp_parallel *p, const struct rtp_tensor *t,
@@ -496,7 +518,6 @@ static struct rtp_tensor *rot_forward(struct rtp_parallel *p, const struct rtp_t
    * rtp_parallelize posts it as early as that allows (hoist_transfers); later hops
    * alternate between the block slots. A transfer into a slot waits (src[3]) for whatever
    * last read the slot. */
-  p->n_gathers++;
   struct rtp_tensor *parts[RTP_MAX_WORLD] = {0}, *held = own, *prev = NULL;
   struct rtp_tensor *y = kind == ROT_ADD ? add_in_place(p, t, x) : NULL;
   struct rtp_tensor **reader[RTP_MAX_WORLD] = {0}; /* of the slot step k reads */
@@ -621,7 +642,7 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
     return;
   }
   if (p->strategy == RTP_STRATEGY_FSDP) {
-    fsdp_backward(p, kind, dim, full, x, own, dy, dx, dp);
+    fsdp_backward(p, kind, dim, full, dy, x, dx, dp);
     return;
   }
   /* Only ops whose input gradient needs the block fetch it again (mul_mat, mul). Step m
@@ -745,29 +766,56 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
     *dx = dy;
 }
 
-/* ---- fsdp: gather a whole parameter for each op that reads it ---------------------- */
+/* ---- fsdp: gather a unit's parameters whole; reduce-scatter their gradients ------- */
 
-/* Slot i of the pool seen as the whole parameter. */
-static struct rtp_tensor *whole_in(struct rtp_parallel *p, int i,
-                                   const struct rtp_tensor *full) {
-  size_t nb[4] = {sizeof(float)};
-  for (int d = 1; d < 4; d++) nb[d] = nb[d - 1] * (size_t)full->ne[d - 1];
-  return rtp_view(p->ctx, p->pool_w[i], RTP_MAX_DIMS, full->ne, nb, 0);
+/*
+ * Gathers every parameter of `unit` whole into slot i, each at its place in the slot
+ * (unit_offs): this rank's rows copied in, then an all-gather of every rank's rows. The
+ * copies wait (an order edge) for the slot's last reader; hoist_transfers then posts the
+ * gathers as early as that allows: while the unit before computes.
+ */
+static int fsdp_gather(struct rtp_parallel *p, int unit, int i) {
+  struct rtp_context *ctx = p->ctx;
+  size_t esize = rtp_type_size(p->pool_w[i]->type);
+  p->unit_in[i] = unit;
+  for (int q = 0; q < p->src->n_leafs; q++) {
+    const struct rtp_tensor *full = p->src->leafs[q];
+    if (!(full->flags & RTP_FLAG_PARAM) || unit_key(full, q) != unit) continue;
+    size_t nb[4] = {esize}, offs = p->unit_offs[q] * esize;
+    for (int d = 1; d < 4; d++) nb[d] = nb[d - 1] * (size_t)full->ne[d - 1];
+    struct rtp_tensor *w = rtp_view(ctx, p->pool_w[i], RTP_MAX_DIMS, full->ne, nb, offs);
+    struct rtp_tensor *mine = rtp_dup(ctx, p->map[p->src->n_nodes + q]);
+    if (!w || !mine) return rtp_context_error(ctx, NULL);
+    int64_t first, len;
+    block_of(full, p->world, p->rank, &first, &len);
+    mine->view_src = p->pool_w[i]; /* the copy writes its rows of the slot */
+    mine->view_offs = offs + (size_t)first * nb[split_dim(full)];
+    mine->data = (char *)p->pool_w[i]->data + mine->view_offs;
+    mine->src[RTP_SRC_ORDER] = p->w_reader[i];
+    struct rtp_tensor *all = rtp__allgather_rows(ctx, p->comm, w, mine);
+    if (!all || !(p->gathered[i][q] = rtp_reshape(ctx, all, RTP_MAX_DIMS, full->ne)))
+      return rtp_context_error(ctx, NULL);
+  }
+  return RTP_OK;
 }
 
-/* The whole of `full` in a pool slot: this rank's block copied in, then all-gathered.
- * The copy waits for the last reader of the slot. */
-static struct rtp_tensor *gather(struct rtp_parallel *p, const struct rtp_tensor *full,
-                                 struct rtp_tensor *own, int *slot) {
-  int i = *slot = p->n_gathers++ % 2;
-  struct rtp_tensor *w = whole_in(p, i, full);
-  int64_t first, len;
-  block_of(full, p->world, p->rank, &first, &len);
-  struct rtp_tensor *mine = slice(p->ctx, w, split_dim(full), first, len);
-  struct rtp_tensor *copy =
-      rtp_sendrecv(p->ctx, p->comm, own, p->rank, mine, p->rank, p->w_reader[i]);
-  struct rtp_tensor *all = rtp__allgather_rows(p->ctx, p->comm, w, copy);
-  return all ? rtp_reshape(p->ctx, all, RTP_MAX_DIMS, full->ne) : NULL;
+/* The whole of `full` from the slot that holds its unit, which is gathered into the
+ * other slot than the one read last unless an earlier op left it there. */
+static struct rtp_tensor *fsdp_param(struct rtp_parallel *p, const struct rtp_tensor *full,
+                                     int *slot) {
+  int leaf = index_in(p, full) - p->src->n_nodes, unit = unit_key(full, leaf);
+  int i = p->unit_in[0] == unit ? 0 : p->unit_in[1] == unit ? 1 : -1;
+  if (i < 0 && fsdp_gather(p, unit, i = p->recent == 0 ? 1 : 0)) return NULL;
+  *slot = i;
+  return p->gathered[i][leaf];
+}
+
+/* Node u reads slot i: it follows the slot's earlier readers (an order edge), so the
+ * last one built is the last one run, which the next gather into the slot waits for. */
+static void fsdp_read(struct rtp_parallel *p, int i, struct rtp_tensor *u) {
+  if (!u->src[RTP_SRC_ORDER]) u->src[RTP_SRC_ORDER] = p->w_reader[i];
+  p->w_reader[i] = u;
+  p->recent = i;
 }
 
 /* The op itself, with the whole parameter w. */
@@ -806,53 +854,61 @@ static struct rtp_tensor *handle(struct rtp_parallel *p, const struct rtp_tensor
   return h;
 }
 
-/* Forward: the gather of this op's parameter was posted before the previous op's
- * compute (an order edge), so it runs during it. */
 static struct rtp_tensor *fsdp_forward(struct rtp_parallel *p, const struct rtp_tensor *t,
                                        const struct rtp_tensor *full, enum rot_kind kind,
                                        struct rtp_tensor *x, struct rtp_tensor *own) {
   int slot;
-  struct rtp_tensor *w = gather(p, full, own, &slot);
-  if (!w) return NULL;
-  if (p->prev_apply && !p->prev_apply->src[RTP_SRC_ORDER])
-    p->prev_apply->src[RTP_SRC_ORDER] = w;
-  struct rtp_tensor *y = apply_whole(p, kind, w, x);
+  struct rtp_tensor *w = fsdp_param(p, full, &slot);
+  struct rtp_tensor *y = w ? apply_whole(p, kind, w, x) : NULL;
   if (!y) return NULL;
-  p->w_reader[slot] = p->prev_apply = y;
+  fsdp_read(p, slot, y);
   return handle(p, t, full, kind, x, own, y);
 }
 
-/* Backward: gather again, compute dx and the whole parameter's gradient, then a ring
- * reduce-scatter over blocks of rows: at step k rank r passes the partial sum of block
- * r - k on to r + 1 and adds its own part to the partial of block r - k - 1 it receives,
- * so after N - 1 steps it holds its own block summed over all ranks. */
+/*
+ * Backward: the whole gradient needs the parameter's shape only, dx (of a product or a
+ * LayerNorm weight) the parameter itself, gathered again with its unit. The gradient is
+ * then reduce-scattered around the ring over blocks of rows: at step k rank r passes the
+ * partial sum of block r - k on to r + 1 and adds its own part to the partial of block
+ * r - k - 1 it receives, so after N - 1 steps it holds its own block summed over all
+ * ranks. The hops land in the gradient slots as rtp's do (pack_hop), and the owner's
+ * final sum is moved late (sink_sums), where its hop is done.
+ */
 static void fsdp_backward(struct rtp_parallel *p, enum rot_kind kind, int dim,
-                          const struct rtp_tensor *full, struct rtp_tensor *x,
-                          struct rtp_tensor *own, struct rtp_tensor *dy, struct rtp_tensor **dx,
-                          struct rtp_tensor **dp) {
+                          struct rtp_tensor *full, struct rtp_tensor *dy, struct rtp_tensor *x,
+                          struct rtp_tensor **dx, struct rtp_tensor **dp) {
   struct rtp_context *ctx = p->ctx;
   int N = p->world, r = p->rank, slot;
-  struct rtp_tensor *w = gather(p, full, own, &slot);
+  if (dx) *dx = kind == ROT_ADD ? dy : NULL;
+  if (dx && (kind == ROT_MUL_MAT || kind == ROT_MUL)) {
+    struct rtp_tensor *w = fsdp_param(p, full, &slot);
+    if (!w || !(*dx = block_dx(p, kind, w, dy, NULL))) return;
+    fsdp_read(p, slot, *dx);
+  }
   /* The whole parameter is the one block [0, rows) of a world of one. */
-  struct rtp_tensor *gw = block_grad(p, kind, dim, w, x, dy, 0, full->ne[dim]);
-  if (dx) *dx = kind == ROT_ADD ? dy : block_dx(p, kind, w, dy, NULL);
-  if (!gw) return;
-  p->w_reader[slot] = dx && *dx ? *dx : gw;
-  struct rtp_tensor *acc = NULL, *prev = NULL;
-  for (int k = 1; k < N; k++) {
-    int b_send = ((r - k) % N + N) % N, b_recv = ((r - k - 1) % N + N) % N, i = k % 2;
+  struct rtp_tensor *gw = block_grad(p, kind, dim, full, x, dy, 0, full->ne[dim]);
+  size_t n_block = largest_block(N, full);
+  bool small = small_block(p, n_block);
+  struct rtp_tensor *acc = NULL, *in = NULL;
+  for (int k = 1; k < N && gw; k++) {
+    int b_send = ((r - k) % N + N) % N, b_recv = ((r - k - 1) % N + N) % N, i;
     int64_t f, len;
+    size_t offs;
+    struct rtp_tensor *dep;
     block_of(full, N, b_send, &f, &len);
     struct rtp_tensor *send = acc ? acc : rtp_cont(ctx, slice(ctx, gw, dim, f, len));
-    struct rtp_tensor *after = p->g_reader[i] ? p->g_reader[i] : prev;
-    struct rtp_tensor *in =
-        rtp_sendrecv(ctx, p->comm, send, (r + 1) % N, slot_as(p, p->pool_g[i], full, b_recv),
-                     (r + N - 1) % N, after);
+    i = pack_hop(p, 0, 2, n_block, &offs, &dep);
+    in = rtp_sendrecv(ctx, p->comm, send, (r + 1) % N,
+                      slot_at(p, p->pool_g[i], full, b_recv, offs), (r + N - 1) % N, in);
+    if (!in) return;
+    in->src[RTP_SRC_ORDER] = dep;
+    if (small) in->flags |= RTP__FLAG_SMALL_HOP;
     block_of(full, N, b_recv, &f, &len);
-    acc = rtp_add(ctx, in, rtp_cont(ctx, slice(ctx, gw, dim, f, len)));
+    if (!(acc = rtp_add(ctx, in, rtp_cont(ctx, slice(ctx, gw, dim, f, len))))) return;
+    acc->src[RTP_SRC_ORDER] = p->g_reader[i]; /* pack_hop relies on the readers' order */
     p->g_reader[i] = acc;
-    prev = in;
   }
+  if (acc) p->sink[p->n_sink++] = acc;
   *dp = acc;
 }
 
@@ -1126,11 +1182,42 @@ static const struct rtp_tensor *param_read(const struct rtp_tensor *t) {
   return NULL;
 }
 
+/* fsdp: where each parameter lies in its unit's slot (parameters of a unit one after
+ * another, in the order of the leaves), and the elements of the largest unit. */
+static size_t fsdp_units(struct rtp_parallel *p) {
+  const struct rtp_graph *src = p->src;
+  size_t largest = 0;
+  for (int q = 0; q < src->n_leafs; q++) {
+    const struct rtp_tensor *t = src->leafs[q];
+    if (!(t->flags & RTP_FLAG_PARAM)) continue;
+    size_t offs = 0;
+    for (int e = 0; e < q; e++)
+      if ((src->leafs[e]->flags & RTP_FLAG_PARAM) &&
+          unit_key(src->leafs[e], e) == unit_key(t, q))
+        offs = p->unit_offs[e] +
+               RTP_PAD((size_t)rtp_nelements(src->leafs[e]), RTP_ALIGN / sizeof(float));
+    p->unit_offs[q] = offs;
+    if (offs + (size_t)rtp_nelements(t) > largest) largest = offs + (size_t)rtp_nelements(t);
+  }
+  return largest;
+}
+
 /* rtp: two block slots and two gradient slots, each for the largest block. fsdp: two
- * slots for a whole parameter (one in use, one being gathered) and two gradient slots
+ * slots for the largest unit (one in use, one being gathered) and two gradient slots
  * for the largest block (the reduce-scatter ring). */
 static int make_pool(struct rtp_parallel *p) {
   size_t largest = 0, whole = 0;
+  if (p->strategy == RTP_STRATEGY_FSDP) {
+    size_t n = (size_t)p->src->n_leafs;
+    p->unit_offs = rtp__ctx_alloc(p->ctx, sizeof(size_t) * n + 1, "fsdp's unit layout");
+    for (int i = 0; i < 2; i++)
+      p->gathered[i] = rtp__ctx_alloc(p->ctx, sizeof(struct rtp_tensor *) * n + 1,
+                                      "fsdp's gathered parameters");
+    if (!p->unit_offs || !p->gathered[0] || !p->gathered[1])
+      return rtp_context_error(p->ctx, NULL);
+    whole = fsdp_units(p);
+    p->recent = -1;
+  }
   for (int i = 0; i < p->src->n_leafs; i++) {
     const struct rtp_tensor *t = p->src->leafs[i];
     if (!(t->flags & RTP_FLAG_PARAM)) continue;
@@ -1144,7 +1231,6 @@ static int make_pool(struct rtp_parallel *p) {
     }
     size_t n = largest_block(p->world, t);
     if (n > largest) largest = n;
-    if ((size_t)rtp_nelements(t) > whole) whole = (size_t)rtp_nelements(t);
   }
   p->pool_elems = largest;
   p->sink = rtp__ctx_alloc(p->ctx, sizeof(*p->sink) * (size_t)(p->src->n_nodes + 1),
@@ -1211,13 +1297,16 @@ static bool reads_transfer(const struct rtp_tensor *t) {
   return false;
 }
 
-/* What moves up with hop t: the views it receives into and the cast (bf16) of the block it
- * sends, which compute nothing that waits; NULL-terminated, t last. */
+/* What moves up with transfer t: the views it receives into, the cast (bf16) of the block
+ * it sends, and an all-gather's copy of this rank's rows, which wait for no transfer;
+ * NULL-terminated, t last. */
 static int hoist_group(struct rtp_tensor *t, struct rtp_tensor **m) {
   int n = 0;
-  for (int k = 0; k < 2; k++) {
+  bool gather = t->op_params[0] == RTP__COMM_ALLGATHER;
+  for (int k = 0; k < 3; k++) {
     struct rtp_tensor *u = t->src[k];
-    if (u && (rtp__is_view_op(u->op) || u->op == RTP_OP_CAST) && !reads_transfer(u)) m[n++] = u;
+    if (!u || reads_transfer(u)) continue;
+    if (k < 2 ? rtp__is_view_op(u->op) || u->op == RTP_OP_CAST : gather) m[n++] = u;
   }
   m[n++] = t;
   m[n] = NULL;
@@ -1259,10 +1348,11 @@ static void mark_first_waits(struct rtp_graph *g) {
 }
 
 /*
- * rtp: every hop whose block is ready (not itself in flight) is moved up to just after the
- * last node it depends on (its data, and the last reader of the slot it lands in): the
- * executor then posts it as early as the pool allows, but, if it is large, never before a
- * transfer needed before it: the link carries them in posting order.
+ * rtp and fsdp: every hop whose block is ready (not itself in flight), and every gather,
+ * is moved up to just after the last node it depends on (its data, and the last reader of
+ * the slot it lands in): the executor then posts it as early as the pool allows, but, if
+ * it is large, never before a transfer needed before it: the link carries them in
+ * posting order.
  * Nothing that waits moves, so no wait comes earlier, and both ranks move the same hops,
  * so they post in the same order.
  */
@@ -1270,17 +1360,23 @@ static void hoist_transfers(struct rtp_parallel *p) {
   struct rtp_graph *g = p->graph;
   mark_first_waits(g);
   for (int i = 0; i < g->n_nodes; i++) {
-    struct rtp_tensor *t = g->nodes[i], *m[4];
-    if (t->op != RTP_OP_COMM || t->op_params[0] != RTP__COMM_SENDRECV || reads_transfer(t))
+    struct rtp_tensor *t = g->nodes[i], *m[5];
+    if (t->op != RTP_OP_COMM || t->op_params[0] == RTP__COMM_ALLREDUCE || reads_transfer(t))
       continue;
     /* A large hop never passes a transfer needed before it: the link sends in posting
-     * order. A small one may: it delays nothing by much. */
+     * order. A small one may: it delays nothing by much. An fsdp gather passes the
+     * reduce-scatter's hops (as PyTorch's FSDP posts the next unit's all-gather first):
+     * their sums wait late, the gathered unit's first reader soon. */
     bool small = t->flags & RTP__FLAG_SMALL_HOP;
+    bool gather = t->op_params[0] == RTP__COMM_ALLGATHER;
     int n = hoist_group(t, m), at = i;
-    while (at > 0 && (in_group(m, g->nodes[at - 1]) || !group_needs(m, g->nodes[at - 1])) &&
-           (small || g->nodes[at - 1]->op != RTP_OP_COMM ||
-            first_wait(g->nodes[at - 1]) > first_wait(t)))
-      at--;
+    for (struct rtp_tensor *u; at > 0; at--) {
+      u = g->nodes[at - 1];
+      if (!in_group(m, u) && group_needs(m, u)) break;
+      if (u->op == RTP_OP_COMM && !small && first_wait(u) <= first_wait(t) &&
+          !(gather && u->op_params[0] == RTP__COMM_SENDRECV))
+        break;
+    }
     /* Nodes [at, i]: the group's first, in their order, then the rest in theirs. */
     for (int q = at, k = at; q <= i && k < at + n; q++) {
       struct rtp_tensor *u = g->nodes[q];
@@ -1400,7 +1496,8 @@ static int check_same_model(struct rtp_parallel *p) {
     if (!(t->flags & RTP_FLAG_PARAM)) continue;
     for (const char *c = t->name; *c; c++) h = (h ^ (uint8_t)*c) * 1099511628211ull;
     for (int d = 0; d < 4; d++) h = (h ^ (uint64_t)t->ne[d]) * 1099511628211ull;
-    for (int d = 0; d < 2; d++) h = (h ^ (uint64_t)t->op_params[d]) * 1099511628211ull; /* tp */
+    for (int d = 0; d < 3; d++) /* tp's marks, fsdp's unit */
+      h = (h ^ (uint64_t)t->op_params[d]) * 1099511628211ull;
   }
   if (p->comm_type) /* transfers must agree in size (f32 leaves the fingerprint as it was) */
     h = (h ^ (uint64_t)p->comm_type) * 1099511628211ull;
@@ -1504,7 +1601,7 @@ struct rtp_parallel *rtp_parallelize(struct rtp_context *ctx, const struct rtp_g
   if (!rc && world > 1 && pp->strategy != RTP_STRATEGY_TP) rc = scale_seed(p);
   if (!rc && p->strategy == RTP_STRATEGY_DDP && world > 1)
     rc = ddp_buckets(p, pp->bucket_bytes ? pp->bucket_bytes : (size_t)4 << 20);
-  if (!rc && p->strategy == RTP_STRATEGY_RTP && world > 1) {
+  if (!rc && sharded(p)) {
     sink_sums(p);
     hoist_transfers(p);
   }

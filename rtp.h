@@ -623,9 +623,11 @@ RTP_API struct rtp_tensor *rtp_allreduce(struct rtp_context *ctx, struct rtp_com
  *
  *   ddp  every rank holds every parameter; gradients are summed over ranks in buckets
  *        all-reduced while backward runs.
- *   fsdp every rank owns one block of every parameter (as rtp); each op that reads a
- *        parameter all-gathers it first (the next op's gather runs during this op) and
- *        backward gathers it again, then reduce-scatters its gradient (ZeRO-3).
+ *   fsdp every rank owns one block of every parameter (as rtp); parameters are
+ *        all-gathered whole before the ops that read them, a unit at a time
+ *        (rtp_set_fsdp_unit), the next unit's gathers running during this one's compute;
+ *        backward gathers a unit again for its input gradients, then reduce-scatters each
+ *        parameter's gradient (ZeRO-3).
  *   rtp  every parameter is split into world-size blocks along its first (outermost)
  *        dimension; this rank owns one block, its gradient and its optimizer state.
  *        Blocks rotate around the ring during forward; during backward they rotate the
@@ -673,6 +675,17 @@ enum rtp_tp_role {
  * layers can run on a rank's part (e.g. attention heads divisible by N).
  */
 RTP_API int rtp_set_tp(struct rtp_tensor *param, enum rtp_tp_role role, int groups);
+
+/*
+ * Puts a parameter (after rtp_set_param) in fsdp's unit `unit` (>= 1; 0, the default,
+ * takes it out), kept in the leaf's op_params word 2. fsdp gathers a unit's parameters
+ * together, when an op first needs one of them, into one of two slots that each hold a
+ * unit, while the unit before computes; a parameter in no unit is gathered on its own.
+ * A transformer block is the usual unit (what PyTorch's FSDP wraps); the pool then holds
+ * two blocks. Other strategies ignore it. RTP_EINVAL for anything but a parameter, or a
+ * negative unit.
+ */
+RTP_API int rtp_set_fsdp_unit(struct rtp_tensor *param, int unit);
 
 struct rtp_parallel_params {
   enum rtp_strategy strategy;

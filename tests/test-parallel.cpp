@@ -224,10 +224,14 @@ struct Rank {
     return rtp_comm_init(&cp, &comm) ? code : 0;
   }
 
+  // units: fsdp's units for the model's parameters (by index), instead of its blocks.
   int build(rtp_strategy strategy, gpt_config cfg, int batch, int code,
-            rtp_type comm_type = RTP_TYPE_F32, rtp_type compute_type = RTP_TYPE_F32) {
+            rtp_type comm_type = RTP_TYPE_F32, rtp_type compute_type = RTP_TYPE_F32,
+            int (*units)(int param) = nullptr) {
     rtp_graph *fwd;
     if (!(meta = rtptest::gpt_forward(cfg, batch, &m, &fwd))) return code;
+    for (int i = 0; units && i < m.n_params; i++)
+      if (rtp_set_fsdp_unit(m.params[i], units(i))) return code;
     rtp_init_params ip = {gpt_arena_size(cfg, batch), nullptr, false, nullptr, 0};
     ctx = rtp_init(ip);
     rtp_parallel_params pp = {strategy, comm, 0, 0, comm_type, compute_type};
@@ -285,7 +289,8 @@ int prepare_training(Rank &rk, const std::vector<std::vector<float>> &init, int 
   return *opt && *loss ? 0 : 27;
 }
 
-int rank_main(rtp_strategy strategy, int rank, int world, int port) {
+int rank_main(rtp_strategy strategy, int rank, int world, int port,
+              int (*units)(int param) = nullptr) {
   std::vector<float> want, want_norm;
   Model ref;
   std::vector<std::vector<float>> moving;
@@ -295,7 +300,8 @@ int rank_main(rtp_strategy strategy, int rank, int world, int port) {
   Rank rk;
   if (int rc = rk.join(rank, world, port, 21)) return rc;
   Share sh = share_of(strategy, rank, world);
-  if (int rc = rk.build(strategy, kCfg, sh.batch, 22)) return rc;
+  if (int rc = rk.build(strategy, kCfg, sh.batch, 22, RTP_TYPE_F32, RTP_TYPE_F32, units))
+    return rc;
   rtp_parallel *par = rk.par;
   const gpt &m = rk.m;
   rtp_graph *g = nullptr;
@@ -378,6 +384,26 @@ TEST_P(Equivalence, NRanksMatchOneProcess) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Strategies, Equivalence, kStrategies, strategy_name);
+
+// fsdp gathers whatever units the model marks, not only blocks (Equivalence's): every
+// parameter alone, the whole model as one unit, and three units whose parameters
+// interleave, so that ops keep needing a unit that was evicted (gathered again) or one
+// still held by the other slot (read in place). Each trains as one process does.
+TEST(FsdpUnits, AnyGroupingMatchesOneProcess) {
+  int (*const groupings[])(int) = {[](int) { return 0; }, [](int) { return 1; },
+                                   [](int i) { return i % 3 + 1; }};
+  for (int k = 0; k < 3; k++)
+    for (int world : {2, 3}) {
+      int (*units)(int) = groupings[k];
+      int port = rtptest::free_port();
+      auto res = rtptest::run_procs(
+          world, [&](int r) { return rank_main(RTP_STRATEGY_FSDP, r, world, port, units); },
+          120);
+      for (int r = 0; r < world; r++)
+        EXPECT_EQ(res[r].code, 0)
+            << "grouping " << (&units - groupings) << " world " << world << " rank " << r;
+    }
+}
 
 // ---- rtp with bf16 rotation ----------------------------------------------------------
 
@@ -827,6 +853,96 @@ TEST(RtpSchedule, HopsArePostedAProductAhead) {
     int port = rtptest::free_port();
     auto res =
         rtptest::run_procs(world, [&](int r) { return rank_hops_ahead(r, world, port); });
+    for (int r = 0; r < world; r++)
+      EXPECT_EQ(res[r].code, 0) << "world " << world << " rank " << r;
+  }
+}
+
+// fsdp with the reference model's units (its blocks): a block's parameters are gathered
+// together, posted one after another: all 12 forward, and backward the 6 that input
+// gradients need (the weights of products and LayerNorms; biases and gradients of weights
+// need none). Each gather is posted at least one matrix product before the node that
+// first waits for it (once the graph has reached its first product): the prefetch. The
+// pool is two slots of the largest unit (a block here) and two gradient slots of the
+// largest block.
+int rank_fsdp_schedule(int rank, int world, int port) {
+  Rank rk;
+  if (int rc = rk.join(rank, world, port, 90)) return rc;
+  if (int rc = rk.build(RTP_STRATEGY_FSDP, kCfg, kBatch, 91)) return rc;
+  const gpt &m = rk.m;
+  const rtp_graph *g = rtp_parallel_graph(rk.par);
+  auto unit_of = [&](const char *name) {  // the rank's copies keep the names, not the marks
+    for (int i = 0; i < m.n_params; i++)
+      if (!strcmp(m.params[i]->name, name)) return (int)m.params[i]->op_params[2];
+    return -1;
+  };
+  int first_product = g->n_nodes, bad = 0;
+  for (int i = 0; i < g->n_nodes && first_product == g->n_nodes; i++)
+    if (g->nodes[i]->op == RTP_OP_MUL_MAT) first_product = i;
+  std::vector<std::vector<int>> runs(kCfg.n_layer + 1);  // each unit's runs of gathers
+  int last_unit = -1;
+  for (int i = 0; i < g->n_nodes; i++) {
+    const rtp_tensor *t = g->nodes[i];
+    if (t->op != RTP_OP_COMM || t->op_params[0] != 2) continue;        // all-gathers
+    const rtp_tensor *mine = t->src[2] ? t->src[2]->src[0] : nullptr;  // this rank's rows
+    int unit = mine ? unit_of(mine->name) : -1;
+    if (unit < 0 || unit > kCfg.n_layer) return 92;
+    if (unit != last_unit) runs[unit].push_back(0);
+    runs[unit].back()++;
+    last_unit = unit;
+    int products = 0, j = i + 1;
+    for (; j < g->n_nodes; j++) {
+      const rtp_tensor *u = g->nodes[j];
+      bool waits = false;
+      for (int k = 0; k < RTP_MAX_SRC; k++)
+        if (u->src[k] && (k < 3 || u->op == RTP_OP_COMM) && comm_of(u->src[k]) == t)
+          waits = true;
+      if (waits && !is_view(u->op)) break;
+      products += u->op == RTP_OP_MUL_MAT;
+    }
+    if (unit > 0 && j > first_product && products == 0) {
+      fprintf(stderr,
+              "rank %d: %s's gather at node %d is waited for at node %d with no product "
+              "in between\n",
+              rank, mine->name, i, j);
+      bad++;
+    }
+  }
+  for (int u = 1; u <= kCfg.n_layer; u++)
+    if (runs[u] != std::vector<int>{12, 6}) {
+      fprintf(stderr, "rank %d: block %d's gathers come in %zu runs\n", rank, u - 1,
+              runs[u].size());
+      bad++;
+    }
+  // The pool: slots as rtp_parallelize lays a unit out (each parameter after the one before,
+  // at a multiple of 64 bytes), each allocation a multiple of 64 bytes.
+  auto pad = [](size_t n, size_t to) { return (n + to - 1) / to * to; };
+  size_t unit = 0, whole = 0, largest = 0;
+  for (int i = 0; i < m.n_params; i++) {
+    const rtp_tensor *p = m.params[i];
+    size_t n = (size_t)rtp_nelements(p), rows = (size_t)p->ne[rtp_n_dims(p) - 1];
+    if (p->op_params[2] == 1) unit = pad(unit, 16) + n;
+    whole = std::max(whole, n);
+    largest = std::max(largest, n / rows * ((rows + world - 1) / world));
+  }
+  size_t want = 2 * pad(4 * std::max(unit, whole), 64) + 2 * pad(4 * largest, 64);
+  rtp_mem_report rep;
+  if (rtp_graph_plan(rk.ctx, rtp_parallel_graph(rk.par))) return 93;
+  rtp_mem_report_get(rk.ctx, &rep);
+  if (rep.bytes[RTP_ROLE_COMM] != want) {
+    fprintf(stderr, "rank %d: pool %zu bytes, want %zu\n", rank, rep.bytes[RTP_ROLE_COMM],
+            want);
+    bad++;
+  }
+  rk.leave();
+  return bad ? 94 : 0;
+}
+
+TEST(FsdpSchedule, BlocksGatheredTogetherAhead) {
+  for (int world : {2, 3}) {
+    int port = rtptest::free_port();
+    auto res =
+        rtptest::run_procs(world, [&](int r) { return rank_fsdp_schedule(r, world, port); });
     for (int r = 0; r < world; r++)
       EXPECT_EQ(res[r].code, 0) << "world " << world << " rank " << r;
   }

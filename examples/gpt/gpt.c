@@ -116,6 +116,7 @@ static void make_params(struct rtp_context *ctx, struct gpt *m) {
   m->wpe = param(ctx, m, d, m->cfg.seq_len, "transformer.wpe.weight", 0);
   for (int l = 0; l < m->cfg.n_layer; l++) {
     struct gpt_block *b = &m->blocks[l];
+    int first = m->n_params;
     b->ln_1_w = param(ctx, m, d, 0, "transformer.h.%d.ln_1.weight", l);
     b->ln_1_b = param(ctx, m, d, 0, "transformer.h.%d.ln_1.bias", l);
     b->c_attn_w = param(ctx, m, d, 3 * d, "transformer.h.%d.attn.c_attn.weight", l);
@@ -129,6 +130,8 @@ static void make_params(struct rtp_context *ctx, struct gpt *m) {
     b->mlp_proj_w = param(ctx, m, 4 * d, d, "transformer.h.%d.mlp.c_proj.weight", l);
     b->mlp_proj_b = param(ctx, m, d, 0, "transformer.h.%d.mlp.c_proj.bias", l);
     mark_tp(b);
+    for (int i = first; i < m->n_params; i++) /* fsdp gathers a block at a time */
+      rtp_set_fsdp_unit(m->params[i], l + 1);
   }
   m->ln_f_w = param(ctx, m, d, 0, "transformer.ln_f.weight", 0);
   m->ln_f_b = param(ctx, m, d, 0, "transformer.ln_f.bias", 0);
