@@ -1509,8 +1509,8 @@ static int check_same_model(struct rtp_parallel *p) {
   if (root != h)
     return rtp__error(RTP_EPEER,
                       "rtp_parallelize: rank %d built a different model than "
-                      "rank 0 (parameter names or shapes, comm_type or compute_type "
-                      "differ)",
+                      "rank 0 (parameter names, shapes or tp/fsdp marks, comm_type or "
+                      "compute_type differ)",
                       p->rank);
   return RTP_OK;
 }

@@ -122,6 +122,25 @@ TEST(Errors, GraphMisuse) {
   rtp_free(ctx);
 }
 
+// Parallel marks go on parameters only, with sensible values: a clear error otherwise.
+TEST(Errors, ParallelMarks) {
+  rtp_context *ctx = new_ctx();
+  rtp_tensor *x = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 4),
+             *w = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 4);
+  rtp_set_param(rtp_set_name(w, "w"));
+  EXPECT_EQ(rtp_set_fsdp_unit(x, 1), RTP_EINVAL);
+  EXPECT_NE(std::string(rtp_last_error()).find("not a parameter"), std::string::npos);
+  EXPECT_EQ(rtp_set_fsdp_unit(nullptr, 1), RTP_EINVAL);
+  EXPECT_EQ(rtp_set_fsdp_unit(w, -1), RTP_EINVAL);
+  EXPECT_NE(std::string(rtp_last_error()).find("unit -1 for 'w'"), std::string::npos);
+  EXPECT_EQ(rtp_set_fsdp_unit(w, 3), RTP_OK);
+  EXPECT_EQ(rtp_set_fsdp_unit(w, 0), RTP_OK);
+  EXPECT_EQ(rtp_set_tp(x, RTP_TP_COLUMN, 1), RTP_EINVAL);
+  EXPECT_EQ(rtp_set_tp(w, RTP_TP_ROW, 2), RTP_EINVAL);
+  EXPECT_EQ(rtp_set_tp(w, RTP_TP_COLUMN, 0), RTP_EINVAL);
+  rtp_free(ctx);
+}
+
 TEST(Errors, BadTokensAreReportedNotRead) {
   rtp_context *ctx = new_ctx(64 << 20);
   gpt m{};

@@ -807,6 +807,22 @@ TEST(RtpBf16, SameScheduleHalfTheBytes) {
   }
 }
 
+// The node that first waits for transfer i (g->n_nodes: none), and the matrix products
+// between them: the compute a transfer has to arrive during.
+int first_wait(const rtp_graph *g, int i, int *products) {
+  const rtp_tensor *t = g->nodes[i];
+  int j = i + 1;
+  for (*products = 0; j < g->n_nodes; j++) {
+    const rtp_tensor *u = g->nodes[j];
+    bool waits = false;
+    for (int k = 0; k < RTP_MAX_SRC; k++)
+      if (u->src[k] && (k < 3 || u->op == RTP_OP_COMM) && comm_of(u->src[k]) == t) waits = true;
+    if (waits && !is_view(u->op)) break;
+    *products += u->op == RTP_OP_MUL_MAT;
+  }
+  return j;
+}
+
 // rtp's schedule (docs/parallel.md, "Small blocks must not make the ranks meet"): every hop
 // that sends a parameter block from where it lives (forward's first hops, backward's
 // fetches) is posted at least one matrix product before the node that waits for it, once
@@ -824,16 +840,7 @@ int rank_hops_ahead(int rank, int world, int port) {
     const rtp_tensor *t = g->nodes[i];
     const rtp_tensor *sent = t->op == RTP_OP_COMM ? t->src[0] : nullptr;
     if (!sent || sent->op != RTP_OP_NONE || !(sent->flags & RTP_FLAG_PARAM)) continue;
-    int products = 0, j = i + 1;
-    for (; j < g->n_nodes; j++) {
-      const rtp_tensor *u = g->nodes[j];
-      bool waits = false;
-      for (int k = 0; k < RTP_MAX_SRC; k++)
-        if (u->src[k] && (k < 3 || u->op == RTP_OP_COMM) && comm_of(u->src[k]) == t)
-          waits = true;
-      if (waits && !is_view(u->op)) break;
-      products += u->op == RTP_OP_MUL_MAT;
-    }
+    int products, j = first_wait(g, i, &products);
     if (j < first_product) continue;
     checked++;
     if (products == 0) {
@@ -890,16 +897,7 @@ int rank_fsdp_schedule(int rank, int world, int port) {
     if (unit != last_unit) runs[unit].push_back(0);
     runs[unit].back()++;
     last_unit = unit;
-    int products = 0, j = i + 1;
-    for (; j < g->n_nodes; j++) {
-      const rtp_tensor *u = g->nodes[j];
-      bool waits = false;
-      for (int k = 0; k < RTP_MAX_SRC; k++)
-        if (u->src[k] && (k < 3 || u->op == RTP_OP_COMM) && comm_of(u->src[k]) == t)
-          waits = true;
-      if (waits && !is_view(u->op)) break;
-      products += u->op == RTP_OP_MUL_MAT;
-    }
+    int products, j = first_wait(g, i, &products);
     if (unit > 0 && j > first_product && products == 0) {
       fprintf(stderr,
               "rank %d: %s's gather at node %d is waited for at node %d with no product "
