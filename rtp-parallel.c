@@ -54,8 +54,8 @@ struct rtp_parallel {
   size_t used[4]; /* slots 0, 1: pool_g; 2, 3: pool_w (forward on 2 ranks only) */
   int live[4], stamp[4], n_first_hops;
   struct rtp_tensor *base[4];
-  /* rtp backward: the owners' final sums of small blocks' gradients, which sink_sums
-   * moves late */
+  /* rtp and fsdp backward: the owners' final sums of gradients, which sink_sums moves
+   * late */
   struct rtp_tensor **sink;
   int n_sink;
   /* rtp backward: ops done so far, and the first node of the last one's final step (NULL
@@ -112,13 +112,17 @@ static bool tp_on(const struct rtp_parallel *p) {
   return p->world > 1 && p->strategy == RTP_STRATEGY_TP;
 }
 
+/* Whether t is a parameter itself (a leaf), which carries the passes' marks. */
+static bool param_leaf(const struct rtp_tensor *t) {
+  return t && t->op == RTP_OP_NONE && (t->flags & RTP_FLAG_PARAM);
+}
+
 static enum rtp_tp_role tp_role(const struct rtp_tensor *t) {
-  bool marked = t->op == RTP_OP_NONE && (t->flags & RTP_FLAG_PARAM);
-  return marked ? (enum rtp_tp_role)t->op_params[0] : RTP_TP_REPLICATED;
+  return param_leaf(t) ? (enum rtp_tp_role)t->op_params[0] : RTP_TP_REPLICATED;
 }
 
 int rtp_set_tp(struct rtp_tensor *param, enum rtp_tp_role role, int groups) {
-  if (!param || param->op != RTP_OP_NONE || !(param->flags & RTP_FLAG_PARAM))
+  if (!param_leaf(param))
     return rtp__error(RTP_EINVAL, "rtp_set_tp: not a parameter (call rtp_set_param first)");
   if ((unsigned)role > RTP_TP_ROW || groups < 1 || (role == RTP_TP_ROW && groups != 1))
     return rtp__error(RTP_EINVAL, "rtp_set_tp: bad role %d or groups %d for '%s'", (int)role,
@@ -129,7 +133,7 @@ int rtp_set_tp(struct rtp_tensor *param, enum rtp_tp_role role, int groups) {
 }
 
 int rtp_set_fsdp_unit(struct rtp_tensor *param, int unit) {
-  if (!param || param->op != RTP_OP_NONE || !(param->flags & RTP_FLAG_PARAM))
+  if (!param_leaf(param))
     return rtp__error(RTP_EINVAL,
                       "rtp_set_fsdp_unit: not a parameter (call rtp_set_param first)");
   if (unit < 0)
@@ -621,6 +625,27 @@ static struct rtp_tensor *block_dx(struct rtp_parallel *p, enum rot_kind kind,
   }
 }
 
+/* rtp and fsdp backward: a partial sum of a gradient passed on to rank + 1, while rank -
+ * 1's partial sum of block s arrives in a gradient slot, packed as forward's first hops are
+ * (pack_hop); `after`: the hop before it, whose sum this one forwards. The slot it lands
+ * in goes to *slot. */
+static struct rtp_tensor *grad_hop(struct rtp_parallel *p, struct rtp_tensor *send,
+                                   const struct rtp_tensor *full, int s,
+                                   struct rtp_tensor *after, int *slot) {
+  int N = p->world;
+  size_t offs, n = largest_block(N, full); /* every rank packs alike */
+  struct rtp_tensor *dep;
+  *slot = pack_hop(p, 0, 2, n, &offs, &dep);
+  struct rtp_tensor *h =
+      rtp_sendrecv(p->ctx, p->comm, send, (p->rank + 1) % N,
+                   slot_at(p, p->pool_g[*slot], full, s, offs), (p->rank + N - 1) % N, after);
+  if (h) {
+    h->src[RTP_SRC_ORDER] = dep;
+    if (small_block(p, n)) h->flags |= RTP__FLAG_SMALL_HOP;
+  }
+  return h;
+}
+
 /*
  * Step k = N-1 .. 0 holds block s = (rank + k) % N and the gradient of s summed over the
  * ranks that held it before; it adds its own part and passes both on to rank + 1, so at
@@ -743,17 +768,8 @@ void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp
       p->g_reader[g_slot] = g;
       if (k == 0) p->sink[p->n_sink++] = g;
     }
-    if (k > 0) { /* the summed gradient of s goes on to the next holder, packed as forward's
-                  * first hops are */
-      size_t offs;
-      struct rtp_tensor *dep;
-      g_slot = pack_hop(p, 0, 2, n_block, &offs, &dep);
-      g_in =
-          rtp_sendrecv(ctx, p->comm, to_wire(p, g), right,
-                       slot_at(p, p->pool_g[g_slot], full, (s + N - 1) % N, offs), left, g_in);
-      if (g_in) g_in->src[RTP_SRC_ORDER] = dep;
-      if (g_in && small) g_in->flags |= RTP__FLAG_SMALL_HOP;
-    }
+    if (k > 0) /* the summed gradient of s goes on to the next holder */
+      g_in = grad_hop(p, to_wire(p, g), full, (s + N - 1) % N, g_in, &g_slot);
     w = next_w;
   }
   *dp = g;
@@ -887,22 +903,13 @@ static void fsdp_backward(struct rtp_parallel *p, enum rot_kind kind, int dim,
   }
   /* The whole parameter is the one block [0, rows) of a world of one. */
   struct rtp_tensor *gw = block_grad(p, kind, dim, full, x, dy, 0, full->ne[dim]);
-  size_t n_block = largest_block(N, full);
-  bool small = small_block(p, n_block);
   struct rtp_tensor *acc = NULL, *in = NULL;
   for (int k = 1; k < N && gw; k++) {
     int b_send = ((r - k) % N + N) % N, b_recv = ((r - k - 1) % N + N) % N, i;
     int64_t f, len;
-    size_t offs;
-    struct rtp_tensor *dep;
     block_of(full, N, b_send, &f, &len);
     struct rtp_tensor *send = acc ? acc : rtp_cont(ctx, slice(ctx, gw, dim, f, len));
-    i = pack_hop(p, 0, 2, n_block, &offs, &dep);
-    in = rtp_sendrecv(ctx, p->comm, send, (r + 1) % N,
-                      slot_at(p, p->pool_g[i], full, b_recv, offs), (r + N - 1) % N, in);
-    if (!in) return;
-    in->src[RTP_SRC_ORDER] = dep;
-    if (small) in->flags |= RTP__FLAG_SMALL_HOP;
+    if (!(in = grad_hop(p, send, full, b_recv, in, &i))) return;
     block_of(full, N, b_recv, &f, &len);
     if (!(acc = rtp_add(ctx, in, rtp_cont(ctx, slice(ctx, gw, dim, f, len))))) return;
     acc->src[RTP_SRC_ORDER] = p->g_reader[i]; /* pack_hop relies on the readers' order */
@@ -1190,8 +1197,8 @@ static size_t fsdp_units(struct rtp_parallel *p) {
   for (int q = 0; q < src->n_leafs; q++) {
     const struct rtp_tensor *t = src->leafs[q];
     if (!(t->flags & RTP_FLAG_PARAM)) continue;
-    size_t offs = 0;
-    for (int e = 0; e < q; e++)
+    size_t offs = 0; /* after the parameter before it in its unit */
+    for (int e = q - 1; e >= 0 && !offs; e--)
       if ((src->leafs[e]->flags & RTP_FLAG_PARAM) &&
           unit_key(src->leafs[e], e) == unit_key(t, q))
         offs = p->unit_offs[e] +
@@ -1206,7 +1213,7 @@ static size_t fsdp_units(struct rtp_parallel *p) {
  * slots for the largest unit (one in use, one being gathered) and two gradient slots
  * for the largest block (the reduce-scatter ring). */
 static int make_pool(struct rtp_parallel *p) {
-  size_t largest = 0, whole = 0;
+  size_t largest = 0, unit = 0;
   if (p->strategy == RTP_STRATEGY_FSDP) {
     size_t n = (size_t)p->src->n_leafs;
     p->unit_offs = rtp__ctx_alloc(p->ctx, sizeof(size_t) * n + 1, "fsdp's unit layout");
@@ -1215,7 +1222,7 @@ static int make_pool(struct rtp_parallel *p) {
                                       "fsdp's gathered parameters");
     if (!p->unit_offs || !p->gathered[0] || !p->gathered[1])
       return rtp_context_error(p->ctx, NULL);
-    whole = fsdp_units(p);
+    unit = fsdp_units(p);
     p->recent = -1;
   }
   for (int i = 0; i < p->src->n_leafs; i++) {
@@ -1236,7 +1243,7 @@ static int make_pool(struct rtp_parallel *p) {
   p->sink = rtp__ctx_alloc(p->ctx, sizeof(*p->sink) * (size_t)(p->src->n_nodes + 1),
                            "the rtp plan's late sums");
   if (!p->sink) return rtp_context_error(p->ctx, NULL);
-  size_t w_elems = p->strategy == RTP_STRATEGY_FSDP ? whole : largest;
+  size_t w_elems = p->strategy == RTP_STRATEGY_FSDP ? unit : largest;
   for (int i = 0; i < 2; i++) { /* bf16 copies travel in a pool of half the bytes */
     p->pool_w[i] = rtp_new_tensor_1d(p->ctx, p->comm_type, (int64_t)w_elems);
     p->pool_g[i] = rtp_new_tensor_1d(p->ctx, p->comm_type, (int64_t)largest);
@@ -1402,7 +1409,7 @@ static int node_pos(const struct rtp_graph *g, const struct rtp_tensor *t) {
 }
 
 /*
- * rtp: each owner's final sum of a block's gradient (and, with bf16, the cast of the
+ * rtp and fsdp: each owner's final sum of a block's gradient (and, with bf16, the cast of the
  * partial sum it adds) moves down to just before the first node that refers to it (the
  * next hop into its slot waits for it), or to the end. It waits for the last hop of that
  * gradient; late, the hop is long done, so the ranks do not meet there. Later sums move

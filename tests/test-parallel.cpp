@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -360,6 +361,17 @@ int rank_main(rtp_strategy strategy, int rank, int world, int port,
   return 0;
 }
 
+// Runs rank(r, port) in `world` processes on a free port: every rank must return 0.
+// `what` names the case in a failure.
+void expect_ranks_pass(int world, const std::function<int(int rank, int port)> &rank,
+                       const std::string &what = "", double timeout_s = 60) {
+  int port = rtptest::free_port();
+  auto res = rtptest::run_procs(
+      world, [&](int r) { return rank(r, port); }, timeout_s);
+  for (int r = 0; r < world; r++)
+    EXPECT_EQ(res[r].code, 0) << what << "world " << world << " rank " << r;
+}
+
 // The strategies the N-rank tests run, named in the tests' names as the library names them.
 const auto kStrategies =
     ::testing::Values(RTP_STRATEGY_DDP, RTP_STRATEGY_FSDP, RTP_STRATEGY_TP, RTP_STRATEGY_RTP);
@@ -375,11 +387,9 @@ TEST_P(Equivalence, NRanksMatchOneProcess) {
     // tp splits the tiny model's 4 heads between the ranks: 3 cannot share them (that
     // refusal is ParallelErrors.TpHeadsNotDivisible).
     if (s == RTP_STRATEGY_TP && world == 3) continue;
-    int port = rtptest::free_port();
-    auto res = rtptest::run_procs(
-        world, [&](int r) { return rank_main(s, r, world, port); }, 120);
-    for (int r = 0; r < world; r++)
-      EXPECT_EQ(res[r].code, 0) << rtp_strategy_name(s) << " world " << world << " rank " << r;
+    expect_ranks_pass(
+        world, [&](int r, int port) { return rank_main(s, r, world, port); },
+        std::string(rtp_strategy_name(s)) + " ", 120);
   }
 }
 
@@ -394,14 +404,12 @@ TEST(FsdpUnits, AnyGroupingMatchesOneProcess) {
                                    [](int i) { return i % 3 + 1; }};
   for (int k = 0; k < 3; k++)
     for (int world : {2, 3}) {
-      int (*units)(int) = groupings[k];
-      int port = rtptest::free_port();
-      auto res = rtptest::run_procs(
-          world, [&](int r) { return rank_main(RTP_STRATEGY_FSDP, r, world, port, units); },
-          120);
-      for (int r = 0; r < world; r++)
-        EXPECT_EQ(res[r].code, 0)
-            << "grouping " << (&units - groupings) << " world " << world << " rank " << r;
+      expect_ranks_pass(
+          world,
+          [&](int r, int port) {
+            return rank_main(RTP_STRATEGY_FSDP, r, world, port, groupings[k]);
+          },
+          "grouping " + std::to_string(k) + " ", 120);
     }
 }
 
@@ -558,11 +566,8 @@ int rank_main_bf16(int rank, int world, int port) {
 
 TEST(RtpBf16, NRanksMatchOneProcess) {
   for (int world : {1, 2, 3, 4}) {
-    int port = rtptest::free_port();
-    auto res = rtptest::run_procs(
-        world, [&](int r) { return rank_main_bf16(r, world, port); }, 120);
-    for (int r = 0; r < world; r++)
-      EXPECT_EQ(res[r].code, 0) << "world " << world << " rank " << r;
+    expect_ranks_pass(
+        world, [&](int r, int port) { return rank_main_bf16(r, world, port); }, "", 120);
   }
 }
 
@@ -659,12 +664,9 @@ TEST_P(MixedPrecision, NRanksMatchOneProcess) {
     if (s == RTP_STRATEGY_TP && world == 3) continue;  // 3 ranks cannot share 4 heads
     for (rtp_type comm : {RTP_TYPE_F32, RTP_TYPE_BF16}) {
       if (comm == RTP_TYPE_BF16 && (s != RTP_STRATEGY_RTP || world == 1)) continue;
-      int port = rtptest::free_port();
-      auto res = rtptest::run_procs(
-          world, [&](int r) { return rank_main_mixed(s, comm, r, world, port); }, 120);
-      for (int r = 0; r < world; r++)
-        EXPECT_EQ(res[r].code, 0) << rtp_strategy_name(s) << " world " << world << " comm "
-                                  << rtp_type_name(comm) << " rank " << r;
+      expect_ranks_pass(
+          world, [&](int r, int port) { return rank_main_mixed(s, comm, r, world, port); },
+          std::string(rtp_strategy_name(s)) + " comm " + rtp_type_name(comm) + " ", 120);
     }
   }
 }
@@ -800,10 +802,7 @@ int rank_schedule(int rank, int world, int port) {
 
 TEST(RtpBf16, SameScheduleHalfTheBytes) {
   for (int world : {1, 2, 3, 4}) {
-    int port = rtptest::free_port();
-    auto res = rtptest::run_procs(world, [&](int r) { return rank_schedule(r, world, port); });
-    for (int r = 0; r < world; r++)
-      EXPECT_EQ(res[r].code, 0) << "world " << world << " rank " << r;
+    expect_ranks_pass(world, [&](int r, int port) { return rank_schedule(r, world, port); });
   }
 }
 
@@ -857,11 +856,7 @@ int rank_hops_ahead(int rank, int world, int port) {
 
 TEST(RtpSchedule, HopsArePostedAProductAhead) {
   for (int world : {2, 3}) {
-    int port = rtptest::free_port();
-    auto res =
-        rtptest::run_procs(world, [&](int r) { return rank_hops_ahead(r, world, port); });
-    for (int r = 0; r < world; r++)
-      EXPECT_EQ(res[r].code, 0) << "world " << world << " rank " << r;
+    expect_ranks_pass(world, [&](int r, int port) { return rank_hops_ahead(r, world, port); });
   }
 }
 
@@ -938,11 +933,8 @@ int rank_fsdp_schedule(int rank, int world, int port) {
 
 TEST(FsdpSchedule, BlocksGatheredTogetherAhead) {
   for (int world : {2, 3}) {
-    int port = rtptest::free_port();
-    auto res =
-        rtptest::run_procs(world, [&](int r) { return rank_fsdp_schedule(r, world, port); });
-    for (int r = 0; r < world; r++)
-      EXPECT_EQ(res[r].code, 0) << "world " << world << " rank " << r;
+    expect_ranks_pass(world,
+                      [&](int r, int port) { return rank_fsdp_schedule(r, world, port); });
   }
 }
 
