@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # bench-parallel runs every strategy on 2 local ranks, one at a time and interleaved, and
-# prints one well-formed JSON line per strategy (numbers are not checked: no timing here).
-# Usage: test-bench.sh BENCH_PARALLEL
+# prints one well-formed JSON line per strategy (numbers are not checked: no timing here);
+# bench/targets.py summarises a round of them as the goals. Usage: test-bench.sh BENCH_PARALLEL
 set -euo pipefail
 bench=$1
 scratch=$(mktemp -d)
@@ -32,3 +32,26 @@ for s in ("fsdp", "rtp"):
 print(f"bench-parallel --interleave {sys.argv[2]}: {len(lines)} lines ok")
 PY
 done
+
+# bench/targets.py: one round on the tiny model; every goal gets a line, and the one that
+# does not depend on timing (2 ranks hold half of ddp's model states) is checked.
+build=$(cd "$(dirname "$bench")/.." && pwd)
+/usr/bin/python3 "$(dirname "$0")/../bench/targets.py" "$build" --model tiny --rounds 1 \
+  --steps 1 --batch 2 > "$scratch/targets.jsonl"
+/usr/bin/python3 - "$scratch/targets.jsonl" <<'PY'
+import json, subprocess, sys
+lines = [json.loads(l) for l in open(sys.argv[1])]
+goals = {l["goal"]: l for l in lines if "goal" in l}
+want = ["rtp_vs_ddp", "rtp_vs_fsdp", "rtp_vs_torch_ddp", "states_vs_ddp",
+        "peak_vs_torch_fsdp", "step_over_max_1gbit"]
+assert list(goals) == want, list(goals)
+for g in ("rtp_vs_ddp", "rtp_vs_fsdp", "states_vs_ddp"):
+    assert goals[g]["rounds"] == 1 and goals[g]["min"] > 0, goals[g]
+assert goals["states_vs_ddp"]["median"] == 0.5 and goals["states_vs_ddp"]["held"] == 1, goals
+torch = subprocess.run(["/usr/bin/python3", "-c", "import torch"]).returncode == 0
+assert ("rounds" in goals["rtp_vs_torch_ddp"]) == torch, goals["rtp_vs_torch_ddp"]
+assert goals["step_over_max_1gbit"]["measured"] is False  # no --netns
+mem = [l for l in lines if l.get("memory")]
+assert len(mem) == 1 and mem[0]["rtp_peak_rss"] > 0, mem
+print(f"targets.py: {len(lines)} lines ok")
+PY

@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""rtp's speed and memory goals (issue 4, docs/parallel.md), measured over several rounds.
+
+    /usr/bin/python3 bench/targets.py BUILD_DIR [--rounds 5] [--steps 6] [--model small]
+                                      [--batch 8] [--netns]
+
+Speed on this kind of machine drifts by 10% from one minute to the next, so one run proves
+little either way. Each round runs `bench-parallel --interleave 1` (one process, ddp, fsdp
+and rtp on 2 ranks, their steps taken in turn in the same processes) and PyTorch's DDP
+(bench/torch-parallel.py, where torch is installed), which of the two goes first
+alternating between rounds; with --netns (root), also bench-parallel over the emulated
+1 Gbit/s Ethernet (scripts/bench-parallel-netns.sh). Memory is measured once, one strategy
+at a time. Prints one JSON line per round, then one per goal: the median, the range, and
+in how many rounds the goal held.
+"""
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# name: (what is compared, want >= or <=, goal)
+GOALS = {
+    "rtp_vs_ddp": ("rtp tokens/s over our ddp's", ">=", 0.95),
+    "rtp_vs_fsdp": ("rtp tokens/s over our fsdp's", ">=", 1.0),
+    "rtp_vs_torch_ddp": ("rtp tokens/s over PyTorch DDP's", ">=", 1.2),
+    "states_vs_ddp": ("rtp model-state bytes per rank over ddp's", "<=", 0.55),
+    "peak_vs_torch_fsdp": ("rtp peak resident memory per rank over PyTorch FSDP's", "<=", 0.5),
+    "step_over_max_1gbit": ("rtp step over max(compute, communication) at 1 Gbit/s", "<=", 1.15),
+}
+
+
+def json_lines(cmd, timeout):
+    """The JSON lines a command prints; raises if it fails."""
+    res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         timeout=timeout)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited with {res.returncode}:\n{res.stderr[-2000:]}")
+    return [json.loads(l) for l in res.stdout.splitlines() if l.startswith("{")]
+
+
+def by_strategy(lines):
+    return {l["strategy"]: l for l in lines if "strategy" in l}
+
+
+def ours(args, strategies="ddp fsdp rtp", interleave=1):
+    port = 20000 + random.randrange(10000)  # below the ephemeral range (bench-parallel.c)
+    cmd = [os.path.join(args.build, "bench", "bench-parallel"), "--model", args.model,
+           "--ranks", "2", "--batch", str(args.batch), "--threads", "1", "--steps",
+           str(args.steps), "--interleave", str(interleave), "--master-port", str(port),
+           "--strategies", strategies]
+    return by_strategy(json_lines(cmd, 1800))
+
+
+def torch_side(args, strategies):
+    """PyTorch's lines by strategy; None where torch is missing (the script exits 77)."""
+    cmd = ["/usr/bin/python3", os.path.join(HERE, "torch-parallel.py"), "--model", args.model,
+           "--ranks", "2", "--batch", str(args.batch), "--threads", "1", "--steps",
+           str(args.steps), "--strategies", strategies, "--master-port",
+           str(30000 - 1000 + random.randrange(1000))]
+    res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         timeout=1800)
+    if res.returncode == 77:
+        return None
+    if res.returncode != 0:
+        raise RuntimeError(f"torch-parallel.py exited with {res.returncode}:\n{res.stderr[-2000:]}")
+    return by_strategy(json.loads(l) for l in res.stdout.splitlines() if l.startswith("{"))
+
+
+def netns(args):
+    cmd = ["bash", os.path.join(ROOT, "scripts", "bench-parallel-netns.sh"), args.build, "2",
+           "1gbit", "--", "--model", args.model, "--batch", str(args.batch), "--steps",
+           str(args.steps), "--strategies", "ddp fsdp rtp", "--interleave", "1"]
+    return by_strategy(json_lines(cmd, 1800))
+
+
+def one_round(args, k, have_torch):
+    r = {"bench": "targets", "round": k}
+    mine = theirs = None
+    for side in (("ours", "torch") if k % 2 == 0 else ("torch", "ours")):
+        if side == "ours":
+            mine = ours(args)
+        elif have_torch:
+            theirs = torch_side(args, "ddp")
+    rtp = mine["rtp"]
+    r["rtp_tokens_per_s"] = rtp["tokens_per_s"]
+    r["rtp_vs_ddp"] = rtp["tokens_per_s"] / mine["ddp"]["tokens_per_s"]
+    r["rtp_vs_fsdp"] = rtp["tokens_per_s"] / mine["fsdp"]["tokens_per_s"]
+    r["states_vs_ddp"] = rtp["model_states"] / mine["ddp"]["model_states"]
+    if theirs and "tokens_per_s" in theirs.get("ddp", {}):
+        r["torch_ddp_tokens_per_s"] = theirs["ddp"]["tokens_per_s"]
+        r["torch_ddp_peak_rss"] = theirs["ddp"]["peak_rss"]
+        r["rtp_vs_torch_ddp"] = rtp["tokens_per_s"] / theirs["ddp"]["tokens_per_s"]
+    if args.netns:
+        r["step_over_max_1gbit"] = netns(args)["rtp"]["step_over_max"]
+    return r
+
+
+def memory(args, have_torch, rounds):
+    """Peak resident memory per rank, one strategy at a time: rtp's, and PyTorch FSDP's
+    where it runs (Debian's torch 1.13 FSDP does not import on Python 3.11). PyTorch DDP's,
+    from the rounds, is shown beside it: DDP holds every parameter, so FSDP's is lower."""
+    out = {"bench": "targets", "memory": True}
+    rtp = ours(args, "rtp", interleave=0)["rtp"]
+    out["rtp_peak_rss"] = rtp["peak_rss"]
+    ddp = [r["torch_ddp_peak_rss"] for r in rounds if "torch_ddp_peak_rss" in r]
+    if ddp:
+        out["torch_ddp_peak_rss"] = min(ddp)
+        out["peak_vs_torch_ddp"] = round(rtp["peak_rss"] / min(ddp), 3)
+    fsdp = torch_side(args, "fsdp") if have_torch else None
+    line = (fsdp or {}).get("fsdp", {})
+    if "peak_rss" in line:
+        out["torch_fsdp_peak_rss"] = line["peak_rss"]
+        out["peak_vs_torch_fsdp"] = rtp["peak_rss"] / line["peak_rss"]
+    else:
+        out["torch_fsdp"] = line.get("error", "torch is not installed")
+    return out
+
+
+def summary(name, values):
+    what, op, goal = GOALS[name]
+    line = {"bench": "targets", "goal": name, "what": what, "want": f"{op} {goal}"}
+    if not values:
+        line["measured"] = False
+        return line
+    held = sum(1 for v in values if (v >= goal if op == ">=" else v <= goal))
+    line.update(median=round(statistics.median(values), 3), min=round(min(values), 3),
+                max=round(max(values), 3), held=held, rounds=len(values))
+    return line
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("build")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--model", default="small", choices=["tiny", "small", "medium"])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--netns", action="store_true",
+                    help="also over the emulated 1 Gbit/s Ethernet (needs root)")
+    args = ap.parse_args()
+    if args.rounds < 1 or args.steps < 1:
+        ap.error("--rounds and --steps must be at least 1")
+    if args.netns and os.geteuid() != 0:
+        ap.error("--netns needs root (network namespaces)")
+    have_torch = subprocess.run(["/usr/bin/python3", "-c", "import torch"],
+                                stderr=subprocess.DEVNULL).returncode == 0
+    rounds = []
+    for k in range(args.rounds):
+        rounds.append(one_round(args, k, have_torch))
+        print(json.dumps({key: round(v, 3) if isinstance(v, float) else v
+                          for key, v in rounds[-1].items()}), flush=True)
+    mem = memory(args, have_torch, rounds)
+    print(json.dumps(mem), flush=True)
+    for name in GOALS:
+        values = [r[name] for r in rounds if name in r]
+        if name in mem:
+            values.append(mem[name])
+        print(json.dumps(summary(name, values)), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
