@@ -26,6 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -52,6 +53,7 @@
 #define RC_ADDR_REC 64 /* REGISTER payload and PEERS record: u16 port, address string */
 #define RC_MAX_WORLD 65536
 #define RC_HANDSHAKE_MS 10000
+#define RC_RCVLOWAT (256 << 10) /* bytes a read waits for, at most (link_set_lowat) */
 
 enum rc_type {
   RC_T_DATA = 1,
@@ -239,6 +241,7 @@ struct rc_link {
   int rstate;
   uint8_t *rptr;
   size_t rwant, rhave;
+  int lowat; /* the socket's SO_RCVLOWAT as last set; 0: the default */
   uint8_t hdrbuf[RC_HDR_SIZE];
   struct rc_hdr hdr;
   uint8_t hs[RC_HELLO_SIZE * 2 + RC_MAC_SIZE * 2];
@@ -709,6 +712,7 @@ int rtp_comm_status(struct rtp_comm *c, const char **msg) {
 static void link_close(struct rc_link *l);
 static void req_check(struct rtp_comm_req *r);
 static void maybe_finalize(struct rtp_comm *c);
+static void link_set_lowat(struct rc_link *l);
 
 static uint64_t now_ms(struct rtp_comm *c) {
   return uv_now(&c->loop);
@@ -808,6 +812,7 @@ static void comm_fail(struct rtp_comm *c, int status, const char *fmt, ...) {
     nx = l->next;
     if (l->state == LS_UP && !l->bye_rx && !l->aborting) {
       l->aborting = true; /* reads are discarded from now on */
+      link_set_lowat(l);
       l->close_at = now_ms(c) + grace;
       if (send_ctrl(l, &h, msg) < 0) link_close(l);
     } else if (!l->aborting) {
@@ -1211,11 +1216,25 @@ static struct rc_link *link_new(struct rtp_comm *c, bool connector, int rank) {
   return l;
 }
 
+/* The loop wakes for a read only once min(what the reader still expects, RC_RCVLOWAT)
+ * bytes have arrived: over Ethernet a payload otherwise comes in one wakeup per packet
+ * train, and those interrupt the compute threads on the same cores (docs/transport.md).
+ * Never more than the frame still owes, so the wait always ends; EOF and errors wake the
+ * loop regardless. Best effort: a socket that refuses keeps waking per packet. */
+static void link_set_lowat(struct rc_link *l) {
+  size_t rest = l->aborting || l->rwant <= l->rhave ? 1 : l->rwant - l->rhave;
+  int v = rest > RC_RCVLOWAT ? RC_RCVLOWAT : (int)rest;
+  uv_os_fd_t fd;
+  if (v == l->lowat || !l->tcp_open || uv_fileno((uv_handle_t *)&l->tcp, &fd) != 0) return;
+  if (setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof(v)) == 0) l->lowat = v;
+}
+
 static void reader_expect(struct rc_link *l, int state, void *ptr, size_t n) {
   l->rstate = state;
   l->rptr = ptr;
   l->rwant = n;
   l->rhave = 0;
+  link_set_lowat(l);
 }
 
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
@@ -1266,7 +1285,10 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
   if (nread == 0) return;
   l->last_rx = now_ms(l->comm);
   l->rhave += (size_t)nread;
-  if (l->rhave == l->rwant) reader_step(l);
+  if (l->rhave == l->rwant)
+    reader_step(l);
+  else
+    link_set_lowat(l);
 }
 
 static void refuse(struct rc_link *l, const char *why) {
