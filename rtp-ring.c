@@ -1219,11 +1219,15 @@ static struct rc_link *link_new(struct rtp_comm *c, bool connector, int rank) {
 /* The loop wakes for a read only once min(what the reader still expects, RC_RCVLOWAT)
  * bytes have arrived: over Ethernet a payload otherwise comes in one wakeup per packet
  * train, and those interrupt the compute threads on the same cores (docs/transport.md).
- * Never more than the frame still owes, so the wait always ends; EOF and errors wake the
- * loop regardless. Best effort: a socket that refuses keeps waking per packet. */
+ * Never more than the frame still owes, so the wait always ends (EOF and errors wake the
+ * loop regardless), nor more than a 1 Mbit/s link brings in an eighth of the timeout, so
+ * a slow link is not taken for a silent one. Best effort: a socket that refuses keeps
+ * waking per packet train. */
 static void link_set_lowat(struct rc_link *l) {
+  size_t cap = (size_t)l->comm->params.timeout_ms * 16; /* 125000 / 8 bytes per ms */
   size_t rest = l->aborting || l->rwant <= l->rhave ? 1 : l->rwant - l->rhave;
-  int v = rest > RC_RCVLOWAT ? RC_RCVLOWAT : (int)rest;
+  if (cap > RC_RCVLOWAT) cap = RC_RCVLOWAT;
+  int v = (int)(rest < cap ? rest : cap > 0 ? cap : 1);
   uv_os_fd_t fd;
   if (v == l->lowat || !l->tcp_open || uv_fileno((uv_handle_t *)&l->tcp, &fd) != 0) return;
   if (setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof(v)) == 0) l->lowat = v;
