@@ -1224,10 +1224,11 @@ static struct rc_link *link_new(struct rtp_comm *c, bool connector, int rank) {
  * a slow link is not taken for a silent one. Best effort: a socket that refuses keeps
  * waking per packet train. */
 static void link_set_lowat(struct rc_link *l) {
-  size_t cap = (size_t)l->comm->params.timeout_ms * 16; /* 125000 / 8 bytes per ms */
+  /* timeout_ms >= 1 (rtp_comm_init), so cap >= 16: 125000 / 8 bytes per ms */
+  size_t cap = (size_t)l->comm->params.timeout_ms * 16;
   size_t rest = l->aborting || l->rwant <= l->rhave ? 1 : l->rwant - l->rhave;
   if (cap > RC_RCVLOWAT) cap = RC_RCVLOWAT;
-  int v = (int)(rest < cap ? rest : cap > 0 ? cap : 1);
+  int v = (int)(rest < cap ? rest : cap);
   uv_os_fd_t fd;
   if (v == l->lowat || !l->tcp_open || uv_fileno((uv_handle_t *)&l->tcp, &fd) != 0) return;
   if (setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof(v)) == 0) l->lowat = v;

@@ -35,10 +35,13 @@ GOALS = {
 }
 
 
-def json_lines(cmd, timeout):
-    """The JSON lines a command prints; raises if it fails."""
+def json_lines(cmd, timeout, absent=None):
+    """The JSON lines a command prints; None if it exits with `absent` (what it needs is
+    not installed); raises if it fails otherwise."""
     res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          timeout=timeout)
+    if absent is not None and res.returncode == absent:
+        return None
     if res.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited with {res.returncode}:\n{res.stderr[-2000:]}")
     return [json.loads(l) for l in res.stdout.splitlines() if l.startswith("{")]
@@ -62,14 +65,9 @@ def torch_side(args, strategies):
     cmd = ["/usr/bin/python3", os.path.join(HERE, "torch-parallel.py"), "--model", args.model,
            "--ranks", "2", "--batch", str(args.batch), "--threads", "1", "--steps",
            str(args.steps), "--strategies", strategies, "--master-port",
-           str(30000 - 1000 + random.randrange(1000))]
-    res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         timeout=1800)
-    if res.returncode == 77:
-        return None
-    if res.returncode != 0:
-        raise RuntimeError(f"torch-parallel.py exited with {res.returncode}:\n{res.stderr[-2000:]}")
-    return by_strategy(json.loads(l) for l in res.stdout.splitlines() if l.startswith("{"))
+           str(29000 + random.randrange(1000))]
+    lines = json_lines(cmd, 1800, absent=77)
+    return None if lines is None else by_strategy(lines)
 
 
 def netns(args):
