@@ -686,6 +686,14 @@ bool is_view(rtp_op op) {
          op == RTP_OP_TRANSPOSE || op == RTP_OP_ROT || op == RTP_OP_EMPTY;
 }
 
+// Whether node u waits for transfer t, as the executor does: for its sources, and a
+// transfer for its order edge too.
+bool waits_for(const rtp_tensor *u, const rtp_tensor *t) {
+  for (int k = 0; k < RTP_MAX_SRC; k++)
+    if (u->src[k] && (k < 3 || u->op == RTP_OP_COMM) && comm_of(u->src[k]) == t) return true;
+  return false;
+}
+
 // A transfer as the schedule has it: what it is, the bytes it sends, and how many compute
 // nodes other than casts run between its post and the first node that waits for it.
 struct Transfer {
@@ -703,11 +711,7 @@ std::vector<Transfer> transfers(const rtp_graph *g) {
     for (int j = i + 1; j < g->n_nodes; j++) {
       const rtp_tensor *u = g->nodes[j];
       if (is_view(u->op)) continue;
-      bool waits = false;  // what the executor waits for: sources, and a transfer's order edge
-      for (int k = 0; k < RTP_MAX_SRC; k++)
-        if (u->src[k] && (k < 3 || u->op == RTP_OP_COMM) && comm_of(u->src[k]) == t)
-          waits = true;
-      if (waits) break;
+      if (waits_for(u, t)) break;
       x.overlap += u->op != RTP_OP_COMM && u->op != RTP_OP_CAST;
     }
     out.push_back(x);
@@ -813,10 +817,7 @@ int first_wait(const rtp_graph *g, int i, int *products) {
   int j = i + 1;
   for (*products = 0; j < g->n_nodes; j++) {
     const rtp_tensor *u = g->nodes[j];
-    bool waits = false;
-    for (int k = 0; k < RTP_MAX_SRC; k++)
-      if (u->src[k] && (k < 3 || u->op == RTP_OP_COMM) && comm_of(u->src[k]) == t) waits = true;
-    if (waits && !is_view(u->op)) break;
+    if (!is_view(u->op) && waits_for(u, t)) break;
     *products += u->op == RTP_OP_MUL_MAT;
   }
   return j;
