@@ -101,8 +101,9 @@ def one_round(args, k, have_torch):
 
 def memory(args, have_torch, rounds):
     """Peak resident memory per rank, one strategy at a time: rtp's, and PyTorch FSDP's
-    where it runs (Debian's torch 1.13 FSDP does not import on Python 3.11). PyTorch DDP's,
-    from the rounds, is shown beside it: DDP holds every parameter, so FSDP's is lower."""
+    where it runs (Debian's torch 1.13 FSDP neither imports on Python 3.11 nor runs without
+    CUDA: bench/torch-parallel.py). PyTorch DDP's, from the rounds, is shown beside it: DDP
+    holds every parameter, so FSDP's is lower."""
     out = {"bench": "targets", "memory": True}
     rtp = ours(args, "rtp", interleave=0)["rtp"]
     out["rtp_peak_rss"] = rtp["peak_rss"]

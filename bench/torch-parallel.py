@@ -44,13 +44,16 @@ def rank_main(rank, args, strategy, port, out):
     if strategy == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
     else:
+        # Debian's torch 1.13: FSDP does not import on Python 3.11 (a dataclass default
+        # that 3.11 rejects), and past that it computes only on a CUDA device (a module
+        # on the CPU gets torch.cuda.current_device()), so it cannot run on a CPU box.
         try:
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        except Exception as e:  # Debian's torch 1.13 FSDP does not import on Python 3.11
+            model = FSDP(model)
+        except Exception as e:
             if rank == 0:
                 out.put(dict(bench="torch-parallel", strategy=strategy, error=repr(e)[:200]))
             return
-        model = FSDP(model)
     opt = torch.optim.Adam(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8)
     T = CONFIGS[args.model]["seq_len"]
     idx = torch.randint(0, 256, (args.batch, T))
