@@ -2,7 +2,7 @@
 """rtp's speed and memory goals (issue 4, docs/parallel.md), measured over several rounds.
 
     /usr/bin/python3 bench/targets.py BUILD_DIR [--rounds 5] [--steps 6] [--model small]
-                                      [--batch 8] [--netns]
+                                      [--batch 8] [--netns] [--torch-python PYTHON]
 
 Speed on this kind of machine drifts by 10% from one minute to the next, so one run proves
 little either way. Each round runs `bench-parallel --interleave 1` (one process, ddp, fsdp
@@ -10,7 +10,8 @@ and rtp on 2 ranks, their steps taken in turn in the same processes) and PyTorch
 (bench/torch-parallel.py, where torch is installed), which of the two goes first
 alternating between rounds; with --netns (root), also bench-parallel over the emulated
 1 Gbit/s Ethernet (scripts/bench-parallel-netns.sh). Memory is measured once, one strategy
-at a time. Prints one JSON line per round, then one per goal: the median, the range, and
+at a time. The PyTorch side runs under --torch-python (default Debian's /usr/bin/python3
+and its torch 1.13, whose FSDP cannot run on a CPU; a venv with a newer torch can). Prints one JSON line per round, then one per goal: the median, the range, and
 in how many rounds the goal held.
 """
 import argparse
@@ -62,7 +63,7 @@ def ours(args, strategies="ddp fsdp rtp", interleave=1):
 
 def torch_side(args, strategies):
     """PyTorch's lines by strategy; None where torch is missing (the script exits 77)."""
-    cmd = ["/usr/bin/python3", os.path.join(HERE, "torch-parallel.py"), "--model", args.model,
+    cmd = [args.torch_python, os.path.join(HERE, "torch-parallel.py"), "--model", args.model,
            "--ranks", "2", "--batch", str(args.batch), "--threads", "1", "--steps",
            str(args.steps), "--strategies", strategies, "--master-port",
            str(29000 + random.randrange(1000))]
@@ -142,12 +143,14 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--netns", action="store_true",
                     help="also over the emulated 1 Gbit/s Ethernet (needs root)")
+    ap.add_argument("--torch-python", default="/usr/bin/python3",
+                    help="the Python that runs PyTorch's side (bench/torch-parallel.py)")
     args = ap.parse_args()
     if args.rounds < 1 or args.steps < 1:
         ap.error("--rounds and --steps must be at least 1")
     if args.netns and os.geteuid() != 0:
         ap.error("--netns needs root (network namespaces)")
-    have_torch = subprocess.run(["/usr/bin/python3", "-c", "import torch"],
+    have_torch = subprocess.run([args.torch_python, "-c", "import torch"],
                                 stderr=subprocess.DEVNULL).returncode == 0
     rounds = []
     for k in range(args.rounds):

@@ -34,6 +34,23 @@ CONFIGS = {
 }
 
 
+def fsdp(model, ranks):
+    """model sharded as bench-parallel's fsdp is: each transformer block a unit, the rest in
+    the root's. FSDP2 (fully_shard) where torch has it: it runs on the CPU.
+    Debian's torch 1.13 has only FSDP1, which does not import on Python 3.11 (a dataclass
+    default that 3.11 rejects) and past that computes only on a CUDA device."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.device_mesh import init_device_mesh
+    except ImportError:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        return FullyShardedDataParallel(model)
+    mesh = init_device_mesh("cpu", (ranks,))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def rank_main(rank, args, strategy, port, out):
     torch.set_num_threads(args.threads)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -44,12 +61,8 @@ def rank_main(rank, args, strategy, port, out):
     if strategy == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
     else:
-        # Debian's torch 1.13: FSDP does not import on Python 3.11 (a dataclass default
-        # that 3.11 rejects), and past that it computes only on a CUDA device (a module
-        # on the CPU gets torch.cuda.current_device()), so it cannot run on a CPU box.
         try:
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-            model = FSDP(model)
+            model = fsdp(model, args.ranks)
         except Exception as e:
             if rank == 0:
                 out.put(dict(bench="torch-parallel", strategy=strategy, error=repr(e)[:200]))
