@@ -11,8 +11,9 @@ and rtp on 2 ranks, their steps taken in turn in the same processes) and PyTorch
 alternating between rounds; with --netns (root), also bench-parallel over the emulated
 1 Gbit/s Ethernet (scripts/bench-parallel-netns.sh). Memory is measured once, one strategy
 at a time. The PyTorch side runs under --torch-python (default Debian's /usr/bin/python3
-and its torch 1.13, whose FSDP cannot run on a CPU; a venv with a newer torch can). Prints one JSON line per round, then one per goal: the median, the range, and
-in how many rounds the goal held.
+and its torch 1.13, whose FSDP cannot run on a CPU; a venv with a newer torch can). Prints
+one JSON line per round, then one per goal: the median, the range, and in how many rounds
+the goal held.
 """
 import argparse
 import json

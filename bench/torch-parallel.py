@@ -35,10 +35,11 @@ CONFIGS = {
 
 
 def fsdp(model, ranks):
-    """model sharded as bench-parallel's fsdp is: each transformer block a unit, the rest in
-    the root's. FSDP2 (fully_shard) where torch has it: it runs on the CPU.
-    Debian's torch 1.13 has only FSDP1, which does not import on Python 3.11 (a dataclass
-    default that 3.11 rejects) and past that computes only on a CUDA device."""
+    """model sharded with FSDP2 (fully_shard) where torch has it, as bench-parallel's fsdp
+    is: each transformer block a unit, the rest in the root's; it runs on the CPU. Else
+    with FSDP1, the whole model one unit: Debian's torch 1.13 has only that, which does not
+    import on Python 3.11 (a dataclass default that 3.11 rejects) and past that computes
+    only on a CUDA device."""
     try:
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.device_mesh import init_device_mesh
