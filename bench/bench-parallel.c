@@ -12,6 +12,9 @@
  * ignored); before each strategy every rank measures the one-process step at once, and
  * the mean over ranks is the compute-only figure.
  *
+ * "steps_ms" lists every timed step in the order taken; interleaved, step i of each
+ * strategy was taken in the same round, so their ratios pair up (bench/targets.py).
+ *
  * Communication alone ("comm_only_method":"replay"): after training, each rank walks its
  * graph as the executor does (posts every transfer in order, waits for a node's inputs
  * just before it would run) with every kernel skipped, plus the optimizer's grad-norm
@@ -113,6 +116,8 @@ static int cmp_double(const void *a, const void *b) {
 
 struct result {
   double step_s, sent, comm_s, comm_est_s;
+  double steps[64]; /* every timed step, in the order taken */
+  int n_steps;
   size_t baseline, peak;
   struct rtp_mem_report mem;
 };
@@ -275,6 +280,8 @@ static void run_step(struct run *u, struct rtp_threadpool *tp, bool timed) {
 /* The median step, bytes and memory, then communication alone; frees the run. */
 static struct result run_finish(struct run *u, struct rtp_comm *comm) {
   struct result res = {.baseline = u->baseline, .peak = proc_bytes("VmHWM:")};
+  memcpy(res.steps, u->times, sizeof(res.steps));
+  res.n_steps = u->n_times;
   qsort(u->times, (size_t)u->n_times, sizeof(double), cmp_double);
   res.step_s = u->times[u->n_times / 2];
   res.sent = bytes_sent(u->g, comm ? rtp_comm_size(comm) : 1, comm ? rtp_comm_rank(comm) : 0);
@@ -318,6 +325,10 @@ static void print_result(const struct opts *o, const char *strategy, int world,
   }
   size_t states =
       r->mem.bytes[RTP_ROLE_PARAM] + r->mem.bytes[RTP_ROLE_GRAD] + r->mem.bytes[RTP_ROLE_OPTIM];
+  char steps[64 * 12] = "";
+  for (int i = 0, n = 0; i < r->n_steps && n < (int)sizeof(steps); i++)
+    n += snprintf(steps + n, sizeof(steps) - (size_t)n, "%s%.1f", i ? "," : "",
+                  r->steps[i] * 1e3);
   printf(
       "{\"bench\":\"parallel\",\"model\":\"%s\",\"strategy\":\"%s\",\"comm_type\":\"%s\","
       "\"compute_type\":\"%s\",\"ranks\":%d,\"batch\":%d,"
@@ -326,7 +337,7 @@ static void print_result(const struct opts *o, const char *strategy, int world,
       "\"arena_total\":%zu,\"bytes_sent_per_step\":%.0f,\"comm_only_ms\":%.1f,"
       "\"comm_only_method\":\"%s\",\"comm_est_ms\":%.1f,\"compute_only_ms\":%.1f,"
       "\"step_over_max\":%.3f,\"comm_hidden\":%.2f,\"interleaved\":%s,\"peak_rss\":%s,"
-      "\"baseline_rss\":%s}\n",
+      "\"baseline_rss\":%s,\"steps_ms\":[%s]}\n",
       o->model, strategy,
       rtp_type_name(strcmp(strategy, "rtp") == 0 ? o->comm_type : RTP_TYPE_F32),
       rtp_type_name(o->compute_type), world, o->batch, o->threads, o->net, r->step_s * 1e3,
@@ -334,7 +345,7 @@ static void print_result(const struct opts *o, const char *strategy, int world,
       r->mem.bytes[RTP_ROLE_OPTIM], states, r->mem.bytes[RTP_ROLE_ACTIVATION],
       r->mem.bytes[RTP_ROLE_COMM], r->mem.total, r->sent, r->comm_s * 1e3,
       r->comm_s > 0 ? "replay" : "none", r->comm_est_s * 1e3, compute_s * 1e3,
-      r->step_s / bound, hidden, o->interleave ? "true" : "false", peak, baseline);
+      r->step_s / bound, hidden, o->interleave ? "true" : "false", peak, baseline, steps);
   fflush(stdout);
 }
 

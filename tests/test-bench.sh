@@ -47,6 +47,10 @@ want = ["rtp_vs_ddp", "rtp_vs_fsdp", "rtp_vs_torch_ddp", "states_vs_ddp",
 assert list(goals) == want, list(goals)
 for g in ("rtp_vs_ddp", "rtp_vs_fsdp", "states_vs_ddp"):
     assert goals[g]["rounds"] == 1 and goals[g]["min"] > 0, goals[g]
+for g in ("rtp_vs_ddp", "rtp_vs_fsdp"):  # one round of one step: one pair
+    p = goals[g]["paired"]
+    assert p["pairs"] == 1 and p["ci95"] == [p["median"]] * 2, p
+    assert p["verdict"] in ("held", "not held"), p  # an interval of one point
 assert goals["states_vs_ddp"]["median"] == 0.5 and goals["states_vs_ddp"]["held"] == 1, goals
 torch = subprocess.run(["/usr/bin/python3", "-c", "import torch"]).returncode == 0
 assert ("rounds" in goals["rtp_vs_torch_ddp"]) == torch, goals["rtp_vs_torch_ddp"]
