@@ -135,15 +135,18 @@ def memory(args, have_torch, rounds):
     return out
 
 
+def meets(v, op, goal):
+    return v >= goal if op == ">=" else v <= goal
+
+
 def paired(pairs, op, goal):
     """The median of the step pairs' ratios, its 95% bootstrap interval (fixed seed, so a
     rerun on the same figures prints the same), and the verdict."""
     rng = random.Random(1)
     meds = sorted(statistics.median(rng.choices(pairs, k=len(pairs))) for _ in range(2000))
     lo, hi = meds[50], meds[1949]
-    meets = (lambda v: v >= goal) if op == ">=" else (lambda v: v <= goal)
-    verdict = "held" if meets(lo) and meets(hi) else \
-        "not held" if not meets(lo) and not meets(hi) else "undecided"
+    ok = meets(lo, op, goal) + meets(hi, op, goal)
+    verdict = {2: "held", 0: "not held"}.get(ok, "undecided")
     return {"pairs": len(pairs), "median": round(statistics.median(pairs), 3),
             "ci95": [round(lo, 3), round(hi, 3)], "verdict": verdict}
 
@@ -154,7 +157,7 @@ def summary(name, values, pairs=None):
     if not values:
         line["measured"] = False
         return line
-    held = sum(1 for v in values if (v >= goal if op == ">=" else v <= goal))
+    held = sum(1 for v in values if meets(v, op, goal))
     line.update(median=round(statistics.median(values), 3), min=round(min(values), 3),
                 max=round(max(values), 3), held=held, rounds=len(values))
     if pairs:
