@@ -99,10 +99,9 @@ def one_round(args, k, have_torch):
             theirs = torch_side(args, "ddp")
     rtp = mine["rtp"]
     r["rtp_tokens_per_s"] = rtp["tokens_per_s"]
-    r["rtp_vs_ddp"] = rtp["tokens_per_s"] / mine["ddp"]["tokens_per_s"]
-    r["rtp_vs_fsdp"] = rtp["tokens_per_s"] / mine["fsdp"]["tokens_per_s"]
     r["states_vs_ddp"] = rtp["model_states"] / mine["ddp"]["model_states"]
     for name, other in PAIRED.items():  # other's step time over rtp's: rtp's speed over other's
+        r[name] = rtp["tokens_per_s"] / mine[other]["tokens_per_s"]
         r["pairs_" + name] = [o / t for o, t in zip(mine[other]["steps_ms"], rtp["steps_ms"])]
     if theirs and "tokens_per_s" in theirs.get("ddp", {}):
         r["torch_ddp_tokens_per_s"] = theirs["ddp"]["tokens_per_s"]
@@ -142,9 +141,9 @@ def meets(v, op, goal):
 def paired(pairs, op, goal):
     """The median of the step pairs' ratios, its 95% bootstrap interval (fixed seed, so a
     rerun on the same figures prints the same), and the verdict."""
-    rng = random.Random(1)
-    meds = sorted(statistics.median(rng.choices(pairs, k=len(pairs))) for _ in range(2000))
-    lo, hi = meds[50], meds[1949]
+    rng, n = random.Random(1), 2000
+    meds = sorted(statistics.median(rng.choices(pairs, k=len(pairs))) for _ in range(n))
+    lo, hi = meds[n // 40], meds[n - 1 - n // 40]
     ok = meets(lo, op, goal) + meets(hi, op, goal)
     verdict = {2: "held", 0: "not held"}.get(ok, "undecided")
     return {"pairs": len(pairs), "median": round(statistics.median(pairs), 3),
