@@ -935,30 +935,11 @@ int op_sum(cuda_backend *cu, struct rtp_tensor *t, void *work) {
   return RTP_OK;
 }
 
-/* How cuBLAS can read a matrix of `rows` rows of k elements at strides (row, kst), in
- * elements: with packed rows (column-major k x rows, leading dimension ld) or packed
- * columns (column-major rows x k). false if neither: the operand is copied. This is
- * rtp-gemm.c's cblas_layout. */
-bool gemm_layout(int64_t rows, int64_t k, int64_t row, int64_t kst, bool *packed_rows,
-                 int64_t *ld) {
-  if ((kst == 1 || k == 1) && (rows == 1 || row >= k)) {
-    *packed_rows = true;
-    *ld = rows == 1 ? (k > 1 ? k : 1) : row;
-    return true;
-  }
-  if ((row == 1 || rows == 1) && (k == 1 || kst >= rows)) {
-    *packed_rows = false;
-    *ld = k == 1 ? (rows > 1 ? rows : 1) : kst;
-    return true;
-  }
-  return false;
-}
-
 bool mm_needs_copy(const struct rtp_tensor *x) {
   bool packed_rows;
   int64_t ld;
-  return !gemm_layout(x->ne[1], x->ne[0], (int64_t)(x->nb[1] / 4), (int64_t)(x->nb[0] / 4),
-                      &packed_rows, &ld);
+  return !rtp__gemm_layout(x->ne[1], x->ne[0], (int64_t)(x->nb[1] / 4), (int64_t)(x->nb[0] / 4),
+                           &packed_rows, &ld);
 }
 
 bool mm_bf16(const struct rtp_tensor *t) {
@@ -1063,8 +1044,9 @@ int op_mul_mat(cuda_backend *cu, struct rtp_tensor *t, void *work) {
   if (rc) return rc;
   bool a_rows, b_rows;
   int64_t lda, ldb, ldc = N == 1 ? (M > 1 ? M : 1) : y.nb[1];
-  if (!gemm_layout(M, K, a.nb[1], a.nb[0], &a_rows, &lda) ||
-      !gemm_layout(N, K, b.nb[1], b.nb[0], &b_rows, &ldb) || (M > 1 && y.nb[0] != 1) || ldc < M)
+  if (!rtp__gemm_layout(M, K, a.nb[1], a.nb[0], &a_rows, &lda) ||
+      !rtp__gemm_layout(N, K, b.nb[1], b.nb[0], &b_rows, &ldb) || (M > 1 && y.nb[0] != 1) ||
+      ldc < M)
     return rtp__error(RTP_ENOSYS, "cuda device %d: mul_mat '%s': a layout cuBLAS cannot take",
                       cu->device, t->name);
   const size_t es = bf16 ? 2 : 4; /* bytes per operand element */

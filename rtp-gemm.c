@@ -77,24 +77,20 @@ bool rtp__gemm_has_cblas(void) {
 #endif
 }
 
-#ifdef RTP_USE_CBLAS
-/* How CBLAS can read a matrix with `rows` rows of `k` elements stored at strides
- * (row, kst): packed rows is NoTrans, packed columns is Trans. false if neither. */
-static bool cblas_layout(int64_t rows, int64_t k, int64_t row, int64_t kst, bool *trans,
-                         int64_t *ld) {
+bool rtp__gemm_layout(int64_t rows, int64_t k, int64_t row, int64_t kst, bool *packed_rows,
+                      int64_t *ld) {
   if ((kst == 1 || k == 1) && (rows == 1 || row >= k)) {
-    *trans = false;
+    *packed_rows = true;
     *ld = rows == 1 ? (k > 1 ? k : 1) : row;
     return true;
   }
   if ((row == 1 || rows == 1) && (k == 1 || kst >= rows)) {
-    *trans = true;
+    *packed_rows = false;
     *ld = k == 1 ? (rows > 1 ? rows : 1) : kst;
     return true;
   }
   return false;
 }
-#endif
 
 /* C (m x n, row-major) = X . Y^T with X(i,k) = x[i*x_row + k*x_k], Y(j,k) = y[j*y_row + k*y_k].
  */
@@ -103,16 +99,16 @@ void rtp__gemm(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_row, i
                bool accumulate) {
   if (m == 0 || n == 0) return;
 #ifdef RTP_USE_CBLAS
-  bool tx, ty;
+  bool x_rows, y_rows;
   int64_t ldx, ldy;
   bool fits = m < INT32_MAX && n < INT32_MAX && k < INT32_MAX && ldc < INT32_MAX;
-  if (fits && k > 0 && cblas_layout(m, k, x_row, x_k, &tx, &ldx) &&
-      cblas_layout(n, k, y_row, y_k, &ty, &ldy)) {
+  if (fits && k > 0 && rtp__gemm_layout(m, k, x_row, x_k, &x_rows, &ldx) &&
+      rtp__gemm_layout(n, k, y_row, y_k, &y_rows, &ldy)) {
     /* op(B) must be Y^T (k x n): Y with packed rows is read transposed. */
     if (ldx >= INT32_MAX || ldy >= INT32_MAX) goto fallback;
-    cblas_sgemm(CblasRowMajor, tx ? CblasTrans : CblasNoTrans, ty ? CblasNoTrans : CblasTrans,
-                (int)m, (int)n, (int)k, 1.0f, x, (int)ldx, y, (int)ldy,
-                accumulate ? 1.0f : 0.0f, c, (int)ldc);
+    cblas_sgemm(CblasRowMajor, x_rows ? CblasNoTrans : CblasTrans,
+                y_rows ? CblasTrans : CblasNoTrans, (int)m, (int)n, (int)k, 1.0f, x, (int)ldx,
+                y, (int)ldy, accumulate ? 1.0f : 0.0f, c, (int)ldc);
     return;
   }
 fallback:
