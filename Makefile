@@ -34,7 +34,7 @@ test-tsan: deps
 
 run: build
 	./$(BUILD)/tools/rtp-run -n 2 -- ./$(BUILD)/examples/train-gpt --config tiny --strategy rtp \
-	  --steps 300 --batch 8 --sample 64
+	  --steps 4000 --batch 8 --sample 64
 
 bench: build
 	./$(BUILD)/bench/bench-core
