@@ -14,6 +14,8 @@
 
 enum rtp_stream { RTP_STREAM_COMPUTE = 0, RTP_STREAM_COMM = 1 };
 
+struct rtp_comm_op;
+
 /* One Adam update of n floats, enqueued on the compute stream (the arithmetic of
  * rtp-opt.c's adam_job, PyTorch's form). */
 struct rtp_adam_args {
@@ -47,8 +49,8 @@ struct rtp_backend_i {
   int (*events_reserve)(struct rtp_backend *b, int n);
   /* Enqueue node t (every op but views, COMM and EMPTY) on the compute stream. */
   int (*compute)(struct rtp_backend *b, struct rtp_tensor *t, void *work);
-  /* Enqueue COMM node t on the comm stream through communicator c. */
-  int (*comm)(struct rtp_backend *b, struct rtp_comm *c, struct rtp_tensor *t);
+  /* Enqueue op (a COMM node's, rtp__comm_node_op) on the comm stream through c. */
+  int (*comm)(struct rtp_backend *b, struct rtp_comm *c, struct rtp_comm_op *op);
   int (*record)(struct rtp_backend *b, enum rtp_stream s, int event);
   int (*wait)(struct rtp_backend *b, enum rtp_stream s, int event);
   /* Blocks until both streams are idle; reports any failure since the last sync,
@@ -74,15 +76,5 @@ struct rtp_backend *rtp__ctx_backend(const struct rtp_context *ctx);
 int rtp__cuda_backend_new(int device, struct rtp_backend **out);
 int rtp__cuda_device_count(void);
 #endif
-#ifdef RTP_HAVE_NCCL
-/* rtp-nccl.c: the NCCL communicator of a "nccl" comm, joined through the TCP one. */
-struct rtp_nccl;
-int rtp__nccl_init(struct rtp_comm *c, int device, struct rtp_nccl **out);
-void rtp__nccl_free(struct rtp_nccl *n);
-/* Enqueues COMM node t (device buffers) on stream, a cudaStream_t. */
-int rtp__nccl_post(struct rtp_nccl *n, struct rtp_tensor *t, void *stream);
-#endif
-/* c's NCCL communicator, or NULL for a TCP/local comm. */
-struct rtp_nccl *rtp__comm_nccl(const struct rtp_comm *c);
 
 #endif /* RTP_BACKEND_H */

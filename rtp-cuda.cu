@@ -31,6 +31,7 @@
 extern "C" {
 #include "rtp-backend.h"
 }
+#include "rtp-comm.h"
 
 namespace {
 
@@ -1336,37 +1337,36 @@ int cuda_compute(struct rtp_backend *b, struct rtp_tensor *t, void *work) {
 
 /* A single rank's transfers are local: a copy for sendrecv to oneself, nothing for the
  * collectives, which leave the buffer as it is. */
-int comm_single(cuda_backend *cu, struct rtp_comm *c, struct rtp_tensor *t) {
-  if (t->op_params[0] != RTP__COMM_SENDRECV) return RTP_OK;
-  const struct rtp_tensor *send = t->src[0];
+int comm_single(cuda_backend *cu, struct rtp_comm *c, const struct rtp_comm_op *op) {
+  if (op->kind != RTP_COMM_K_P2P) return RTP_OK;
   int rank = rtp_comm_rank(c);
-  if (!send || t->op_params[1] != rank || t->op_params[2] != rank ||
-      rtp_nbytes(send) != rtp_nbytes(t))
+  const char *name = op->what ? op->what : "?";
+  if (op->dst != rank || op->src != rank || op->sbytes != op->rbytes)
     return rtp__error(RTP_EINVAL,
                       "cuda device %d: sendrecv '%s': a single rank sends only to itself, "
                       "the same number of bytes",
-                      cu->device, t->name);
-  if (send->data == t->data || rtp_nbytes(t) == 0) return RTP_OK;
-  RTP_CUDA_TRY(cu, cudaMemcpyAsync(t->data, send->data, rtp_nbytes(t), cudaMemcpyDeviceToDevice,
+                      cu->device, name);
+  if (op->sbuf == op->buf || op->rbytes == 0) return RTP_OK;
+  RTP_CUDA_TRY(cu, cudaMemcpyAsync(op->buf, op->sbuf, op->rbytes, cudaMemcpyDeviceToDevice,
                                    cu->stream[RTP_STREAM_COMM]));
   return RTP_OK;
 }
 
-int cuda_comm(struct rtp_backend *b, struct rtp_comm *c, struct rtp_tensor *t) {
+/* Through the communicator's device transport (nccl) when it has one. */
+int cuda_comm(struct rtp_backend *b, struct rtp_comm *c, struct rtp_comm_op *op) {
   cuda_backend *cu = cuda_of(b);
+  const char *name = op->what ? op->what : "?";
   RTP_CUDA_TRY(cu, cudaSetDevice(cu->device));
   if (!c)
     return rtp__error(RTP_EINVAL, "cuda device %d: comm '%s': no communicator", cu->device,
-                      t->name);
-#ifdef RTP_HAVE_NCCL
-  struct rtp_nccl *n = rtp__comm_nccl(c);
-  if (n) return rtp__nccl_post(n, t, (void *)cu->stream[RTP_STREAM_COMM]);
-#endif
-  if (rtp_comm_size(c) == 1) return comm_single(cu, c, t);
+                      name);
+  if (rtp__comm_device(c))
+    return rtp__comm_post_stream(c, op, (void *)cu->stream[RTP_STREAM_COMM]);
+  if (rtp_comm_size(c) == 1) return comm_single(cu, c, op);
   return rtp__error(RTP_EINVAL,
                     "cuda device %d: comm '%s': device tensors need an nccl communicator "
                     "(backend \"nccl\" in rtp_comm_params)",
-                    cu->device, t->name);
+                    cu->device, name);
 }
 
 int cuda_alloc(struct rtp_backend *b, size_t size, void **out) {

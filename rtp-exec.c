@@ -2,6 +2,7 @@
  * in order and computes its share of each; a barrier separates nodes. Between jobs the
  * workers sleep, so an idle pool leaves the cores to others (the transport thread). */
 #include "rtp-backend.h"
+#include "rtp-comm.h"
 
 #include <limits.h>
 #include <pthread.h>
@@ -198,11 +199,6 @@ struct graph_job {
                 * so it names the node rather than being a flag. */
 };
 
-/* The communicator a COMM node runs on (op_params[4..5]). */
-static struct rtp_comm *node_comm(const struct rtp_tensor *t) {
-  return (struct rtp_comm *)(uintptr_t)rtp__get_param_u64(t, 4);
-}
-
 static void comm_wait(struct graph_job *job, struct rtp_tensor *c) {
   if (!c->extra) return;
   double t0 = prof.on > 0 ? prof_now() : 0;
@@ -213,18 +209,8 @@ static void comm_wait(struct graph_job *job, struct rtp_tensor *c) {
 }
 
 static void comm_post(struct graph_job *job, struct rtp_tensor *t) {
-  struct rtp_comm *comm = node_comm(t);
   struct rtp_comm_req *req = NULL;
-  int rc;
-  if (t->op_params[0] == RTP__COMM_SENDRECV)
-    rc = rtp_comm_sendrecv(comm, t->src[0]->data, rtp_nbytes(t->src[0]), t->op_params[1],
-                           t->data, rtp_nbytes(t), t->op_params[2], &req);
-  else if (t->op_params[0] == RTP__COMM_ALLGATHER) {
-    int d = rtp_n_dims(t) - 1; /* blocks of the outermost dimension */
-    rc = rtp_comm_allgather(comm, t->data, (size_t)t->ne[d], t->nb[d], &req);
-  } else {
-    rc = rtp_comm_allreduce(comm, t->data, (size_t)rtp_nelements(t), &req);
-  }
+  int rc = rtp__comm_node_post(t, &req);
   if (rc) {
     job->comm_status = rc;
     return;
@@ -310,10 +296,11 @@ static int check_work(const struct rtp_graph *g, const struct rtp_plan *plan) {
  * after the transfer. These are the waits the CPU executor does on the host. */
 
 static int stream_comm(struct rtp_backend *b, struct rtp_tensor *t, int k) {
-  struct rtp_comm *comm = node_comm(t);
+  struct rtp_comm_op op;
+  struct rtp_comm *comm = rtp__comm_node_op(t, &op);
   int rc = b->i->record(b, RTP_STREAM_COMPUTE, 2 * k);
   if (!rc) rc = b->i->wait(b, RTP_STREAM_COMM, 2 * k);
-  if (!rc) rc = b->i->comm(b, comm, t);
+  if (!rc) rc = b->i->comm(b, comm, &op);
   if (!rc) rc = b->i->record(b, RTP_STREAM_COMM, 2 * k + 1);
   t->extra = (void *)(uintptr_t)(k + 1); /* pending: its done event is 2k + 1 */
   return rc;
@@ -334,7 +321,8 @@ static int stream_compute(struct rtp_backend *b, struct rtp_tensor *t, void *wor
 /* A transport that gives up on a peer aborts its device kernels, which then end without an
  * error of their own; the communicator knows why. */
 static int comm_failed(const struct rtp_tensor *t) {
-  struct rtp_comm *comm = node_comm(t);
+  struct rtp_comm_op op;
+  struct rtp_comm *comm = rtp__comm_node_op(t, &op);
   const char *msg = NULL;
   int st = comm ? rtp_comm_status(comm, &msg) : RTP_OK;
   return st ? rtp__error(st, "%s", msg) : RTP_OK;
@@ -377,4 +365,26 @@ int rtp_graph_compute(struct rtp_graph *g, struct rtp_threadpool *tp) {
                       rtp_op_name(job.bad->op), s);
   }
   return RTP_OK;
+}
+
+/* ---- communication only ------------------------------------------------------------
+ * The CPU executor's walk over g with every kernel skipped: the same transfers posted in
+ * the same places and waited for where their results are first read. How benchmarks
+ * time a step's communication alone. */
+int rtp__graph_replay_comm(struct rtp_graph *g) {
+  if (!g) return rtp__error(RTP_EINVAL, "rtp__graph_replay_comm: NULL graph");
+  struct graph_job job = {.g = g, .stop_at = INT_MAX};
+  for (int i = 0; i < g->n_nodes && !job.comm_status; i++) {
+    struct rtp_tensor *t = g->nodes[i];
+    if (rtp__is_view_op(t->op)) continue;
+    if (t->op == RTP_OP_COMM) comm_post(&job, t);
+    for (int j = i + 1; j < g->n_nodes; j++)
+      if (!rtp__is_view_op(g->nodes[j]->op)) {
+        wait_inputs(&job, g->nodes[j]);
+        break;
+      }
+  }
+  for (int i = 0; i < g->n_nodes; i++) /* nothing stays in flight, even after a failure */
+    if (g->nodes[i]->op == RTP_OP_COMM) comm_wait(&job, g->nodes[i]);
+  return job.comm_status;
 }

@@ -64,6 +64,14 @@ struct rtp_tensor *rtp__acc_impl(struct rtp_context *ctx, struct rtp_tensor *a,
                                  const struct rtp_tensor *like, struct rtp_tensor *b,
                                  const size_t nb[3], size_t offset);
 bool rtp__rows_contiguous(const struct rtp_tensor *t);
+/* Records "op: why (a = shape, b = shape)" in ctx; returns NULL. */
+struct rtp_tensor *rtp__op_error(struct rtp_context *ctx, const char *op, int status,
+                                 const struct rtp_tensor *a, const struct rtp_tensor *b,
+                                 const char *why);
+/* Whether a builder's inputs are there; a NULL one (an earlier failed builder) is passed on
+ * as an error of ctx unless ctx has one already. */
+bool rtp__inputs_ok(struct rtp_context *ctx, const char *op, const struct rtp_tensor *a,
+                    const struct rtp_tensor *b, bool need_b);
 void rtp__shape_str(const struct rtp_tensor *t, char *buf, size_t n);
 void rtp__set_param_f32(struct rtp_tensor *t, int i, float v);
 float rtp__get_param_f32(const struct rtp_tensor *t, int i);
@@ -76,12 +84,28 @@ uint64_t rtp__get_param_u64(const struct rtp_tensor *t, int i);
 #define RTP_SRC_ORDER 3
 #define RTP_MAX_WORLD 64
 
-/* What a COMM node does (op_params[0]); op_params[4..5] hold the communicator. */
-enum { RTP__COMM_SENDRECV, RTP__COMM_ALLREDUCE, RTP__COMM_ALLGATHER };
+/* ---- rtp-comm-node.c: communication nodes ---- */
+/* What a COMM node does (op_params[0]); op_params[1], [2] are the ranks it sends to and
+ * receives from (-1: none), op_params[4..5] hold the communicator. */
+enum {
+  RTP__COMM_SENDRECV,
+  RTP__COMM_ALLREDUCE,
+  RTP__COMM_ALLGATHER,
+  RTP__COMM_SEND,
+  RTP__COMM_RECV
+};
 /* a's memory: every rank's block of rows (rtp_comm_block over the outermost dimension)
  * gathered in place. Internal: the fsdp pass gathers parameters with it. */
 struct rtp_tensor *rtp__allgather_rows(struct rtp_context *ctx, struct rtp_comm *comm,
                                        struct rtp_tensor *a, struct rtp_tensor *after);
+struct rtp_comm_op;
+struct rtp_comm_req;
+/* What COMM node t asks of its communicator, which it returns. */
+struct rtp_comm *rtp__comm_node_op(const struct rtp_tensor *t, struct rtp_comm_op *op);
+/* Posts t's transfer on the host (its request in *req). */
+int rtp__comm_node_post(const struct rtp_tensor *t, struct rtp_comm_req **req);
+/* The bytes this rank sends for t (ring algorithms: what each link carries). */
+double rtp__comm_node_bytes(const struct rtp_tensor *t);
 
 /* View ops compute nothing: their data is their source's. */
 static inline bool rtp__is_view_op(enum rtp_op op) {
@@ -167,6 +191,11 @@ void rtp__gemm_init(void);
 void rtp__compute_forward(const struct rtp_compute_params *p, struct rtp_tensor *t);
 size_t rtp__op_work_size(const struct rtp_tensor *t);
 #define RTP_MAX_THREADS 256
+
+/* ---- rtp-exec.c ---- */
+/* One run of g's transfers without its compute: posted and waited for where the executor
+ * would (a planned CPU graph). */
+int rtp__graph_replay_comm(struct rtp_graph *g);
 
 /* ---- rtp-alloc.c ---- */
 /* What rtp_graph_plan leaves in g->plan for the executor. */

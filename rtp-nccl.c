@@ -1,16 +1,17 @@
 /*
- * rtp-nccl.c - the NCCL communicator of a "nccl" rtp_comm. The TCP communicator it is
- * joined through keeps the rendezvous, the authentication, the host-memory operations and
- * the fault detection; this one moves the device buffers of COMM graph nodes, enqueued on
- * a CUDA stream (rtp__nccl_post). docs/transport.md, "NCCL", has the whole story.
+ * rtp-nccl.c - the "nccl" transport: the device transport of a communicator (the world or
+ * a group). It bootstraps through the communicator's public operations, which keep the
+ * rendezvous, the authentication, the host-memory operations and the fault detection on
+ * the host transport; this one moves device buffers, enqueued on a CUDA stream
+ * (rtp_transport_i.post_stream). docs/transport.md, "NCCL", has the whole story.
  *
  * Joining. rtp_comm_init checks the NCCL library and picks the CUDA device before the TCP
  * rendezvous (rtp__nccl_prepare), so a rank without one reports its own reason; once TCP
- * is up, rtp__nccl_init: rank 0 makes an ncclUniqueId, it travels over TCP (broadcast,
- * then a check that every rank holds the same bytes), every rank joins with a non-blocking
- * ncclCommInitRankConfig polled against timeout_ms and the TCP communicator's status, and
- * a TCP barrier ends it. A failure on one rank fails its TCP communicator (rtp__comm_fail:
- * ABORT to every peer), so no other rank waits for it.
+ * is up (and for each group rtp_comm_split makes of it), rtp__nccl_new: rank 0 makes an
+ * ncclUniqueId, it travels over TCP (broadcast, then a check that every rank holds the same
+ * bytes), every rank joins with a non-blocking ncclCommInitRankConfig polled against timeout_ms
+ * and the TCP communicator's status, and a TCP barrier ends it. A failure on one rank fails its
+ * TCP communicator (rtp__comm_fail: ABORT to every peer), so no other rank waits for it.
  *
  * Never hanging. NCCL kernels wait for their peers without a deadline: a peer that died or
  * never posts the operation leaves them spinning for ever. A watcher thread per
@@ -34,7 +35,6 @@
  * is released, so the next call never meets an unfinished one.
  */
 #define _POSIX_C_SOURCE 200809L
-#include "rtp-backend.h"
 #include "rtp-nccl.h"
 
 #include <errno.h>
@@ -444,7 +444,7 @@ static void destroy(struct rtp_nccl *n) {
   free(n);
 }
 
-int rtp__nccl_init(struct rtp_comm *c, int device, struct rtp_nccl **out) {
+static int nccl_init(struct rtp_comm *c, int device, struct rtp_nccl **out) {
   *out = NULL;
   struct rtp_nccl *n = calloc(1, sizeof(*n));
   int st;
@@ -474,10 +474,6 @@ int rtp__nccl_init(struct rtp_comm *c, int device, struct rtp_nccl **out) {
   }
   *out = n;
   return RTP_OK;
-}
-
-void rtp__nccl_free(struct rtp_nccl *n) {
-  if (n) destroy(n);
 }
 
 int rtp__nccl_check(struct rtp_nccl *n) {
@@ -516,60 +512,58 @@ static int end_locked(struct rtp_nccl *n, const char *what, cudaStream_t stream)
 }
 
 /* The first buffer posted must be on this communicator's device. */
-static int check_device_locked(struct rtp_nccl *n, const struct rtp_tensor *t) {
-  if (n->device_checked || !t->data) return RTP_OK;
+static int check_device_locked(struct rtp_nccl *n, const struct rtp_comm_op *op) {
+  const void *p = op->buf ? (const void *)op->buf : (const void *)op->sbuf;
+  const char *name = op->what ? op->what : "?";
+  if (n->device_checked || !p) return RTP_OK;
   struct cudaPointerAttributes a;
-  cudaError_t e = cudaPointerGetAttributes(&a, t->data);
+  cudaError_t e = cudaPointerGetAttributes(&a, p);
   if (e) return cuda_error(n, "cudaPointerGetAttributes", e);
   if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)
     return rtp__error(RTP_EINVAL, "NCCL rank %d: tensor '%s' is not in CUDA device memory",
-                      n->rank, t->name);
+                      n->rank, name);
   if (a.device != n->device)
     return rtp__error(
         RTP_EINVAL,
         "NCCL rank %d: tensor '%s' is on CUDA device %d, the NCCL communicator on "
         "device %d (rtp_comm_params.device / RTP_DEVICE must be the backend's)",
-        n->rank, t->name, a.device, n->device);
+        n->rank, name, a.device, n->device);
   n->device_checked = true;
   return RTP_OK;
 }
 
-static int post_sendrecv(struct rtp_nccl *n, struct rtp_tensor *t, cudaStream_t s) {
-  int dst = t->op_params[1], src = t->op_params[2];
-  const void *sbuf = t->src[0]->data;
-  void *rbuf = t->data;
-  size_t sbytes = rtp_nbytes(t->src[0]), rbytes = rtp_nbytes(t);
-  if (dst == n->rank) { /* a rotation onto oneself (one rank): a copy */
-    if (!rbytes || rbuf == sbuf) return RTP_OK;
-    cudaError_t e = cudaMemcpyAsync(rbuf, sbuf, rbytes, cudaMemcpyDeviceToDevice, s);
+/* A message (either side may be absent) or a rotation; both ends agree on the sizes. */
+static int post_p2p(struct rtp_nccl *n, const struct rtp_comm_op *op, cudaStream_t s) {
+  if (op->dst == n->rank) { /* a rotation onto oneself (one rank): a copy */
+    if (!op->rbytes || op->buf == op->sbuf) return RTP_OK;
+    cudaError_t e = cudaMemcpyAsync(op->buf, op->sbuf, op->rbytes, cudaMemcpyDeviceToDevice, s);
     return e ? cuda_fail_locked(n, "cudaMemcpyAsync", e) : RTP_OK;
   }
   /* Both sides of every pair agree on the size, so both skip an empty message. */
   ncclResult_t r = ncclGroupStart(), r1 = ncclSuccess;
   if (r != ncclSuccess) return nccl_fail_locked(n, "ncclGroupStart", r);
-  if (sbytes) r1 = ncclSend(sbuf, sbytes, ncclInt8, dst, n->comm, s);
-  if ((r1 == ncclSuccess || r1 == ncclInProgress) && rbytes)
-    r1 = ncclRecv(rbuf, rbytes, ncclInt8, src, n->comm, s);
+  if (op->dst >= 0 && op->sbytes)
+    r1 = ncclSend(op->sbuf, op->sbytes, ncclInt8, op->dst, n->comm, s);
+  if ((r1 == ncclSuccess || r1 == ncclInProgress) && op->src >= 0 && op->rbytes)
+    r1 = ncclRecv(op->buf, op->rbytes, ncclInt8, op->src, n->comm, s);
   r = ncclGroupEnd(); /* closes the group whatever happened inside */
   if (r1 != ncclSuccess && r1 != ncclInProgress)
     return nccl_fail_locked(n, "ncclSend/ncclRecv", r1);
   return settle_locked(n, r, "ncclGroupEnd (ncclSend, ncclRecv)");
 }
 
-static int post_allreduce(struct rtp_nccl *n, struct rtp_tensor *t, cudaStream_t s) {
-  size_t count = (size_t)rtp_nelements(t);
-  if (!count) return RTP_OK;
-  ncclResult_t r = ncclAllReduce(t->data, t->data, count, ncclFloat32, ncclSum, n->comm, s);
+static int post_allreduce(struct rtp_nccl *n, const struct rtp_comm_op *op, cudaStream_t s) {
+  if (!op->count) return RTP_OK;
+  ncclResult_t r = ncclAllReduce(op->buf, op->buf, op->count, ncclFloat32, ncclSum, n->comm, s);
   return settle_locked(n, r, "ncclAllReduce");
 }
 
-/* Block q of the outermost dimension (rtp_comm_block) from rank q to every rank, in place.
- * Equal blocks are one ncclAllGather; uneven ones (which it cannot do) one ncclBroadcast
- * per block, in a group. */
-static int post_allgather(struct rtp_nccl *n, struct rtp_tensor *t, cudaStream_t s) {
-  int d = rtp_n_dims(t) - 1;
-  size_t count = (size_t)t->ne[d], esize = t->nb[d];
-  char *buf = t->data;
+/* Block q (rtp_comm_block) of count elements from rank q to every rank, in place. Equal
+ * blocks are one ncclAllGather; uneven ones (which it cannot do) one ncclBroadcast per
+ * block, in a group. */
+static int post_allgather(struct rtp_nccl *n, const struct rtp_comm_op *op, cudaStream_t s) {
+  size_t count = op->count, esize = op->esize;
+  uint8_t *buf = op->buf;
   if (!count) return RTP_OK;
   ncclResult_t r;
   const char *call;
@@ -596,50 +590,86 @@ static int post_allgather(struct rtp_nccl *n, struct rtp_tensor *t, cudaStream_t
   return settle_locked(n, r, call);
 }
 
-int rtp__nccl_post(struct rtp_nccl *n, struct rtp_tensor *t, void *stream) {
-  if (!n || !t) return rtp__error(RTP_EINVAL, "rtp__nccl_post: NULL argument");
-  int op = t->op_params[0];
-  if (op == RTP__COMM_SENDRECV) {
-    int dst = t->op_params[1], src = t->op_params[2];
-    if (!t->src[0])
-      return rtp__error(RTP_EINVAL, "NCCL rank %d: sendrecv '%s' has nothing to send", n->rank,
-                        t->name);
-    if (dst < 0 || dst >= n->size || src < 0 || src >= n->size ||
-        (dst == n->rank) != (src == n->rank))
+/* What NCCL is asked for must make sense: a mistake of ours, before anything is sent. */
+static int check_op(const struct rtp_nccl *n, const struct rtp_comm_op *op) {
+  const char *name = op->what ? op->what : "?";
+  if (op->kind == RTP_COMM_K_P2P) {
+    bool self = op->dst == n->rank || op->src == n->rank;
+    if (op->dst < -1 || op->dst >= n->size || op->src < -1 || op->src >= n->size ||
+        (op->dst < 0 && op->src < 0) || (self && (op->dst != n->rank || op->src != n->rank)))
       return rtp__error(RTP_EINVAL,
-                        "NCCL rank %d: sendrecv '%s': dst %d, src %d (world size %d)", n->rank,
-                        t->name, dst, src, n->size);
-    if (dst == n->rank && rtp_nbytes(t) != rtp_nbytes(t->src[0]))
+                        "NCCL rank %d: send/recv '%s': dst %d, src %d (world size %d)", n->rank,
+                        name, op->dst, op->src, n->size);
+    if (self && op->rbytes != op->sbytes)
       return rtp__error(RTP_EINVAL,
                         "NCCL rank %d: sendrecv '%s' to oneself: %zu bytes sent, %zu received",
-                        n->rank, t->name, rtp_nbytes(t->src[0]), rtp_nbytes(t));
-  } else if (op == RTP__COMM_ALLREDUCE) {
-    if (t->type != RTP_TYPE_F32)
-      return rtp__error(RTP_EINVAL, "NCCL rank %d: allreduce '%s' is not f32", n->rank,
-                        t->name);
-  } else if (op != RTP__COMM_ALLGATHER) {
-    return rtp__error(RTP_EINVAL, "NCCL rank %d: '%s': unknown COMM operation %d", n->rank,
-                      t->name, op);
+                        n->rank, name, (size_t)op->sbytes, (size_t)op->rbytes);
+  } else if (op->kind == RTP_COMM_K_ALLREDUCE) {
+    if (op->esize != sizeof(float))
+      return rtp__error(RTP_EINVAL, "NCCL rank %d: allreduce '%s' is not f32", n->rank, name);
+  } else if (op->kind != RTP_COMM_K_ALLGATHER) {
+    return rtp__error(RTP_EINVAL, "NCCL rank %d: '%s': no device %s", n->rank, name,
+                      rtp__comm_kind_name(op->kind));
   }
-  static const char *const what[] = {[RTP__COMM_SENDRECV] = "sendrecv",
-                                     [RTP__COMM_ALLREDUCE] = "allreduce",
-                                     [RTP__COMM_ALLGATHER] = "allgather"};
+  return RTP_OK;
+}
+
+int rtp__nccl_post(struct rtp_nccl *n, const struct rtp_comm_op *op, void *stream) {
+  if (!n || !op) return rtp__error(RTP_EINVAL, "rtp__nccl_post: NULL argument");
+  int st = check_op(n, op);
+  if (st) return st;
   cudaStream_t s = (cudaStream_t)stream;
   bool follow = false;
   pthread_mutex_lock(&n->mu);
-  int st = check_locked(n);
-  if (!st) st = check_device_locked(n, t);
+  st = check_locked(n);
+  if (!st) st = check_device_locked(n, op);
   if (!st) st = begin_locked(n, s, &follow);
   if (!st) {
     n->nops++;
-    if (op == RTP__COMM_SENDRECV)
-      st = post_sendrecv(n, t, s);
-    else if (op == RTP__COMM_ALLREDUCE)
-      st = post_allreduce(n, t, s);
+    if (op->kind == RTP_COMM_K_P2P)
+      st = post_p2p(n, op, s);
+    else if (op->kind == RTP_COMM_K_ALLREDUCE)
+      st = post_allreduce(n, op, s);
     else
-      st = post_allgather(n, t, s);
+      st = post_allgather(n, op, s);
   }
-  if (!st && follow) st = end_locked(n, what[op], s);
+  if (!st && follow) st = end_locked(n, rtp__comm_kind_name(op->kind), s);
   pthread_mutex_unlock(&n->mu);
   return st;
+}
+
+/* ---- the transport interface ----------------------------------------------------------- */
+
+static int nccl_post_stream(struct rtp_transport *t, const struct rtp_comm_op *op,
+                            void *stream) {
+  return rtp__nccl_post(t->impl, op, stream);
+}
+
+static void nccl_free(struct rtp_transport *t) {
+  destroy(t->impl);
+  free(t);
+}
+
+static const struct rtp_transport_i nccl_i = {
+    .name = "nccl", .post_stream = nccl_post_stream, .free = nccl_free};
+
+int rtp__nccl_new(struct rtp_comm *c, int device, struct rtp_transport **out) {
+  *out = NULL;
+  struct rtp_transport *t = malloc(sizeof(*t));
+  struct rtp_nccl *n = NULL;
+  int st = t ? nccl_init(c, device, &n)
+             : rtp__error(RTP_ENOMEM, "NCCL rank %d: out of memory", rtp_comm_rank(c));
+  if (st) {
+    if (!t) rtp__comm_fail(c, st, rtp_last_error()); /* every peer stops waiting */
+    free(t);
+    return st;
+  }
+  *t = (struct rtp_transport){&nccl_i, n};
+  *out = t;
+  return RTP_OK;
+}
+
+struct rtp_nccl *rtp__comm_nccl(const struct rtp_comm *c) {
+  struct rtp_transport *t = rtp__comm_device(c);
+  return t && t->i == &nccl_i ? t->impl : NULL;
 }

@@ -1,22 +1,14 @@
-/* rtp-nccl.h - what rtp-ring.c, rtp-nccl.c and the tests share about the NCCL transport,
- * beyond the backend interface of rtp-backend.h. Internal; free of CUDA headers (NCCL and
+/* rtp-nccl.h - what rtp-comm.c, rtp-nccl.c and the tests share about the NCCL transport,
+ * beyond the transport interface of rtp-comm.h. Internal; free of CUDA headers (NCCL and
  * CUDA result codes travel as int). docs/transport.md, "NCCL", has the design. */
 #ifndef RTP_NCCL_H
 #define RTP_NCCL_H
 
-#include "rtp-impl.h"
+#include "rtp-comm.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-/* ---- rtp-ring.c: what the NCCL layer needs from its TCP communicator ---- */
-int rtp__comm_timeout_ms(const struct rtp_comm *c);
-/* Fails c from any thread, for good, with status and msg, as a failure the transport
- * detected itself would: rtp_comm_status returns it at once, every pending and later
- * request fails with it, and every peer is sent ABORT(msg), so its communicator (and its
- * NCCL communicator) fails too. Nothing happens if c has failed already. */
-void rtp__comm_fail(struct rtp_comm *c, int status, const char *msg);
 
 #ifdef RTP_HAVE_NCCL
 /* ---- rtp-nccl.c ---- */
@@ -44,6 +36,10 @@ int rtp__nccl_cuda_error(int rank, int device, const char *call, int cuda_error)
 /* RTP_OK, or the status that failed n (message recorded as the thread's error). A failure
  * of n is also c's: rtp_comm_status(c) reports it as well. */
 int rtp__nccl_check(struct rtp_nccl *n);
+/* Enqueues op (group ranks, device buffers) on stream, a cudaStream_t. */
+int rtp__nccl_post(struct rtp_nccl *n, const struct rtp_comm_op *op, void *stream);
+/* c's NCCL communicator, or NULL if its device transport is not nccl. */
+struct rtp_nccl *rtp__comm_nccl(const struct rtp_comm *c);
 #endif
 
 #ifdef __cplusplus

@@ -500,9 +500,9 @@ uint64_t rtp__get_param_u64(const struct rtp_tensor *t, int i) {
 }
 
 /* Records an error about op with the shapes of a and b. */
-static struct rtp_tensor *op_error(struct rtp_context *ctx, const char *op, int status,
-                                   const struct rtp_tensor *a, const struct rtp_tensor *b,
-                                   const char *why) {
+struct rtp_tensor *rtp__op_error(struct rtp_context *ctx, const char *op, int status,
+                                 const struct rtp_tensor *a, const struct rtp_tensor *b,
+                                 const char *why) {
   char sa[128], sb[128];
   rtp__shape_str(a, sa, sizeof(sa));
   rtp__shape_str(b, sb, sizeof(sb));
@@ -511,8 +511,8 @@ static struct rtp_tensor *op_error(struct rtp_context *ctx, const char *op, int 
 }
 
 /* NULL inputs come from an earlier failed builder: pass the failure on. */
-static bool inputs_ok(struct rtp_context *ctx, const char *op, const struct rtp_tensor *a,
-                      const struct rtp_tensor *b, bool need_b) {
+bool rtp__inputs_ok(struct rtp_context *ctx, const char *op, const struct rtp_tensor *a,
+                    const struct rtp_tensor *b, bool need_b) {
   if (!ctx) return false;
   if (a && (b || !need_b)) return true;
   if (ctx->err == RTP_OK) rtp__ctx_error(ctx, RTP_EINVAL, "%s: NULL input", op);
@@ -527,28 +527,30 @@ static bool can_broadcast(const struct rtp_tensor *b, const struct rtp_tensor *a
 
 static struct rtp_tensor *unary(struct rtp_context *ctx, enum rtp_op op, struct rtp_tensor *a) {
   const char *name = rtp_op_name(op);
-  if (!inputs_ok(ctx, name, a, NULL, false)) return NULL;
-  if (a->type != RTP_TYPE_F32) return op_error(ctx, name, RTP_ESHAPE, a, NULL, "needs f32");
+  if (!rtp__inputs_ok(ctx, name, a, NULL, false)) return NULL;
+  if (a->type != RTP_TYPE_F32)
+    return rtp__op_error(ctx, name, RTP_ESHAPE, a, NULL, "needs f32");
   if (!rtp__rows_contiguous(a))
-    return op_error(ctx, name, RTP_ESHAPE, a, NULL, "rows must be contiguous (use rtp_cont)");
+    return rtp__op_error(ctx, name, RTP_ESHAPE, a, NULL,
+                         "rows must be contiguous (use rtp_cont)");
   return rtp__new_node(ctx, op, RTP_TYPE_F32, a->ne, a, NULL);
 }
 
 static struct rtp_tensor *binary(struct rtp_context *ctx, enum rtp_op op, struct rtp_tensor *a,
                                  struct rtp_tensor *b) {
   const char *name = rtp_op_name(op);
-  if (!inputs_ok(ctx, name, a, b, true)) return NULL;
+  if (!rtp__inputs_ok(ctx, name, a, b, true)) return NULL;
   if (a->type != RTP_TYPE_F32 || b->type != RTP_TYPE_F32)
-    return op_error(ctx, name, RTP_ESHAPE, a, b, "needs f32 operands");
+    return rtp__op_error(ctx, name, RTP_ESHAPE, a, b, "needs f32 operands");
   if (!can_broadcast(b, a))
-    return op_error(ctx, name, RTP_ESHAPE, a, b, "b does not broadcast to a");
+    return rtp__op_error(ctx, name, RTP_ESHAPE, a, b, "b does not broadcast to a");
   if (!rtp__rows_contiguous(a) || !rtp__rows_contiguous(b))
-    return op_error(ctx, name, RTP_ESHAPE, a, b, "rows must be contiguous (use rtp_cont)");
+    return rtp__op_error(ctx, name, RTP_ESHAPE, a, b, "rows must be contiguous (use rtp_cont)");
   return rtp__new_node(ctx, op, RTP_TYPE_F32, a->ne, a, b);
 }
 
 struct rtp_tensor *rtp_dup(struct rtp_context *ctx, struct rtp_tensor *a) {
-  if (!inputs_ok(ctx, "dup", a, NULL, false)) return NULL;
+  if (!rtp__inputs_ok(ctx, "dup", a, NULL, false)) return NULL;
   return rtp__new_node(ctx, RTP_OP_DUP, a->type, a->ne, a, NULL);
 }
 
@@ -558,7 +560,7 @@ struct rtp_tensor *rtp_cont(struct rtp_context *ctx, struct rtp_tensor *a) {
 }
 
 struct rtp_tensor *rtp_cast(struct rtp_context *ctx, struct rtp_tensor *a, enum rtp_type type) {
-  if (!inputs_ok(ctx, "cast", a, NULL, false)) return NULL;
+  if (!rtp__inputs_ok(ctx, "cast", a, NULL, false)) return NULL;
   bool fp = (a->type == RTP_TYPE_F32 || a->type == RTP_TYPE_BF16) &&
             (type == RTP_TYPE_F32 || type == RTP_TYPE_BF16);
   if (!fp) {
@@ -593,10 +595,12 @@ struct rtp_tensor *rtp_scale(struct rtp_context *ctx, struct rtp_tensor *a, floa
 }
 
 struct rtp_tensor *rtp_sum(struct rtp_context *ctx, struct rtp_tensor *a) {
-  if (!inputs_ok(ctx, "sum", a, NULL, false)) return NULL;
-  if (a->type != RTP_TYPE_F32) return op_error(ctx, "sum", RTP_ESHAPE, a, NULL, "needs f32");
+  if (!rtp__inputs_ok(ctx, "sum", a, NULL, false)) return NULL;
+  if (a->type != RTP_TYPE_F32)
+    return rtp__op_error(ctx, "sum", RTP_ESHAPE, a, NULL, "needs f32");
   if (!rtp__rows_contiguous(a))
-    return op_error(ctx, "sum", RTP_ESHAPE, a, NULL, "rows must be contiguous (use rtp_cont)");
+    return rtp__op_error(ctx, "sum", RTP_ESHAPE, a, NULL,
+                         "rows must be contiguous (use rtp_cont)");
   return rtp__new_node(ctx, RTP_OP_SUM, RTP_TYPE_F32, (int64_t[]){1, 1, 1, 1}, a, NULL);
 }
 
@@ -607,19 +611,19 @@ struct rtp_tensor *rtp_mean(struct rtp_context *ctx, struct rtp_tensor *a) {
 
 struct rtp_tensor *rtp_repeat(struct rtp_context *ctx, struct rtp_tensor *a,
                               struct rtp_tensor *b) {
-  if (!inputs_ok(ctx, "repeat", a, b, true)) return NULL;
+  if (!rtp__inputs_ok(ctx, "repeat", a, b, true)) return NULL;
   if (a->type != RTP_TYPE_F32 || !can_broadcast(a, b) || !rtp__rows_contiguous(a))
-    return op_error(ctx, "repeat", RTP_ESHAPE, a, b,
-                    "a must be f32 with contiguous rows and broadcast to b");
+    return rtp__op_error(ctx, "repeat", RTP_ESHAPE, a, b,
+                         "a must be f32 with contiguous rows and broadcast to b");
   return rtp__new_node(ctx, RTP_OP_REPEAT, RTP_TYPE_F32, b->ne, a, NULL);
 }
 
 struct rtp_tensor *rtp_repeat_back(struct rtp_context *ctx, struct rtp_tensor *a,
                                    struct rtp_tensor *b) {
-  if (!inputs_ok(ctx, "repeat_back", a, b, true)) return NULL;
+  if (!rtp__inputs_ok(ctx, "repeat_back", a, b, true)) return NULL;
   if (a->type != RTP_TYPE_F32 || !can_broadcast(b, a) || !rtp__rows_contiguous(a))
-    return op_error(ctx, "repeat_back", RTP_ESHAPE, a, b,
-                    "a must be f32 with contiguous rows and b must broadcast to a");
+    return rtp__op_error(ctx, "repeat_back", RTP_ESHAPE, a, b,
+                         "a must be f32 with contiguous rows and b must broadcast to a");
   return rtp__new_node(ctx, RTP_OP_REPEAT_BACK, RTP_TYPE_F32, b->ne, a, NULL);
 }
 
@@ -631,18 +635,18 @@ static bool gemm_operand_ok(const struct rtp_tensor *t) {
 
 struct rtp_tensor *rtp_mul_mat(struct rtp_context *ctx, struct rtp_tensor *a,
                                struct rtp_tensor *b) {
-  if (!inputs_ok(ctx, "mul_mat", a, b, true)) return NULL;
+  if (!rtp__inputs_ok(ctx, "mul_mat", a, b, true)) return NULL;
   if (a->type != RTP_TYPE_F32 || b->type != RTP_TYPE_F32)
-    return op_error(ctx, "mul_mat", RTP_ESHAPE, a, b, "needs f32 operands");
+    return rtp__op_error(ctx, "mul_mat", RTP_ESHAPE, a, b, "needs f32 operands");
   if (a->ne[0] != b->ne[0])
-    return op_error(ctx, "mul_mat", RTP_ESHAPE, a, b, "inner dimensions (ne[0]) differ");
+    return rtp__op_error(ctx, "mul_mat", RTP_ESHAPE, a, b, "inner dimensions (ne[0]) differ");
   bool a_2d = a->ne[2] == 1 && a->ne[3] == 1;
   if (!a_2d && (a->ne[2] != b->ne[2] || a->ne[3] != b->ne[3]))
-    return op_error(ctx, "mul_mat", RTP_ESHAPE, a, b,
-                    "a must be 2-D or have the batch dimensions of b");
+    return rtp__op_error(ctx, "mul_mat", RTP_ESHAPE, a, b,
+                         "a must be 2-D or have the batch dimensions of b");
   if (!gemm_operand_ok(a) || !gemm_operand_ok(b))
-    return op_error(ctx, "mul_mat", RTP_ESHAPE, a, b,
-                    "operands need packed rows or columns (use rtp_cont)");
+    return rtp__op_error(ctx, "mul_mat", RTP_ESHAPE, a, b,
+                         "operands need packed rows or columns (use rtp_cont)");
   int64_t ne[4] = {a->ne[1], b->ne[1], b->ne[2], b->ne[3]};
   return rtp__new_node(ctx, RTP_OP_MUL_MAT, RTP_TYPE_F32, ne, a, b);
 }
@@ -679,11 +683,12 @@ struct rtp_tensor *rtp_norm(struct rtp_context *ctx, struct rtp_tensor *a, float
 
 struct rtp_tensor *rtp_layer_norm(struct rtp_context *ctx, struct rtp_tensor *a,
                                   struct rtp_tensor *w, struct rtp_tensor *b, float eps) {
-  if (!inputs_ok(ctx, "layer_norm", a, NULL, false)) return NULL;
+  if (!rtp__inputs_ok(ctx, "layer_norm", a, NULL, false)) return NULL;
   const struct rtp_tensor *bad = NULL;
   if (w && (rtp_nelements(w) != a->ne[0] || w->ne[0] != a->ne[0])) bad = w;
   if (b && (rtp_nelements(b) != a->ne[0] || b->ne[0] != a->ne[0])) bad = b;
-  if (bad) return op_error(ctx, "layer_norm", RTP_ESHAPE, a, bad, "affine must be {ne[0]}");
+  if (bad)
+    return rtp__op_error(ctx, "layer_norm", RTP_ESHAPE, a, bad, "affine must be {ne[0]}");
   struct rtp_tensor *t = rtp_norm(ctx, a, eps);
   if (w) t = rtp_mul(ctx, t, w);
   if (b) t = rtp_add(ctx, t, b);
@@ -697,8 +702,8 @@ struct rtp_tensor *rtp_gelu(struct rtp_context *ctx, struct rtp_tensor *a) {
 struct rtp_tensor *rtp_soft_max(struct rtp_context *ctx, struct rtp_tensor *a, float scale,
                                 bool causal) {
   if (a && causal && a->ne[0] < a->ne[1])
-    return op_error(ctx, "soft_max", RTP_ESHAPE, a, NULL,
-                    "causal needs ne[0] (keys) >= ne[1] (queries)");
+    return rtp__op_error(ctx, "soft_max", RTP_ESHAPE, a, NULL,
+                         "causal needs ne[0] (keys) >= ne[1] (queries)");
   struct rtp_tensor *t = unary(ctx, RTP_OP_SOFT_MAX, a);
   if (t) {
     rtp__set_param_f32(t, 0, scale);
@@ -709,26 +714,27 @@ struct rtp_tensor *rtp_soft_max(struct rtp_context *ctx, struct rtp_tensor *a, f
 
 struct rtp_tensor *rtp_get_rows(struct rtp_context *ctx, struct rtp_tensor *a,
                                 struct rtp_tensor *idx) {
-  if (!inputs_ok(ctx, "get_rows", a, idx, true)) return NULL;
+  if (!rtp__inputs_ok(ctx, "get_rows", a, idx, true)) return NULL;
   if (a->type != RTP_TYPE_F32 || a->ne[2] != 1 || a->ne[3] != 1 || !rtp__rows_contiguous(a))
-    return op_error(ctx, "get_rows", RTP_ESHAPE, a, idx, "a must be f32 {D, V}, rows packed");
+    return rtp__op_error(ctx, "get_rows", RTP_ESHAPE, a, idx,
+                         "a must be f32 {D, V}, rows packed");
   if (idx->type != RTP_TYPE_I32 || idx->ne[3] != 1 || !rtp_is_contiguous(idx))
-    return op_error(ctx, "get_rows", RTP_ESHAPE, a, idx,
-                    "indices must be contiguous i32 of up to 3 dims");
+    return rtp__op_error(ctx, "get_rows", RTP_ESHAPE, a, idx,
+                         "indices must be contiguous i32 of up to 3 dims");
   int64_t ne[4] = {a->ne[0], idx->ne[0], idx->ne[1], idx->ne[2]};
   return rtp__new_node(ctx, RTP_OP_GET_ROWS, RTP_TYPE_F32, ne, a, idx);
 }
 
 struct rtp_tensor *rtp_cross_entropy(struct rtp_context *ctx, struct rtp_tensor *logits,
                                      struct rtp_tensor *targets) {
-  if (!inputs_ok(ctx, "cross_entropy", logits, targets, true)) return NULL;
+  if (!rtp__inputs_ok(ctx, "cross_entropy", logits, targets, true)) return NULL;
   if (logits->type != RTP_TYPE_F32 || !rtp__rows_contiguous(logits))
-    return op_error(ctx, "cross_entropy", RTP_ESHAPE, logits, targets,
-                    "logits must be f32 with contiguous rows");
+    return rtp__op_error(ctx, "cross_entropy", RTP_ESHAPE, logits, targets,
+                         "logits must be f32 with contiguous rows");
   if (targets->type != RTP_TYPE_I32 || !rtp_is_contiguous(targets) ||
       rtp_nelements(targets) != rtp_nrows(logits))
-    return op_error(ctx, "cross_entropy", RTP_ESHAPE, logits, targets,
-                    "targets must be contiguous i32 with one entry per row of logits");
+    return rtp__op_error(ctx, "cross_entropy", RTP_ESHAPE, logits, targets,
+                         "targets must be contiguous i32 with one entry per row of logits");
   return rtp__new_node(ctx, RTP_OP_CROSS_ENTROPY, RTP_TYPE_F32, (int64_t[]){1, 1, 1, 1}, logits,
                        targets);
 }
@@ -771,14 +777,14 @@ struct rtp_tensor *rtp__acc_impl(struct rtp_context *ctx, struct rtp_tensor *a,
                                  const size_t nb[3], size_t offset) {
   const struct rtp_tensor *base = a ? a : like;
   if (base->type != RTP_TYPE_F32 || b->type != RTP_TYPE_F32 || !rtp__rows_contiguous(b))
-    return op_error(ctx, "acc", RTP_ESHAPE, base, b, "needs f32, b with contiguous rows");
+    return rtp__op_error(ctx, "acc", RTP_ESHAPE, base, b, "needs f32, b with contiguous rows");
   if (a && !rtp_is_contiguous(a))
-    return op_error(ctx, "acc", RTP_ESHAPE, a, b, "a must be contiguous (use rtp_cont)");
+    return rtp__op_error(ctx, "acc", RTP_ESHAPE, a, b, "a must be contiguous (use rtp_cont)");
   size_t vnb[4] = {sizeof(float), nb[0], nb[1], nb[2]};
   size_t ext = extent(b->ne, vnb, sizeof(float));
   size_t size = (size_t)rtp_nelements(base) * sizeof(float);
   if (offset % sizeof(float) || offset > size || ext > size - offset)
-    return op_error(ctx, "acc", RTP_ESHAPE, base, b, "the view of b falls outside a");
+    return rtp__op_error(ctx, "acc", RTP_ESHAPE, base, b, "the view of b falls outside a");
   struct rtp_tensor *t = rtp__new_node(ctx, RTP_OP_ACC, RTP_TYPE_F32, base->ne, b, a);
   if (!t) return NULL;
   for (int i = 0; i < 3; i++) rtp__set_param_u64(t, 2 * i, nb[i]);
@@ -788,22 +794,22 @@ struct rtp_tensor *rtp__acc_impl(struct rtp_context *ctx, struct rtp_tensor *a,
 
 struct rtp_tensor *rtp_acc(struct rtp_context *ctx, struct rtp_tensor *a, struct rtp_tensor *b,
                            size_t nb1, size_t nb2, size_t nb3, size_t offset) {
-  if (!inputs_ok(ctx, "acc", a, b, true)) return NULL;
+  if (!rtp__inputs_ok(ctx, "acc", a, b, true)) return NULL;
   return rtp__acc_impl(ctx, a, a, b, (size_t[]){nb1, nb2, nb3}, offset);
 }
 
 struct rtp_tensor *rtp_concat(struct rtp_context *ctx, struct rtp_tensor *a,
                               struct rtp_tensor *b, int dim) {
-  if (!inputs_ok(ctx, "concat", a, b, true)) return NULL;
+  if (!rtp__inputs_ok(ctx, "concat", a, b, true)) return NULL;
   if (dim < 0 || dim >= RTP_MAX_DIMS)
-    return op_error(ctx, "concat", RTP_EINVAL, a, b, "dim out of range");
+    return rtp__op_error(ctx, "concat", RTP_EINVAL, a, b, "dim out of range");
   int64_t ne[4];
   for (int i = 0; i < RTP_MAX_DIMS; i++) {
     if (i != dim && a->ne[i] != b->ne[i])
-      return op_error(ctx, "concat", RTP_ESHAPE, a, b, "shapes differ outside dim");
+      return rtp__op_error(ctx, "concat", RTP_ESHAPE, a, b, "shapes differ outside dim");
     ne[i] = i == dim ? a->ne[i] + b->ne[i] : a->ne[i];
   }
-  if (a->type != b->type) return op_error(ctx, "concat", RTP_ESHAPE, a, b, "types differ");
+  if (a->type != b->type) return rtp__op_error(ctx, "concat", RTP_ESHAPE, a, b, "types differ");
   struct rtp_tensor *t = rtp__new_node(ctx, RTP_OP_CONCAT, a->type, ne, a, b);
   if (t) t->op_params[0] = dim;
   return t;
@@ -819,8 +825,8 @@ static struct rtp_tensor *new_view(struct rtp_context *ctx, enum rtp_op op,
   size_t offs = a->view_offs + offset;
   size_t ext = extent(ne, nb, rtp_type_size(a->type));
   if (offs > base_bytes || ext > base_bytes - offs)
-    return op_error(ctx, rtp_op_name(op), RTP_ESHAPE, a, NULL,
-                    "the view falls outside the memory of its source");
+    return rtp__op_error(ctx, rtp_op_name(op), RTP_ESHAPE, a, NULL,
+                         "the view falls outside the memory of its source");
   struct rtp_tensor *t = rtp__new_node(ctx, op, a->type, ne, a, NULL);
   if (!t) return NULL;
   memcpy(t->nb, nb, sizeof(t->nb));
@@ -833,18 +839,18 @@ static struct rtp_tensor *new_view(struct rtp_context *ctx, enum rtp_op op,
 
 struct rtp_tensor *rtp_reshape(struct rtp_context *ctx, struct rtp_tensor *a, int n_dims,
                                const int64_t *ne) {
-  if (!inputs_ok(ctx, "reshape", a, NULL, false)) return NULL;
+  if (!rtp__inputs_ok(ctx, "reshape", a, NULL, false)) return NULL;
   if (n_dims < 1 || n_dims > RTP_MAX_DIMS)
-    return op_error(ctx, "reshape", RTP_EINVAL, a, NULL, "1..4 dims allowed");
+    return rtp__op_error(ctx, "reshape", RTP_EINVAL, a, NULL, "1..4 dims allowed");
   int64_t full[4] = {1, 1, 1, 1}, n = 1;
   for (int i = 0; i < n_dims; i++) {
     full[i] = ne[i];
     n *= ne[i];
   }
   if (n != rtp_nelements(a))
-    return op_error(ctx, "reshape", RTP_ESHAPE, a, NULL, "element count differs");
+    return rtp__op_error(ctx, "reshape", RTP_ESHAPE, a, NULL, "element count differs");
   if (!rtp_is_contiguous(a))
-    return op_error(ctx, "reshape", RTP_ESHAPE, a, NULL, "needs a contiguous tensor");
+    return rtp__op_error(ctx, "reshape", RTP_ESHAPE, a, NULL, "needs a contiguous tensor");
   size_t nb[4] = {rtp_type_size(a->type)};
   for (int i = 1; i < 4; i++) nb[i] = nb[i - 1] * (size_t)full[i - 1];
   return new_view(ctx, RTP_OP_RESHAPE, a, full, nb, 0);
@@ -867,14 +873,14 @@ struct rtp_tensor *rtp_reshape_4d(struct rtp_context *ctx, struct rtp_tensor *a,
 
 struct rtp_tensor *rtp_view(struct rtp_context *ctx, struct rtp_tensor *a, int n_dims,
                             const int64_t *ne, const size_t *nb, size_t offset) {
-  if (!inputs_ok(ctx, "view", a, NULL, false)) return NULL;
+  if (!rtp__inputs_ok(ctx, "view", a, NULL, false)) return NULL;
   if (n_dims < 1 || n_dims > RTP_MAX_DIMS)
-    return op_error(ctx, "view", RTP_EINVAL, a, NULL, "1..4 dims allowed");
-  if (!nb) return op_error(ctx, "view", RTP_EINVAL, a, NULL, "NULL strides");
+    return rtp__op_error(ctx, "view", RTP_EINVAL, a, NULL, "1..4 dims allowed");
+  if (!nb) return rtp__op_error(ctx, "view", RTP_EINVAL, a, NULL, "NULL strides");
   int64_t full[4] = {1, 1, 1, 1};
   size_t fnb[4];
   for (int i = 0; i < n_dims; i++) {
-    if (ne[i] < 0) return op_error(ctx, "view", RTP_EINVAL, a, NULL, "negative size");
+    if (ne[i] < 0) return rtp__op_error(ctx, "view", RTP_EINVAL, a, NULL, "negative size");
     full[i] = ne[i];
   }
   for (int i = 0; i < 4; i++) fnb[i] = i < n_dims ? nb[i] : fnb[i - 1] * (size_t)full[i - 1];
@@ -883,10 +889,10 @@ struct rtp_tensor *rtp_view(struct rtp_context *ctx, struct rtp_tensor *a, int n
 
 struct rtp_tensor *rtp_view_rows(struct rtp_context *ctx, struct rtp_tensor *a, int64_t first,
                                  int64_t n) {
-  if (!inputs_ok(ctx, "view_rows", a, NULL, false)) return NULL;
+  if (!rtp__inputs_ok(ctx, "view_rows", a, NULL, false)) return NULL;
   int d = rtp_n_dims(a) - 1;
   if (first < 0 || n < 0 || first + n > a->ne[d])
-    return op_error(ctx, "view_rows", RTP_EINVAL, a, NULL, "row range out of bounds");
+    return rtp__op_error(ctx, "view_rows", RTP_EINVAL, a, NULL, "row range out of bounds");
   int64_t ne[4];
   memcpy(ne, a->ne, sizeof(ne));
   ne[d] = n;
@@ -895,11 +901,11 @@ struct rtp_tensor *rtp_view_rows(struct rtp_context *ctx, struct rtp_tensor *a, 
 
 struct rtp_tensor *rtp_permute(struct rtp_context *ctx, struct rtp_tensor *a, int ax0, int ax1,
                                int ax2, int ax3) {
-  if (!inputs_ok(ctx, "permute", a, NULL, false)) return NULL;
+  if (!rtp__inputs_ok(ctx, "permute", a, NULL, false)) return NULL;
   int ax[4] = {ax0, ax1, ax2, ax3}, seen = 0;
   for (int i = 0; i < 4; i++) {
     if (ax[i] < 0 || ax[i] > 3 || (seen & (1 << ax[i])))
-      return op_error(ctx, "permute", RTP_EINVAL, a, NULL, "axes must permute 0..3");
+      return rtp__op_error(ctx, "permute", RTP_EINVAL, a, NULL, "axes must permute 0..3");
     seen |= 1 << ax[i];
   }
   int64_t ne[4];
@@ -915,7 +921,7 @@ struct rtp_tensor *rtp_permute(struct rtp_context *ctx, struct rtp_tensor *a, in
 }
 
 struct rtp_tensor *rtp_transpose(struct rtp_context *ctx, struct rtp_tensor *a) {
-  if (!inputs_ok(ctx, "transpose", a, NULL, false)) return NULL;
+  if (!rtp__inputs_ok(ctx, "transpose", a, NULL, false)) return NULL;
   int64_t ne[4] = {a->ne[1], a->ne[0], a->ne[2], a->ne[3]};
   size_t nb[4] = {a->nb[1], a->nb[0], a->nb[2], a->nb[3]};
   return new_view(ctx, RTP_OP_TRANSPOSE, a, ne, nb, 0);
@@ -944,73 +950,8 @@ struct rtp_tensor *rtp__mul_mat_add(struct rtp_context *ctx, struct rtp_tensor *
 
 struct rtp_tensor *rtp__op3(struct rtp_context *ctx, enum rtp_op op, const int64_t ne[4],
                             struct rtp_tensor *a, struct rtp_tensor *b, struct rtp_tensor *c) {
-  if (!inputs_ok(ctx, rtp_op_name(op), a, b, true)) return NULL;
+  if (!rtp__inputs_ok(ctx, rtp_op_name(op), a, b, true)) return NULL;
   struct rtp_tensor *t = rtp__new_node(ctx, op, RTP_TYPE_F32, ne, a, b);
   if (t) t->src[2] = c;
-  return t;
-}
-
-/* ---- communication nodes ------------------------------------------------------------ */
-
-/* Transfers that only move bytes take f32 or bf16; the all-reduce sums f32. */
-static bool comm_type_ok(const struct rtp_tensor *t, bool sums) {
-  return t->type == RTP_TYPE_F32 || (!sums && t->type == RTP_TYPE_BF16);
-}
-
-/* A node that fills (or sums in place) the memory of `buf` when the executor posts it. */
-static struct rtp_tensor *comm_node(struct rtp_context *ctx, const char *name,
-                                    struct rtp_comm *comm, struct rtp_tensor *buf,
-                                    struct rtp_tensor *after, bool sums) {
-  if (!comm) {
-    rtp__ctx_error(ctx, RTP_EINVAL, "%s: NULL communicator", name);
-    return NULL;
-  }
-  if (!comm_type_ok(buf, sums) || !rtp_is_contiguous(buf))
-    return op_error(
-        ctx, name, RTP_ESHAPE, buf, NULL,
-        sums ? "needs a contiguous f32 buffer" : "needs a contiguous f32 or bf16 buffer");
-  struct rtp_tensor *t = rtp__new_node(ctx, RTP_OP_COMM, buf->type, buf->ne, buf, NULL);
-  if (!t) return NULL;
-  t->view_src = buf->view_src ? buf->view_src : buf;
-  t->view_offs = buf->view_offs;
-  if (t->view_src->data) t->data = (char *)t->view_src->data + t->view_offs;
-  t->src[2] = after;
-  rtp__set_param_u64(t, 4, (uint64_t)(uintptr_t)comm);
-  return t;
-}
-
-struct rtp_tensor *rtp_sendrecv(struct rtp_context *ctx, struct rtp_comm *comm,
-                                struct rtp_tensor *send, int dst, struct rtp_tensor *recv,
-                                int src, struct rtp_tensor *after) {
-  if (!inputs_ok(ctx, "sendrecv", send, recv, true)) return NULL;
-  if (!comm_type_ok(send, false) || !rtp_is_contiguous(send))
-    return op_error(ctx, "sendrecv", RTP_ESHAPE, send, recv,
-                    "send must be contiguous f32 or bf16");
-  struct rtp_tensor *t = comm_node(ctx, "sendrecv", comm, recv, after, false);
-  if (!t) return NULL;
-  t->src[0] = send;
-  t->src[1] = recv;
-  t->op_params[0] = RTP__COMM_SENDRECV;
-  t->op_params[1] = dst;
-  t->op_params[2] = src;
-  return t;
-}
-
-struct rtp_tensor *rtp_allreduce(struct rtp_context *ctx, struct rtp_comm *comm,
-                                 struct rtp_tensor *a, struct rtp_tensor *after) {
-  if (!inputs_ok(ctx, "allreduce", a, NULL, false)) return NULL;
-  struct rtp_tensor *t = comm_node(ctx, "allreduce", comm, a, after, true);
-  if (t) t->op_params[0] = RTP__COMM_ALLREDUCE;
-  return t;
-}
-
-struct rtp_tensor *rtp__allgather_rows(struct rtp_context *ctx, struct rtp_comm *comm,
-                                       struct rtp_tensor *a, struct rtp_tensor *after) {
-  if (!inputs_ok(ctx, "allgather", a, NULL, false)) return NULL;
-  struct rtp_tensor *t = comm_node(ctx, "allgather", comm, a, after, false);
-  if (t) {
-    t->src[0] = a;
-    t->op_params[0] = RTP__COMM_ALLGATHER;
-  }
   return t;
 }

@@ -487,7 +487,7 @@ RTP_API int rtp_safetensors_save(const char *path, struct rtp_tensor *const *ten
                                  const char *const *meta_kv);
 /* RTP-IO-END */
 
-/* ---- communication (rtp-ring.c) ------------------------------------------------- */
+/* ---- communication (rtp-comm.c; transports rtp-local.c, rtp-tcp*.c, rtp-nccl.c) ---- */
 /* RTP-COMM-BEGIN */
 /*
  * A communicator (struct rtp_comm) joins world_size ranks. Backends: "local" (world
@@ -549,6 +549,29 @@ RTP_API int rtp_comm_init(const struct rtp_comm_params *p, struct rtp_comm **out
 RTP_API void rtp_comm_free(struct rtp_comm *c);
 RTP_API int rtp_comm_rank(const struct rtp_comm *c);
 RTP_API int rtp_comm_size(const struct rtp_comm *c);
+
+/*
+ * Groups (MPI's communicator split). Collective over c: every rank of c calls it, in the
+ * same order as its other collectives. Ranks that pass the same color >= 0 form a new
+ * communicator, ranked by key, then by their rank in c; a rank that passes
+ * RTP_COMM_UNDEFINED takes part but gets *out = NULL. The group runs over c's connections
+ * (every frame carries the group's id, checked on receipt), with its own ranks,
+ * collectives and message numbers, so groups work concurrently; a communicator with a
+ * device transport (nccl) gives its groups one too. The job fails as a whole: a lost or
+ * silent rank, or any failure, fails every group, with a message naming the rank. Free
+ * a group with rtp_comm_free (before or after c: the connections live until the job's
+ * last communicator is freed).
+ */
+#define RTP_COMM_UNDEFINED (-1)
+RTP_API int rtp_comm_split(struct rtp_comm *c, int color, int key, struct rtp_comm **out);
+/* A rows x cols mesh of c's ranks (rank = row * cols + col): *row joins the cols ranks of
+ * this rank's row, *col the rows ranks of its column (both by rank in c). A pipeline's
+ * stage groups are the rows of a stages x ranks-per-stage mesh; its pipe groups the
+ * columns. RTP_EINVAL unless rows x cols is c's size. */
+RTP_API int rtp_comm_mesh_2d(struct rtp_comm *c, int rows, int cols, struct rtp_comm **row,
+                             struct rtp_comm **col);
+/* The rank in the job (the world communicator) of c's rank `rank`; -1 out of range. */
+RTP_API int rtp_comm_world_rank(const struct rtp_comm *c, int rank);
 /* RTP_OK, or the status that failed the communicator (message in *msg if msg). */
 RTP_API int rtp_comm_status(struct rtp_comm *c, const char **msg);
 
@@ -614,6 +637,19 @@ RTP_API struct rtp_tensor *rtp_sendrecv(struct rtp_context *ctx, struct rtp_comm
 /* a's memory, summed over all ranks in place (f32, contiguous). */
 RTP_API struct rtp_tensor *rtp_allreduce(struct rtp_context *ctx, struct rtp_comm *comm,
                                          struct rtp_tensor *a, struct rtp_tensor *after);
+/*
+ * One-way transfers (pipeline stages): rtp_send sends a (contiguous, f32 or bf16) to rank
+ * dst of comm's group and returns a's memory, which a reader sees only once the send is
+ * done (so a writer of that memory reads this node first); rtp_recv fills buf's memory
+ * with what rank src sends and returns it. The k-th send from a to b matches the k-th recv
+ * at b from a (rtp_sendrecv counts as one of each), with equal byte counts. On device
+ * tensors they go through the communicator's device transport (ncclSend, ncclRecv).
+ * They have no gradient: a pipeline sends the gradients back with nodes of its own.
+ */
+RTP_API struct rtp_tensor *rtp_send(struct rtp_context *ctx, struct rtp_comm *comm,
+                                    struct rtp_tensor *a, int dst, struct rtp_tensor *after);
+RTP_API struct rtp_tensor *rtp_recv(struct rtp_context *ctx, struct rtp_comm *comm,
+                                    struct rtp_tensor *buf, int src, struct rtp_tensor *after);
 
 /* ---- parallel strategies (rtp-parallel.c) --------------------------------------- */
 /*

@@ -91,20 +91,10 @@ static void die(const char *what) {
 }
 
 /* Bytes this rank sends per step: what its communication nodes move. */
-static double bytes_sent(const struct rtp_graph *g, int world, int rank) {
+static double bytes_sent(const struct rtp_graph *g) {
   double b = 0;
-  for (int i = 0; i < g->n_nodes; i++) {
-    const struct rtp_tensor *t = g->nodes[i];
-    if (t->op != RTP_OP_COMM) continue;
-    if (t->op_params[0] == RTP__COMM_SENDRECV) {
-      if (t->op_params[1] != rank) /* not a copy to itself */
-        b += (double)rtp_nbytes(t->src[0]);
-    } else if (t->op_params[0] == RTP__COMM_ALLGATHER) { /* ring: (N - 1) / N of it */
-      b += (double)(world - 1) / world * (double)rtp_nbytes(t);
-    } else { /* ring all-reduce: 2 (N - 1) / N of the buffer */
-      b += 2.0 * (world - 1) / world * (double)rtp_nbytes(t);
-    }
-  }
+  for (int i = 0; i < g->n_nodes; i++)
+    if (g->nodes[i]->op == RTP_OP_COMM) b += rtp__comm_node_bytes(g->nodes[i]);
   return b;
 }
 
@@ -122,67 +112,10 @@ struct result {
   struct rtp_mem_report mem;
 };
 
-/* The transfer whose result t is (through any chain of views), or NULL. */
-static struct rtp_tensor *comm_source(struct rtp_tensor *t) {
-  while (t && rtp__is_view_op(t->op)) t = t->src[0];
-  return t && t->op == RTP_OP_COMM ? t : NULL;
-}
-
-/* Posts transfer t exactly as the executor does; its request waits in t->extra. */
-static int replay_post(struct rtp_tensor *t) {
-  struct rtp_comm *comm = (struct rtp_comm *)(uintptr_t)rtp__get_param_u64(t, 4);
-  struct rtp_comm_req *req = NULL;
-  int rc;
-  if (t->op_params[0] == RTP__COMM_SENDRECV) {
-    rc = rtp_comm_sendrecv(comm, t->src[0]->data, rtp_nbytes(t->src[0]), t->op_params[1],
-                           t->data, rtp_nbytes(t), t->op_params[2], &req);
-  } else if (t->op_params[0] == RTP__COMM_ALLGATHER) {
-    int d = rtp_n_dims(t) - 1;
-    rc = rtp_comm_allgather(comm, t->data, (size_t)t->ne[d], t->nb[d], &req);
-  } else {
-    rc = rtp_comm_allreduce(comm, t->data, (size_t)rtp_nelements(t), &req);
-  }
-  t->extra = rc ? NULL : req;
-  return rc;
-}
-
-static int replay_wait(struct rtp_tensor *c) {
-  if (!c || !c->extra) return RTP_OK;
-  int rc = rtp_comm_wait(c->extra);
-  c->extra = NULL;
-  return rc;
-}
-
-/* What the executor waits for before node t runs (order-only edges count for transfers). */
-static int replay_wait_inputs(struct rtp_tensor *t) {
-  int rc = RTP_OK;
-  for (int s = 0; s < RTP_MAX_SRC; s++) {
-    if (s == RTP_SRC_ORDER && t->op != RTP_OP_COMM) continue;
-    int w = t->src[s] ? replay_wait(comm_source(t->src[s])) : RTP_OK;
-    rc = rc ? rc : w;
-  }
-  return rc;
-}
-
-/* One step's communication without its compute: the executor's walk over g with every
- * kernel skipped, then the scalar all-reduce rtp_optimizer_step makes for the norm. */
+/* One step's communication without its compute (the executor's replay), then the scalar
+ * all-reduce rtp_optimizer_step makes for the norm. */
 static int replay_step(struct rtp_graph *g, struct rtp_comm *comm) {
-  int rc = RTP_OK;
-  for (int i = 0; i < g->n_nodes && !rc; i++) {
-    struct rtp_tensor *t = g->nodes[i];
-    if (rtp__is_view_op(t->op)) continue;
-    if (t->op == RTP_OP_COMM) rc = replay_post(t);
-    for (int j = i + 1; j < g->n_nodes && !rc; j++)
-      if (!rtp__is_view_op(g->nodes[j]->op)) {
-        rc = replay_wait_inputs(g->nodes[j]);
-        break;
-      }
-  }
-  for (int i = 0; i < g->n_nodes; i++) /* nothing stays in flight, even after a failure */
-    if (g->nodes[i]->op == RTP_OP_COMM) {
-      int w = replay_wait(g->nodes[i]);
-      rc = rc ? rc : w;
-    }
+  int rc = rtp__graph_replay_comm(g);
   float f = 0;
   return rc ? rc : rtp_comm_allreduce(comm, &f, 1, NULL);
 }
@@ -284,7 +217,7 @@ static struct result run_finish(struct run *u, struct rtp_comm *comm) {
   res.n_steps = u->n_times;
   qsort(u->times, (size_t)u->n_times, sizeof(double), cmp_double);
   res.step_s = u->times[u->n_times / 2];
-  res.sent = bytes_sent(u->g, comm ? rtp_comm_size(comm) : 1, comm ? rtp_comm_rank(comm) : 0);
+  res.sent = bytes_sent(u->g);
   rtp_mem_report_get(u->ctx, &res.mem);
   if (comm && rtp_comm_size(comm) > 1 && res.sent > 0) {
     res.comm_s = comm_only_s(u->g, comm, u->n_times);

@@ -189,6 +189,10 @@ bool read_all(int fd, void *p, size_t n) {
   return true;
 }
 
+// The wire's version and frame header size (docs/transport.md, "Frames").
+const uint8_t kProtocolVersion = 3;
+const size_t kHeaderSize = 56;
+
 void put32(uint8_t *p, uint32_t v) {
   for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
 }
@@ -210,7 +214,7 @@ int handshake(int fd, const std::string &token, int world, int rank) {
   uint8_t id[32];
   mac(token, "rtp-job-id", nullptr, 0, id);
   put32(t, 0x48505452u);
-  t[4] = 2;  // protocol version; no direct writes offered
+  t[4] = kProtocolVersion;  // no direct writes offered
   memcpy(t + 8, id, 8);
   put32(t + 16, (uint32_t)world);
   put32(t + 20, (uint32_t)rank);
@@ -261,7 +265,7 @@ TEST(CommFaults, StrangersRefused) {
           write_all(fd, buf, sizeof(buf));
         } else if (who == 4) {  // a hello cut short, then gone
           put32(buf, 0x48505452u);
-          buf[4] = 2;
+          buf[4] = kProtocolVersion;
           write_all(fd, buf, 30);
         } else if (who == 5) {  // right magic, nonsense fields
           put32(buf, 0x48505452u);
@@ -297,9 +301,9 @@ TEST(CommFaults, MalformedFrames) {
       (void)rank;
       int fd = connect_to(port);
       if (fd < 0 || handshake(fd, "test-token", 2, 1) != 0) return 5;
-      uint8_t h[48] = {0};
+      uint8_t h[kHeaderSize] = {0};
       put32(h, 0x46505452u);
-      h[4] = 2;
+      h[4] = kProtocolVersion;
       if (variant == 0) {
         put32(h, 0xdeadbeef);  // bad magic
       } else if (variant == 1) {

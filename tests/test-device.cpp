@@ -18,6 +18,7 @@
 #include "gpt.h"
 extern "C" {
 #include "rtp-backend.h"
+#include "rtp-comm.h"
 }
 #include "test-comm-util.h"
 #include "test-gpt-ranks.h"
@@ -143,22 +144,10 @@ int sim_compute(rtp_backend *b, rtp_tensor *t, void *work) {
 }
 
 // The transfer itself, blocking, when the comm queue reaches it.
-int run_comm(rtp_comm *c, rtp_tensor *t) {
-  switch (t->op_params[0]) {
-    case RTP__COMM_SENDRECV:
-      return rtp_comm_sendrecv(c, t->src[0]->data, rtp_nbytes(t->src[0]), t->op_params[1],
-                               t->data, rtp_nbytes(t), t->op_params[2], nullptr);
-    case RTP__COMM_ALLGATHER: {
-      int d = rtp_n_dims(t) - 1;
-      return rtp_comm_allgather(c, t->data, (size_t)t->ne[d], t->nb[d], nullptr);
-    }
-    default:
-      return rtp_comm_allreduce(c, (float *)t->data, (size_t)rtp_nelements(t), nullptr);
-  }
-}
-
-int sim_comm(rtp_backend *b, rtp_comm *c, rtp_tensor *t) {
-  sim_of(b)->push(1, {Item::kWork, [c, t] { return run_comm(c, t); }});
+int sim_comm(rtp_backend *b, rtp_comm *c, rtp_comm_op *op) {
+  rtp_comm_op o = *op;
+  sim_of(b)->push(1,
+                  {Item::kWork, [c, o]() mutable { return rtp__comm_post(c, &o, nullptr); }});
   return RTP_OK;
 }
 

@@ -13,7 +13,7 @@
 // child.
 //
 // test-nccl-fake is this file built against a fake CUDA runtime and NCCL (fake-cuda/,
-// RTP_TEST_FAKE_NCCL) with its own copies of rtp-nccl.c and rtp-ring.c: the GPU tests
+// RTP_TEST_FAKE_NCCL) with its own copies of rtp-nccl.c and rtp-comm.c: the GPU tests
 // then run on two fake devices on any machine, with the sanitizers too, and further tests
 // inject the failures only NCCL can report (an asynchronous error, an init that never
 // completes).
@@ -28,8 +28,8 @@
 #include "test-comm-util.h"
 extern "C" {
 #include "rtp-backend.h"
-#include "rtp-nccl.h"
 }
+#include "rtp-nccl.h"
 #ifdef RTP_HAVE_NCCL
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -391,9 +391,17 @@ float pattern(int rank, size_t i) {
   return (float)(rank + 1) + (float)(i % 13);
 }
 
+// Posts COMM node t (op_params as the graph builders set them) on the stream, as the
+// executor hands a device backend its transfers.
+int post_node(rtp_nccl *n, rtp_tensor *t, void *stream) {
+  rtp_comm_op op;
+  rtp__comm_node_op(t, &op);
+  return rtp__nccl_post(n, &op, stream);
+}
+
 // Posts t on the stream, waits for it, and checks that nothing failed.
 int run(int rank, rtp_nccl *n, Device &d, rtp_tensor *t) {
-  CHECK_OK(rtp__nccl_post(n, t, d.s));
+  CHECK_OK(post_node(n, t, d.s));
   CHECK(cudaStreamSynchronize(d.s) == cudaSuccess, "cudaStreamSynchronize");
   CHECK_OK(rtp__nccl_check(n));
   return 0;
@@ -421,6 +429,18 @@ int collectives(int rank, int n, rtp_comm *c) {
     if (run(rank, nc, d, next)) return 12;
     CHECK(d.get(next) == block(b), "rotation hop %d: block %d differs", k, b);
     held = next;
+  }
+  // one-way: rank 0 sends its block to rank 1 (rtp_send / rtp_recv nodes)
+  if (n >= 2 && rank < 2) {
+    rtp_tensor *t = rank == 0 ? d.tensor({(int64_t)block(0).size()}, block(0))
+                              : d.tensor({(int64_t)block(0).size()}, {});
+    CHECK(t, "alloc");
+    t->src[0] = t;
+    t->op_params[0] = rank == 0 ? RTP__COMM_SEND : RTP__COMM_RECV;
+    t->op_params[1] = rank == 0 ? 1 : -1;
+    t->op_params[2] = rank == 0 ? -1 : 0;
+    if (run(rank, nc, d, t)) return 12;
+    CHECK(d.get(t) == block(0), "send/recv: rank %d's block differs", rank);
   }
   for (size_t m : {(size_t)1, (size_t)1001, (size_t)(1 << 20) + 3}) {
     std::vector<float> v(m);
@@ -501,6 +521,30 @@ TEST(NcclGpu, Ranks) {
   }
 }
 
+// Groups of an nccl communicator get NCCL communicators of their own: the rows and the
+// columns of a 2 x 2 mesh each run every device collective on 2 ranks.
+TEST(NcclGpu, MeshGroups) {
+  NEED_GPUS(4);
+  int port = free_port();
+  auto res = run_procs(
+      4,
+      [&](int rank) {
+        rtp_comm_params p = nccl_params(rank, 4, port, 30000);
+        p.device = rank;
+        rtp_comm *c, *row, *col;
+        CHECK_OK(rtp_comm_init(&p, &c));
+        CHECK_OK(rtp_comm_mesh_2d(c, 2, 2, &row, &col));
+        int rc = collectives(rtp_comm_rank(row), 2, row);
+        if (!rc) rc = collectives(rtp_comm_rank(col), 2, col);
+        rtp_comm_free(row);
+        rtp_comm_free(col);
+        rtp_comm_free(c);
+        return rc;
+      },
+      180);
+  for (int r = 0; r < 4; r++) EXPECT_EQ(res[r].code, 0) << "rank " << r;
+}
+
 // A rank that dies while the other waits in an NCCL all-reduce: the TCP connection's end
 // (or NCCL's own report, if it gives one) aborts the NCCL communicator, long before the
 // timeout.
@@ -523,7 +567,7 @@ void peer_dies() {
         CHECK(t, "alloc");
         t->op_params[0] = RTP__COMM_ALLREDUCE;
         double t0 = now_s();
-        int st = rtp__nccl_post(rtp__comm_nccl(c), t, d.s);
+        int st = post_node(rtp__comm_nccl(c), t, d.s);
         if (st == RTP_OK) {
           cudaStreamSynchronize(d.s);  // returns once the watcher aborted the kernel
           st = rtp__nccl_check(rtp__comm_nccl(c));
@@ -570,7 +614,7 @@ TEST(NcclGpu, NeverPosted) {
           rtp_tensor *t = d.tensor({1000}, std::vector<float>(1000, 1.0f));
           CHECK(t, "alloc");
           t->op_params[0] = RTP__COMM_ALLREDUCE;
-          int st = rtp__nccl_post(rtp__comm_nccl(c), t, d.s);
+          int st = post_node(rtp__comm_nccl(c), t, d.s);
           if (st == RTP_OK) {
             cudaStreamSynchronize(d.s);
             st = rtp__nccl_check(rtp__comm_nccl(c));
@@ -650,7 +694,7 @@ TEST(NcclFake, AsyncError) {
           // still be checking its last working one when rank 1's failure reaches it.
           CHECK_OK(rtp_comm_barrier(c, nullptr));
           double t0 = now_s();
-          int st = rtp__nccl_post(nc, t, d.s);
+          int st = post_node(nc, t, d.s);
           if (st == RTP_OK) {
             cudaStreamSynchronize(d.s);
             st = rtp__nccl_check(nc);
@@ -663,7 +707,7 @@ TEST(NcclFake, AsyncError) {
                 contains(msg, bad == 1 ? "ncclAllReduce failed" : "an asynchronous operation"),
                 "the message names what failed: %s", msg.c_str());
           if (!rc)  // later posts fail at once, on both transports
-            rc = expect_failure(rank, rtp__nccl_post(nc, t, d.s), t0, 5, {RTP_ECOMM, RTP_EPEER},
+            rc = expect_failure(rank, post_node(nc, t, d.s), t0, 5, {RTP_ECOMM, RTP_EPEER},
                                 "injected");
           float x = 1;
           if (!rc)
@@ -739,13 +783,13 @@ TEST(NcclFake, DeviceChoice) {
         rtp_tensor *t = d.tensor({10}, std::vector<float>(10, 1.0f));
         CHECK(t, "alloc");
         t->op_params[0] = RTP__COMM_ALLREDUCE;
-        int rc = expect_failure(rank, rtp__nccl_post(rtp__comm_nccl(c), t, d.s), now_s(), 5,
-                                {RTP_EINVAL},
-                                "is on CUDA device 2, the NCCL communicator on device 1");
+        int rc =
+            expect_failure(rank, post_node(rtp__comm_nccl(c), t, d.s), now_s(), 5, {RTP_EINVAL},
+                           "is on CUDA device 2, the NCCL communicator on device 1");
         std::vector<float> host(10);
         t->data = host.data();
         if (!rc)
-          rc = expect_failure(rank, rtp__nccl_post(rtp__comm_nccl(c), t, d.s), now_s(), 5,
+          rc = expect_failure(rank, post_node(rtp__comm_nccl(c), t, d.s), now_s(), 5,
                               {RTP_EINVAL}, "is not in CUDA device memory");
         const char *msg;  // a mistake of the caller: the communicator is fine
         CHECK(rtp_comm_status(c, &msg) == RTP_OK, "status: %s", msg);
