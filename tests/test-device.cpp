@@ -19,7 +19,7 @@
 extern "C" {
 #include "rtp-backend.h"
 }
-#include "test-comm-util.h"
+#include "test-util.h"
 #include "test-gpt-ranks.h"
 
 namespace {
