@@ -10,13 +10,13 @@
 #ifndef RTP_COMM_H
 #define RTP_COMM_H
 
-#include "rtp-impl.h"
-
 #include <pthread.h>
 
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+#include "rtp-impl.h"
 
 #define RTP_COMM_MSG 256
 #define RTP_COMM_MAX_WORLD 65536

@@ -170,7 +170,7 @@ bool rtp__gemm_has_cblas(void);
 /* How a BLAS can read a matrix of `rows` rows of k elements stored at strides (row, kst),
  * in elements: with packed rows (*packed_rows; leading dimension *ld from row) or packed
  * columns (read transposed; *ld from kst). false if neither: the operand must be copied
- * first. CBLAS (rtp-gemm.c) and cuBLAS (rtp-cuda.cu) take the same layouts. */
+ * first. CBLAS (rtp-gemm.c) and cuBLAS (rtp-cuda-kernels.cu) take the same layouts. */
 bool rtp__gemm_layout(int64_t rows, int64_t k, int64_t row, int64_t kst, bool *packed_rows,
                       int64_t *ld);
 

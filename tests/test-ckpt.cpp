@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "rtp.h"
-#include "test-comm-util.h"
+#include "test-util.h"
 
 namespace {
 

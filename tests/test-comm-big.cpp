@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <cstdlib>
 
-#include "test-comm-util.h"
+#include "test-util.h"
 
 using namespace rtptest;
 

@@ -5,7 +5,7 @@
 #include <cmath>
 
 #include "rtp.h"
-#include "test-comm-util.h"
+#include "test-util.h"
 
 namespace {
 

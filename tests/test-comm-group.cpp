@@ -8,15 +8,11 @@
 #include <string>
 #include <vector>
 
-#include "test-comm-util.h"
+#include "test-util.h"
 
 using namespace rtptest;
 
 namespace {
-
-bool contains(const std::string &s, const std::string &what) {
-  return s.find(what) != std::string::npos;
-}
 
 float value(int rank, size_t i) {
   return (float)rank * 0.25f + (float)(i % 29) * 1.5f + 0.125f;

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "test-comm-util.h"
+#include "test-util.h"
 
 using namespace rtptest;
 

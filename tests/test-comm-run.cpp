@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "test-comm-util.h"
+#include "test-util.h"
 
 using namespace rtptest;
 

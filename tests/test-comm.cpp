@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "test-comm-util.h"
+#include "test-util.h"
 
 using namespace rtptest;
 

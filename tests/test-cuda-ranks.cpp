@@ -11,7 +11,7 @@
 #include <cstring>
 #include <vector>
 
-#include "test-comm-util.h"
+#include "test-util.h"
 #include "test-gpt-ranks.h"
 
 namespace {

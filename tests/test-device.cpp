@@ -20,7 +20,7 @@ extern "C" {
 #include "rtp-backend.h"
 #include "rtp-comm.h"
 }
-#include "test-comm-util.h"
+#include "test-util.h"
 #include "test-gpt-ranks.h"
 
 namespace {

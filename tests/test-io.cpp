@@ -5,8 +5,6 @@
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <cmath>
 #include <cstdint>
@@ -20,6 +18,7 @@
 #include <vector>
 
 #include "rtp.h"
+#include "test-util.h"
 
 namespace {
 
@@ -785,22 +784,17 @@ TEST_F(IoTest, FullDiskLeavesOldFileIntact) {
   ASSERT_EQ(rtp_safetensors_save(path.c_str(), &small, 1, nullptr), RTP_OK);
   const std::vector<uint8_t> before = ReadFile(path);
   rtp_tensor *big = F32({256, 256}, "big");  // 256 KiB, over the 64 KiB limit below
-  fflush(nullptr);
-  pid_t pid = fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {
+  auto child = rtptest::run_procs(1, [&](int) {
     signal(SIGXFSZ, SIG_IGN);  // writes past the limit fail with EFBIG instead
     struct rlimit rl = {64 << 10, 64 << 10};
-    if (setrlimit(RLIMIT_FSIZE, &rl) != 0) _exit(10);
+    if (setrlimit(RLIMIT_FSIZE, &rl) != 0) return 10;
     int rc = rtp_safetensors_save(path.c_str(), &big, 1, nullptr);
-    if (rc != RTP_EIO) _exit(11);
-    if (!strstr(rtp_last_error(), "write failed")) _exit(12);
-    _exit(0);
-  }
-  int status = 0;
-  ASSERT_EQ(waitpid(pid, &status, 0), pid);
-  ASSERT_TRUE(WIFEXITED(status));
-  EXPECT_EQ(WEXITSTATUS(status), 0) << "10 setrlimit, 11 wrong status, 12 wrong message";
+    if (rc != RTP_EIO) return 11;
+    if (!strstr(rtp_last_error(), "write failed")) return 12;
+    return 0;
+  });
+  ASSERT_GE(child[0].code, 0) << "killed, or not forked";
+  EXPECT_EQ(child[0].code, 0) << "10 setrlimit, 11 wrong status, 12 wrong message";
   EXPECT_EQ(ReadFile(path), before);
   EXPECT_EQ(TempFiles(), 0);
   rtp_safetensors *st = nullptr;

@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "test-comm-util.h"
+#include "test-util.h"
 extern "C" {
 #include "rtp-backend.h"
 }
@@ -42,37 +42,10 @@ using namespace rtptest;
 
 namespace {
 
-bool contains(const std::string &s, const std::string &what) {
-  return s.find(what) != std::string::npos;
-}
-
 rtp_comm_params nccl_params(int rank, int n, int port, int timeout_ms) {
   rtp_comm_params p = params(rank, n, port, timeout_ms);
   snprintf(p.backend, sizeof(p.backend), "nccl");
   return p;
-}
-
-// A rank's check of a failure it expects: one of the statuses, one of the words in the
-// message, in time.
-int expect_failure(int rank, int st, double t0, double max_s, std::vector<int> statuses,
-                   std::vector<std::string> words) {
-  double dt = now_s() - t0;
-  std::string msg = rtp_last_error();
-  fprintf(stderr, "rank %d: status %d (%s) after %.2f s: %s\n", rank, st, rtp_strerror(st), dt,
-          msg.c_str());
-  bool ok = false;
-  for (int s : statuses) ok |= s == st;
-  CHECK(ok, "unexpected status %d", st);
-  ok = false;
-  for (auto &w : words) ok |= contains(msg, w);
-  CHECK(ok, "'%s' is not in the message", words[0].c_str());
-  CHECK(dt < max_s, "took %.2f s", dt);
-  return 0;
-}
-
-int expect_failure(int rank, int st, double t0, double max_s, std::vector<int> statuses,
-                   const char *word) {
-  return expect_failure(rank, st, t0, max_s, statuses, std::vector<std::string>{word});
 }
 
 }  // namespace

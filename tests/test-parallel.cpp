@@ -16,7 +16,7 @@
 
 #include "gpt.h"
 #include "rtp.h"
-#include "test-comm-util.h"
+#include "test-util.h"
 #include "test-gpt-ranks.h"
 
 namespace {

@@ -6,11 +6,6 @@
 // gone (or that a test made fail, fake-hooks.h) does not end until the communicator is
 // aborted. Like a real non-blocking communicator, init, some operations and finalize
 // return ncclInProgress first.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -28,6 +23,7 @@
 #include "fake-hooks.h"
 #include "nccl.h"
 #include "rtp.h"
+#include "test-util.h"
 extern "C" {
 #include "rtp-nccl.h"
 }
@@ -378,18 +374,6 @@ ncclResult_t add(op o, ncclComm_t c, cudaStream_t s) {
   return ncclSuccess;
 }
 
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, (sockaddr *)&a, sizeof(a));
-  socklen_t n = sizeof(a);
-  getsockname(fd, (sockaddr *)&a, &n);
-  close(fd);
-  return ntohs(a.sin_port);
-}
-
 }  // namespace
 
 extern "C" {
@@ -413,7 +397,7 @@ const char *ncclGetLastError(ncclComm_t comm) {
 
 ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
   memset(id, 0, sizeof(*id));
-  snprintf(id->internal, sizeof(id->internal), "fake-nccl:%d", free_port());
+  snprintf(id->internal, sizeof(id->internal), "fake-nccl:%d", rtptest::free_port());
   return ncclSuccess;
 }
 

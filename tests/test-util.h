@@ -1,5 +1,6 @@
-// test-comm-util.h - multi-process helpers for the transport tests: free ports, forking
-// ranks with a deadline, and a common way to build communicator parameters.
+// test-util.h - the helpers the tests share: free ports, forking ranks (or any child
+// process) with a deadline, a rank's check of a failure it expects, and a common way to
+// build communicator parameters.
 #pragma once
 
 #include <arpa/inet.h>
@@ -77,6 +78,50 @@ inline double now_s() {
   return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
+inline bool contains(const std::string &s, const std::string &what) {
+  return s.find(what) != std::string::npos;
+}
+
+// A rank's check of a failure it expects: status st is one of statuses, the message has one
+// of words, and it came within max_s seconds of t0. With a communicator c, a later
+// operation on c must fail at once too. Returns the rank's exit code: 0 as expected, 3 it
+// succeeded, 4 another status or message, 5 too slow.
+inline int expect_failure(int rank, int st, double t0, double max_s,
+                          const std::vector<int> &statuses,
+                          const std::vector<std::string> &words, rtp_comm *c = nullptr) {
+  double dt = now_s() - t0;
+  std::string msg = rtp_last_error();
+  fprintf(stderr, "rank %d: status %d (%s) after %.2f s: %s\n", rank, st, rtp_strerror(st), dt,
+          msg.c_str());
+  if (st == RTP_OK) return 3;
+  bool ok_status = false;
+  for (int s : statuses) ok_status |= s == st;
+  bool ok_words = false;
+  for (auto &w : words) ok_words |= contains(msg, w);
+  if (!ok_status) fprintf(stderr, "rank %d: unexpected status %d\n", rank, st);
+  if (!ok_words)
+    fprintf(stderr, "rank %d: '%s' is not in the message\n", rank,
+            words.empty() ? "" : words[0].c_str());
+  if (!ok_status || !ok_words) return 4;
+  if (dt > max_s) {
+    fprintf(stderr, "rank %d: took %.2f s\n", rank, dt);
+    return 5;
+  }
+  if (!c) return 0;
+  float x = 1;  // later operations fail at once
+  if (rtp_comm_allreduce(c, &x, 1, nullptr) == RTP_OK) {
+    fprintf(stderr, "rank %d: an operation after the failure succeeded\n", rank);
+    return 3;
+  }
+  return 0;
+}
+
+inline int expect_failure(int rank, int st, double t0, double max_s,
+                          const std::vector<int> &statuses, const char *word,
+                          rtp_comm *c = nullptr) {
+  return expect_failure(rank, st, t0, max_s, statuses, std::vector<std::string>{word}, c);
+}
+
 inline rtp_comm_params params(int rank, int size, int port, int timeout_ms = 20000,
                               const char *token = "test-token") {
   rtp_comm_params p = rtp_comm_params_default();
@@ -91,7 +136,7 @@ inline rtp_comm_params params(int rank, int size, int port, int timeout_ms = 200
 }
 
 struct Result {
-  int code = -1;  // exit code, or -signal, or -1000 if killed at the deadline
+  int code = -1;  // exit code, or -signal, -1000 if killed at the deadline, -1001 if not forked
 };
 
 // Runs fn(i) in n forked processes. Processes listed in expendable are killed once all the
@@ -117,6 +162,13 @@ inline std::vector<Result> run_procs(int n, const std::function<int(int)> &fn,
   std::vector<bool> done(n, false);
   double t0 = now_s();
   int left = n;
+  for (int i = 0; i < n; i++)
+    if (pids[i] < 0) {  // fork failed: nothing to wait for, and never kill(-1)
+      perror("fork");
+      res[i].code = -1001;
+      done[i] = true;
+      left--;
+    }
   while (left > 0) {
     bool progress = false;
     for (int i = 0; i < n; i++) {
