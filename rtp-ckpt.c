@@ -27,9 +27,14 @@
  * checkpoint loads onto any world size and strategy; a rank that holds a parameter in
  * other pieces (tp) reads it whole and keeps its part (rtp_parallel_shard_copy). Each
  * file's checksum is verified before its first read.
+ *
+ * Opening parses index.json whole with the JSON reader the safetensors headers use
+ * (rtp-json.c) and checks every field and their consistency before it keeps any: a
+ * damaged index fails with RTP_EFORMAT rather than be half read.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "rtp-impl.h"
+#include "rtp-json.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -46,14 +51,22 @@
 #define CK_MAX_INDEX ((size_t)64 << 20)
 #define CK_MAX_STATE 32
 
+/* What index.json says of rank r's file. */
+struct ck_file {
+  bool listed;
+  uint64_t bytes;
+  char sha[65];
+};
+
+/* An open checkpoint: what rtp_ckpt_open read from index.json, checked. */
 struct rtp_ckpt {
   char dir[CK_PATH]; /* the step directory */
-  char *index;       /* index.json, verified against the marker */
   int64_t step, adam_steps;
   int world;
   enum rtp_strategy strategy;
   int n_state;
   char state[CK_MAX_STATE][2][RTP_MAX_NAME];
+  struct ck_file *files; /* world of them */
 };
 
 /* What each rank reports to rank 0 after writing its file. */
@@ -143,8 +156,9 @@ static int ck_write_atomic(const char *dir, const char *name, const char *text) 
   return ck_sync_dir(dir);
 }
 
-/* The whole of a small file, NUL-terminated; *text NULL on failure. */
-static int ck_read_file(const char *path, char **text) {
+/* The whole of a small file, NUL-terminated, and its length (len may be NULL); *text NULL
+ * on failure. */
+static int ck_read_file(const char *path, char **text, size_t *len) {
   *text = NULL;
   FILE *f = fopen(path, "rb");
   if (!f) return rtp__error(RTP_EIO, "%s: %s", path, strerror(errno));
@@ -160,6 +174,7 @@ static int ck_read_file(const char *path, char **text) {
   }
   buf[n] = 0;
   *text = buf;
+  if (len) *len = n;
   return RTP_OK;
 }
 
@@ -219,8 +234,8 @@ static void ck_prune(const char *dir, int keep) {
 
 /* ---- saving ------------------------------------------------------------------------- */
 
-/* Names and state go into index.json unescaped and are found again by plain search, so
- * they are restricted to characters JSON never escapes. */
+/* Names and state go into index.json unescaped (ck_index_json), so they are restricted to
+ * characters JSON never escapes. */
 static bool ck_is_word(const char *s) {
   static const char ok[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.+-";
   return *s && strlen(s) < RTP_MAX_NAME && strspn(s, ok) == strlen(s);
@@ -469,7 +484,7 @@ static void ck_write_tensors(FILE *f, const struct rtp_ckpt_params *p, int world
   fprintf(f, "  ]\n}\n");
 }
 
-/* index.json: the top-level scalars first (rtp_ckpt_open looks them up by key). */
+/* index.json (rtp_ckpt_open reads it as JSON: order and spacing do not matter to it). */
 static char *ck_index_json(const struct rtp_ckpt_params *p, int64_t step, int world,
                            const struct ck_rank_rec *recs, const int64_t *blocks) {
   char *text = NULL;
@@ -530,7 +545,7 @@ static int ck_prepare_dir(const struct rtp_ckpt_params *p, const char *stepdir) 
   return RTP_OK;
 }
 
-static int ck_read_latest(const char *dir, char *stepdir);
+static int ck_read_latest(const char *dir, char *stepdir, int64_t *step);
 
 /* After a failed save, rank 0 removes the step directory it made (every rank is done
  * writing), unless latest names it (moved, then a failure): what a full disk needs. */
@@ -538,7 +553,8 @@ static void ck_discard(const char *dir, const char *stepdir) {
   char latest[CK_PATH];
   char why[1024]; /* the failure's message, which ck_read_latest would replace */
   snprintf(why, sizeof(why), "%s", rtp_last_error());
-  bool named = !ck_read_latest(dir, latest) && strcmp(latest, stepdir) == 0;
+  int64_t step;
+  bool named = !ck_read_latest(dir, latest, &step) && strcmp(latest, stepdir) == 0;
   if (!named) ck_remove_dir(stepdir);
   rtp__error(RTP_EIO, "%s", why);
 }
@@ -615,84 +631,240 @@ int rtp_ckpt_save(const struct rtp_ckpt_params *p, int64_t step) {
 
 /* ---- opening ------------------------------------------------------------------------ */
 
-/* The integer after "key": at or after from; false if absent or malformed. */
-static bool ck_json_int(const char *from, const char *key, int64_t *out) {
-  char pat[80];
-  snprintf(pat, sizeof(pat), "\"%s\": ", key);
-  const char *s = strstr(from, pat);
-  if (!s) return false;
-  char *end;
-  errno = 0;
-  long long v = strtoll(s + strlen(pat), &end, 10);
-  if (errno || end == s + strlen(pat)) return false;
-  *out = v;
-  return true;
+/* An integer member key of obj in [min, max]; at names obj in messages. */
+static int ck_int(const struct rtp__json *doc, const struct rtp__json_value *obj,
+                  const char *at, const char *key, int64_t min, int64_t max, int64_t *out) {
+  const struct rtp__json_value *v;
+  int rc = rtp__json_member(doc, obj, key, RTP__JSON_INT, &v, "%s", at);
+  return rc ? rc : rtp__json_int(doc, v, min, max, out, "%s%s%s", at, *at ? ": " : "", key);
 }
 
-/* The string after "key": (our own words: no escapes) into buf. */
-static bool ck_json_str(const char *from, const char *key, char *buf, size_t n) {
-  char pat[80];
-  snprintf(pat, sizeof(pat), "\"%s\": \"", key);
-  const char *s = strstr(from, pat);
-  if (!s) return false;
-  s += strlen(pat);
-  size_t len = strcspn(s, "\"\n");
-  if (s[len] != '"' || len >= n) return false;
-  memcpy(buf, s, len);
-  buf[len] = 0;
-  return true;
+/* A string member key of obj, of at most max_len bytes. */
+static int ck_str(const struct rtp__json *doc, const struct rtp__json_value *obj,
+                  const char *at, const char *key, size_t max_len, const char **out) {
+  const struct rtp__json_value *v;
+  int rc = rtp__json_member(doc, obj, key, RTP__JSON_STRING, &v, "%s", at);
+  return rc ? rc : rtp__json_string(doc, v, max_len, out, "%s%s%s", at, *at ? ": " : "", key);
 }
 
-/* The "state" object's string pairs. */
-static bool ck_parse_state(struct rtp_ckpt *c) {
-  const char *s = strstr(c->index, "\"state\": {");
-  if (!s) return false;
-  s += strlen("\"state\": {");
-  while (*s == '"' && c->n_state < CK_MAX_STATE) {
-    char *kv[2] = {c->state[c->n_state][0], c->state[c->n_state][1]};
-    for (int j = 0; j < 2; j++) {
-      size_t len = strcspn(s + 1, "\"\n");
-      if (s[1 + len] != '"' || len >= RTP_MAX_NAME) return false;
-      memcpy(kv[j], s + 1, len);
-      kv[j][len] = 0;
-      s += len + 2;
-      if (j == 0 && strncmp(s, ": ", 2)) return false;
-      s += j == 0 ? 2 : 0;
-    }
+/* "state": the caller's string pairs. */
+static int ck_read_state(struct rtp_ckpt *c, const struct rtp__json *doc,
+                         const struct rtp__json_value *root) {
+  const struct rtp__json_value *state;
+  int rc = rtp__json_member(doc, root, "state", RTP__JSON_OBJECT, &state, "%s", "");
+  if (rc) return rc;
+  if (rtp__json_count(state) > CK_MAX_STATE)
+    return rtp__error(RTP_EFORMAT, "%s/index.json: state: %zu pairs, at most %d", c->dir,
+                      rtp__json_count(state), CK_MAX_STATE);
+  for (const struct rtp__json_value *m = rtp__json_child(doc, state); m && !rc;
+       m = rtp__json_next(doc, m)) {
+    const char *key = rtp__json_key(doc, m), *value;
+    if (strlen(key) >= RTP_MAX_NAME)
+      return rtp__error(RTP_EFORMAT, "%s/index.json: state: a key of %zu bytes, at most %d",
+                        c->dir, strlen(key), RTP_MAX_NAME - 1);
+    rc = rtp__json_string(doc, m, RTP_MAX_NAME - 1, &value, "state: %s", key);
+    if (rc) return rc;
+    snprintf(c->state[c->n_state][0], RTP_MAX_NAME, "%s", key);
+    snprintf(c->state[c->n_state][1], RTP_MAX_NAME, "%s", value);
     c->n_state++;
-    if (strncmp(s, ", ", 2)) break;
-    s += 2;
   }
-  return *s == '}';
-}
-
-static int ck_parse_index(struct rtp_ckpt *c, const char *ipath) {
-  char strategy[32];
-  int64_t world = 0;
-  if (!ck_json_int(c->index, "step", &c->step) ||
-      !ck_json_int(c->index, "world_size", &world) ||
-      !ck_json_int(c->index, "adam_steps", &c->adam_steps) ||
-      !ck_json_str(c->index, "strategy", strategy, sizeof(strategy)) ||
-      rtp_strategy_parse(strategy, &c->strategy) || world < 1 || world > 1 << 16 ||
-      !ck_parse_state(c))
-    return rtp__error(RTP_EFORMAT, "%s: not an rtp checkpoint index", ipath);
-  c->world = (int)world;
   return RTP_OK;
 }
 
-/* DIR/latest, which must name a step directory. */
-static int ck_read_latest(const char *dir, char *stepdir) {
+/* "files": exactly the ranks that write one under the strategy, each named after its rank,
+ * with its size and SHA-256. */
+static int ck_read_files(struct rtp_ckpt *c, const struct rtp__json *doc,
+                         const struct rtp__json_value *root) {
+  static const char *const keys[] = {"name", "rank", "bytes", "sha256", NULL};
+  const struct rtp__json_value *files;
+  int rc = rtp__json_member(doc, root, "files", RTP__JSON_ARRAY, &files, "%s", "");
+  if (rc) return rc;
+  c->files = calloc((size_t)c->world, sizeof(*c->files));
+  if (!c->files) return rtp__error(RTP_ENOMEM, "%s: out of memory", c->dir);
+  int i = 0;
+  for (const struct rtp__json_value *f = rtp__json_child(doc, files); f;
+       f = rtp__json_next(doc, f), i++) {
+    char at[32], want[40];
+    const char *name, *sha;
+    int64_t rank, bytes;
+    snprintf(at, sizeof(at), "files[%d]", i);
+    rc = rtp__json_expect(doc, f, RTP__JSON_OBJECT, "%s", at);
+    if (!rc) rc = rtp__json_only(doc, f, keys, "%s", at);
+    if (!rc) rc = ck_int(doc, f, at, "rank", 0, c->world - 1, &rank);
+    if (!rc) rc = ck_str(doc, f, at, "name", RTP_MAX_NAME, &name);
+    if (!rc) rc = ck_int(doc, f, at, "bytes", 0, INT64_MAX, &bytes);
+    if (!rc) rc = ck_str(doc, f, at, "sha256", 64, &sha);
+    if (rc) return rc;
+    snprintf(want, sizeof(want), "rank-%d.safetensors", (int)rank);
+    if (strcmp(name, want))
+      return rtp__error(RTP_EFORMAT, "%s/index.json: %s: name '%s' for rank %d, expected '%s'",
+                        c->dir, at, name, (int)rank, want);
+    if (strlen(sha) != 64 || strspn(sha, "0123456789abcdef") != 64)
+      return rtp__error(RTP_EFORMAT,
+                        "%s/index.json: %s: sha256 '%s' is not 64 lowercase hex digits", c->dir,
+                        at, sha);
+    struct ck_file *cf = &c->files[rank];
+    if (cf->listed)
+      return rtp__error(RTP_EFORMAT, "%s/index.json: %s: rank %d's file is listed twice",
+                        c->dir, at, (int)rank);
+    *cf = (struct ck_file){true, (uint64_t)bytes, ""};
+    memcpy(cf->sha, sha, 65);
+  }
+  for (int r = 0; r < c->world; r++)
+    if (c->files[r].listed != ck_writes_file(c->strategy, r))
+      return rtp__error(RTP_EFORMAT, "%s/index.json: %s rank-%d.safetensors, which %s", c->dir,
+                        c->files[r].listed ? "lists" : "does not list", r,
+                        c->files[r].listed ? "that strategy does not write" : "it needs");
+  return RTP_OK;
+}
+
+static int ck_count_files(const struct rtp_ckpt *c) {
+  int n = 0;
+  for (int r = 0; r < c->world; r++) n += c->files[r].listed;
+  return n;
+}
+
+static int ck_cmp_str(const void *a, const void *b) {
+  return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+/* One entry of "tensors": its global shape, and blocks of rows that the listed files hold
+ * in rank order and that tile its outermost dimension. */
+static int ck_check_tensor(const struct rtp_ckpt *c, const struct rtp__json *doc,
+                           const struct rtp__json_value *t, const char *at, const char **name) {
+  static const char *const keys[] = {"name", "shape", "blocks", NULL};
+  static const char *const block_keys[] = {"rank", "first", "rows", NULL};
+  const struct rtp__json_value *shape, *blocks;
+  int64_t rows = 0, dim;
+  int rc = rtp__json_expect(doc, t, RTP__JSON_OBJECT, "%s", at);
+  if (!rc) rc = rtp__json_only(doc, t, keys, "%s", at);
+  if (!rc) rc = ck_str(doc, t, at, "name", RTP_MAX_NAME - 1, name);
+  if (!rc) rc = rtp__json_member(doc, t, "shape", RTP__JSON_ARRAY, &shape, "%s", at);
+  if (!rc) rc = rtp__json_member(doc, t, "blocks", RTP__JSON_ARRAY, &blocks, "%s", at);
+  if (rc) return rc;
+  size_t nd = rtp__json_count(shape);
+  if (nd < 1 || nd > RTP_MAX_DIMS)
+    return rtp__error(RTP_EFORMAT, "%s/index.json: %s ('%s'): %zu dims, expected 1 to %d",
+                      c->dir, at, *name, nd, RTP_MAX_DIMS);
+  int d = 0;
+  for (const struct rtp__json_value *v = rtp__json_child(doc, shape); v && !rc;
+       v = rtp__json_next(doc, v), d++) {
+    rc = rtp__json_int(doc, v, 0, INT64_MAX, &dim, "%s ('%s'): shape[%d]", at, *name, d);
+    if (d == 0) rows = dim; /* the outermost dimension comes first */
+  }
+  int64_t next = 0, r = -1;
+  int j = 0;
+  for (const struct rtp__json_value *b = rtp__json_child(doc, blocks); b && !rc;
+       b = rtp__json_next(doc, b), j++) {
+    char bat[160];
+    int64_t rank, first, n;
+    snprintf(bat, sizeof(bat), "%s ('%s'): blocks[%d]", at, *name, j);
+    rc = rtp__json_expect(doc, b, RTP__JSON_OBJECT, "%s", bat);
+    if (!rc) rc = rtp__json_only(doc, b, block_keys, "%s", bat);
+    if (!rc) rc = ck_int(doc, b, bat, "rank", 0, c->world - 1, &rank);
+    if (!rc) rc = ck_int(doc, b, bat, "first", 0, INT64_MAX, &first);
+    if (!rc) rc = ck_int(doc, b, bat, "rows", 0, INT64_MAX - next, &n);
+    if (rc) return rc;
+    for (r++; r < c->world && !c->files[r].listed;) r++;
+    if (r == c->world)
+      return rtp__error(RTP_EFORMAT, "%s/index.json: %s: more blocks than the %d files", c->dir,
+                        bat, ck_count_files(c));
+    if (rank != r)
+      return rtp__error(RTP_EFORMAT,
+                        "%s/index.json: %s: rank %d, expected %d (the ranks "
+                        "that wrote files, in order)",
+                        c->dir, bat, (int)rank, (int)r);
+    if (first != next)
+      return rtp__error(RTP_EFORMAT,
+                        "%s/index.json: %s: first row %" PRId64 ", expected %" PRId64
+                        " (the blocks tile the rows in rank order)",
+                        c->dir, bat, first, next);
+    next += n;
+  }
+  if (!rc && (next != rows || j != ck_count_files(c)))
+    rc = rtp__error(RTP_EFORMAT,
+                    "%s/index.json: %s ('%s'): %d blocks of %" PRId64
+                    " rows for "
+                    "%d files and %" PRId64 " rows",
+                    c->dir, at, *name, j, next, ck_count_files(c), rows);
+  return rc;
+}
+
+/* "tensors": each well formed, no name twice. */
+static int ck_check_tensors(const struct rtp_ckpt *c, const struct rtp__json *doc,
+                            const struct rtp__json_value *root) {
+  const struct rtp__json_value *ts;
+  int rc = rtp__json_member(doc, root, "tensors", RTP__JSON_ARRAY, &ts, "%s", "");
+  if (rc) return rc;
+  size_t n = rtp__json_count(ts), i = 0;
+  const char **names = malloc((n + 1) * sizeof(*names));
+  if (!names) return rtp__error(RTP_ENOMEM, "%s: out of memory", c->dir);
+  for (const struct rtp__json_value *t = rtp__json_child(doc, ts); t && !rc;
+       t = rtp__json_next(doc, t), i++) {
+    char at[32];
+    snprintf(at, sizeof(at), "tensors[%zu]", i);
+    rc = ck_check_tensor(c, doc, t, at, &names[i]);
+  }
+  if (!rc) qsort(names, n, sizeof(*names), ck_cmp_str);
+  for (i = 1; i < n && !rc; i++)
+    if (strcmp(names[i - 1], names[i]) == 0)
+      rc = rtp__error(RTP_EFORMAT, "%s/index.json: tensor '%s' is listed twice", c->dir,
+                      names[i]);
+  free(names);
+  return rc;
+}
+
+/* index.json, parsed and checked whole before anything is taken from it. */
+static int ck_parse_index(struct rtp_ckpt *c, const char *ipath, const char *text, size_t n,
+                          int64_t dir_step) {
+  static const char *const keys[] = {"format",     "version", "step",  "world_size", "strategy",
+                                     "adam_steps", "state",   "files", "tensors",    NULL};
+  /* 5 levels deep: the top, tensors, a tensor, its blocks, a block. */
+  struct rtp__json_limits lim = {CK_MAX_INDEX, 8, 0};
+  struct rtp__json *doc;
+  int rc = rtp__json_parse(ipath, text, n, &lim, &doc, NULL);
+  if (rc) return rc;
+  const struct rtp__json_value *root = rtp__json_root(doc);
+  const char *format, *strategy;
+  int64_t version = 0, world = 0;
+  rc = rtp__json_expect(doc, root, RTP__JSON_OBJECT, "%s", "");
+  if (!rc) rc = rtp__json_only(doc, root, keys, "%s", "");
+  if (!rc) rc = ck_str(doc, root, "", "format", 64, &format);
+  if (!rc && strcmp(format, "rtp-checkpoint"))
+    rc = rtp__error(RTP_EFORMAT, "%s: format '%s': not an rtp checkpoint index", ipath, format);
+  if (!rc) rc = ck_int(doc, root, "", "version", 0, INT64_MAX, &version);
+  if (!rc && version != 1)
+    rc = rtp__error(RTP_EFORMAT, "%s: version %" PRId64 ", this library reads version 1", ipath,
+                    version);
+  if (!rc) rc = ck_int(doc, root, "", "step", 0, 99999999, &c->step);
+  if (!rc && c->step != dir_step)
+    rc = rtp__error(RTP_EFORMAT, "%s: step %" PRId64 " in the directory of step %" PRId64,
+                    ipath, c->step, dir_step);
+  if (!rc) rc = ck_int(doc, root, "", "world_size", 1, 1 << 16, &world);
+  if (!rc) rc = ck_str(doc, root, "", "strategy", 32, &strategy);
+  if (!rc && rtp_strategy_parse(strategy, &c->strategy))
+    rc = rtp__error(RTP_EFORMAT, "%s: unknown strategy '%s'", ipath, strategy);
+  if (!rc) rc = ck_int(doc, root, "", "adam_steps", 0, INT64_MAX, &c->adam_steps);
+  c->world = (int)world;
+  if (!rc) rc = ck_read_state(c, doc, root);
+  if (!rc) rc = ck_read_files(c, doc, root);
+  if (!rc) rc = ck_check_tensors(c, doc, root);
+  rtp__json_free(doc);
+  return rc;
+}
+
+/* DIR/latest, which must name a step directory: its path and step. */
+static int ck_read_latest(const char *dir, char *stepdir, int64_t *step) {
   char path[CK_PATH], *text;
   int rc = ck_path(path, dir, "latest");
-  if (!rc) rc = ck_read_file(path, &text);
+  if (!rc) rc = ck_read_file(path, &text, NULL);
   if (rc) {
     char why[512]; /* the message is rewritten below: keep a copy */
     snprintf(why, sizeof(why), "%s", rtp_last_error());
     return rtp__error(rc, "%s: no checkpoint to resume from (%s)", dir, why);
   }
-  int64_t step;
   text[strcspn(text, "\n")] = 0;
-  if (!ck_parse_step_name(text, &step)) {
+  if (!ck_parse_step_name(text, step)) {
     rc = rtp__error(RTP_EFORMAT, "%s: does not name a step-<8 digits> directory", path);
   } else {
     rc = ck_path(stepdir, dir, text);
@@ -702,22 +874,25 @@ static int ck_read_latest(const char *dir, char *stepdir) {
 }
 
 /* The marker must exist and hold index.json's checksum. */
-static int ck_read_index(struct rtp_ckpt *c) {
-  char mpath[CK_PATH], ipath[CK_PATH], hex[65], *marker = NULL;
+static int ck_read_index(struct rtp_ckpt *c, int64_t dir_step) {
+  char mpath[CK_PATH], ipath[CK_PATH], hex[65], *marker = NULL, *index = NULL;
   uint64_t bytes;
+  size_t n = 0;
   int rc = ck_path(mpath, c->dir, "COMPLETE");
   if (!rc) rc = ck_path(ipath, c->dir, "index.json");
   if (!rc && access(mpath, F_OK))
     return rtp__error(RTP_EFORMAT, "%s is incomplete: no COMPLETE marker (an interrupted save)",
                       c->dir);
-  if (!rc) rc = ck_read_file(mpath, &marker);
+  if (!rc) rc = ck_read_file(mpath, &marker, NULL);
   if (!rc) rc = ck_sha256_file(ipath, hex, &bytes);
   if (!rc && (strncmp(marker, "sha256 ", 7) || strncmp(marker + 7, hex, 64)))
     rc = rtp__error(RTP_EFORMAT, "%s: checksum mismatch: COMPLETE says %.64s, file is %s",
                     ipath, marker + (strncmp(marker, "sha256 ", 7) ? 0 : 7), hex);
   free(marker);
-  if (!rc) rc = ck_read_file(ipath, &c->index);
-  return rc ? rc : ck_parse_index(c, ipath);
+  if (!rc) rc = ck_read_file(ipath, &index, &n);
+  if (!rc) rc = ck_parse_index(c, ipath, index, n, dir_step);
+  free(index);
+  return rc;
 }
 
 int rtp_ckpt_open(const char *dir, struct rtp_ckpt **out) {
@@ -725,8 +900,9 @@ int rtp_ckpt_open(const char *dir, struct rtp_ckpt **out) {
   *out = NULL;
   struct rtp_ckpt *c = calloc(1, sizeof(*c));
   if (!c) return rtp__error(RTP_ENOMEM, "rtp_ckpt_open: out of memory");
-  int rc = ck_read_latest(dir, c->dir);
-  if (!rc) rc = ck_read_index(c);
+  int64_t step = -1;
+  int rc = ck_read_latest(dir, c->dir, &step);
+  if (!rc) rc = ck_read_index(c, step);
   if (rc) {
     rtp_ckpt_close(c);
     return rc;
@@ -737,7 +913,7 @@ int rtp_ckpt_open(const char *dir, struct rtp_ckpt **out) {
 
 void rtp_ckpt_close(struct rtp_ckpt *c) {
   if (!c) return;
-  free(c->index);
+  free(c->files);
   free(c);
 }
 
@@ -781,11 +957,8 @@ static int ck_open_files(const struct rtp_ckpt *c, struct ck_files *f) {
   if (!f->st || !f->verified) return rtp__error(RTP_ENOMEM, "%s: out of memory", c->dir);
   for (int r = 0; r < c->world; r++) {
     char name[32], path[CK_PATH];
+    if (!c->files[r].listed) continue; /* and the strategy writes none (checked at open) */
     snprintf(name, sizeof(name), "rank-%d.safetensors", r);
-    bool listed = strstr(c->index, name) != NULL;
-    if (!listed && ck_writes_file(c->strategy, r))
-      return rtp__error(RTP_EFORMAT, "%s: index.json lists no %s", c->dir, name);
-    if (!listed) continue;
     int rc = ck_path(path, c->dir, name);
     if (!rc) rc = rtp_safetensors_open(path, &f->st[r]);
     if (rc) return rc;
@@ -801,24 +974,19 @@ static void ck_close_files(struct ck_files *f) {
 
 static int ck_verify_file(struct ck_files *f, int r) {
   if (f->verified[r]) return RTP_OK;
-  char name[40], want[72], path[CK_PATH], hex[65];
-  int64_t want_bytes;
+  char name[40], path[CK_PATH], hex[65];
+  const struct ck_file *want = &f->c->files[r];
   uint64_t bytes;
-  snprintf(name, sizeof(name), "\"rank-%d.safetensors\"", r);
-  const char *entry = strstr(f->c->index, name);
-  if (!entry || !ck_json_int(entry, "bytes", &want_bytes) ||
-      !ck_json_str(entry, "sha256", want, sizeof(want)))
-    return rtp__error(RTP_EFORMAT, "%s: index.json has no checksum for rank %d", f->c->dir, r);
   snprintf(name, sizeof(name), "rank-%d.safetensors", r);
   int rc = ck_path(path, f->c->dir, name);
   if (!rc) rc = ck_sha256_file(path, hex, &bytes);
-  if (!rc && bytes != (uint64_t)want_bytes)
+  if (!rc && bytes != want->bytes)
     rc = rtp__error(RTP_EFORMAT,
-                    "%s: truncated or changed: %" PRIu64 " bytes, index says %" PRId64, path,
-                    bytes, want_bytes);
-  if (!rc && strcmp(hex, want))
+                    "%s: truncated or changed: %" PRIu64 " bytes, index says %" PRIu64, path,
+                    bytes, want->bytes);
+  if (!rc && strcmp(hex, want->sha))
     rc = rtp__error(RTP_EFORMAT, "%s: checksum mismatch (corrupted): sha256 %s, index says %s",
-                    path, hex, want);
+                    path, hex, want->sha);
   f->verified[r] = !rc;
   return rc;
 }

@@ -9,6 +9,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include "rtp-backend.h"
+#include "rtp-json.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -49,10 +50,8 @@ struct rtp_safetensors {
   uint64_t data_start; /* absolute file offset of the data section */
   uint64_t data_size;
   int n;
-  int cap;
   struct st_entry *e;
   int n_meta;
-  int cap_meta;
   struct st_meta *meta;
 };
 
@@ -156,477 +155,133 @@ static int st_write_all(int fd, const void *src, size_t size, const char *path) 
   return RTP_OK;
 }
 
-/* ---- strict JSON for the header -------------------------------------------------- */
+/* ---- the header, read through rtp-json.c ------------------------------------------ */
 
-struct jp {
-  const char *file;
-  const unsigned char *s;
-  size_t n;
-  size_t pos;
-};
-
-static int jp_fail(const struct jp *p, const char *what) {
-  return rtp__error(RTP_EFORMAT, "%s: bad header JSON at byte %zu of %zu: %s", p->file, p->pos,
-                    p->n, what);
-}
-
-static void jp_ws(struct jp *p) {
-  while (p->pos < p->n) {
-    unsigned char c = p->s[p->pos];
-    if (c != ' ' && c != '\t' && c != '\n' && c != '\r') break;
-    p->pos++;
-  }
-}
-
-static int jp_expect(struct jp *p, char c) {
-  jp_ws(p);
-  if (p->pos >= p->n) return jp_fail(p, "unexpected end of header");
-  if (p->s[p->pos] != (unsigned char)c) {
-    char what[48];
-    snprintf(what, sizeof(what), "expected '%c'", c);
-    return jp_fail(p, what);
-  }
-  p->pos++;
-  return RTP_OK;
-}
-
-/* Peeks the next non-space byte (-1 at the end). */
-static int jp_peek(struct jp *p) {
-  jp_ws(p);
-  return p->pos < p->n ? p->s[p->pos] : -1;
-}
-
-/* Length of the valid UTF-8 sequence at s (at most avail bytes), 0 if invalid. */
-static size_t jp_utf8_len(const unsigned char *s, size_t avail) {
-  unsigned char c = s[0];
-  size_t len;
-  uint32_t cp, min;
-  if (c < 0x80) return 1;
-  if ((c & 0xE0) == 0xC0) {
-    len = 2, cp = c & 0x1F, min = 0x80;
-  } else if ((c & 0xF0) == 0xE0) {
-    len = 3, cp = c & 0x0F, min = 0x800;
-  } else if ((c & 0xF8) == 0xF0) {
-    len = 4, cp = c & 0x07, min = 0x10000;
-  } else {
-    return 0;
-  }
-  if (len > avail) return 0;
-  for (size_t i = 1; i < len; i++) {
-    if ((s[i] & 0xC0) != 0x80) return 0;
-    cp = (cp << 6) | (s[i] & 0x3F);
-  }
-  if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return 0;
-  return len;
-}
-
-static int jp_hex4(struct jp *p, uint32_t *out) {
-  if (p->n - p->pos < 4) return jp_fail(p, "truncated \\u escape");
-  uint32_t v = 0;
-  for (int i = 0; i < 4; i++) {
-    unsigned char c = p->s[p->pos + (size_t)i];
-    v <<= 4;
-    if (c >= '0' && c <= '9') {
-      v |= (uint32_t)(c - '0');
-    } else if (c >= 'a' && c <= 'f') {
-      v |= (uint32_t)(c - 'a' + 10);
-    } else if (c >= 'A' && c <= 'F') {
-      v |= (uint32_t)(c - 'A' + 10);
-    } else {
-      return jp_fail(p, "bad hex digit in \\u escape");
-    }
-  }
-  p->pos += 4;
-  *out = v;
-  return RTP_OK;
-}
-
-/* Parses a string into a new NUL-terminated buffer (*out, to free). */
-static int jp_string(struct jp *p, char **out) {
-  *out = NULL;
-  int rc = jp_expect(p, '"');
-  if (rc) return rc;
-  /* First pass: find the closing quote; the decoded string is never longer. */
-  size_t start = p->pos, end = start;
-  for (;;) {
-    if (end >= p->n) return jp_fail(p, "unterminated string");
-    if (p->s[end] == '"') break;
-    end += p->s[end] == '\\' ? 2 : 1;
-  }
-  char *buf = malloc(end - start + 1);
-  if (!buf) return rtp__error(RTP_ENOMEM, "%s: out of memory parsing the header", p->file);
-  size_t o = 0;
-  while (p->s[p->pos] != '"') {
-    unsigned char c = p->s[p->pos];
-    if (c < 0x20) {
-      free(buf);
-      return jp_fail(p, "control character in string");
-    }
-    if (c != '\\') {
-      size_t len = jp_utf8_len(p->s + p->pos, end - p->pos);
-      if (!len) {
-        free(buf);
-        return jp_fail(p, "invalid UTF-8 in string");
-      }
-      memcpy(buf + o, p->s + p->pos, len);
-      o += len;
-      p->pos += len;
-      continue;
-    }
-    p->pos++; /* the backslash; end guarantees one more byte before the quote */
-    c = p->s[p->pos++];
-    uint32_t cp;
-    switch (c) {
-      case '"':
-      case '\\':
-      case '/':
-        buf[o++] = (char)c;
-        continue;
-      case 'b':
-        buf[o++] = '\b';
-        continue;
-      case 'f':
-        buf[o++] = '\f';
-        continue;
-      case 'n':
-        buf[o++] = '\n';
-        continue;
-      case 'r':
-        buf[o++] = '\r';
-        continue;
-      case 't':
-        buf[o++] = '\t';
-        continue;
-      case 'u':
-        break;
-      default:
-        p->pos--;
-        free(buf);
-        return jp_fail(p, "bad escape in string");
-    }
-    if (p->pos + 4 > end || (rc = jp_hex4(p, &cp))) {
-      free(buf);
-      return rc ? rc : jp_fail(p, "truncated \\u escape");
-    }
-    if (cp >= 0xDC00 && cp <= 0xDFFF) {
-      free(buf);
-      return jp_fail(p, "lone low surrogate in \\u escape");
-    }
-    if (cp >= 0xD800 && cp <= 0xDBFF) {
-      uint32_t lo;
-      if (p->pos + 6 > end || p->s[p->pos] != '\\' || p->s[p->pos + 1] != 'u') {
-        free(buf);
-        return jp_fail(p, "high surrogate not followed by a low one");
-      }
-      p->pos += 2;
-      if ((rc = jp_hex4(p, &lo))) {
-        free(buf);
-        return rc;
-      }
-      if (lo < 0xDC00 || lo > 0xDFFF) {
-        free(buf);
-        return jp_fail(p, "high surrogate not followed by a low one");
-      }
-      cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-    }
-    if (cp == 0) {
-      free(buf);
-      return jp_fail(p, "NUL character in string");
-    }
-    /* At most 4 bytes from at least 6 escaped ones: stays within the buffer. */
-    if (cp < 0x80) {
-      buf[o++] = (char)cp;
-    } else if (cp < 0x800) {
-      buf[o++] = (char)(0xC0 | (cp >> 6));
-      buf[o++] = (char)(0x80 | (cp & 0x3F));
-    } else if (cp < 0x10000) {
-      buf[o++] = (char)(0xE0 | (cp >> 12));
-      buf[o++] = (char)(0x80 | ((cp >> 6) & 0x3F));
-      buf[o++] = (char)(0x80 | (cp & 0x3F));
-    } else {
-      buf[o++] = (char)(0xF0 | (cp >> 18));
-      buf[o++] = (char)(0x80 | ((cp >> 12) & 0x3F));
-      buf[o++] = (char)(0x80 | ((cp >> 6) & 0x3F));
-      buf[o++] = (char)(0x80 | (cp & 0x3F));
-    }
-  }
-  p->pos++; /* closing quote */
-  buf[o] = '\0';
-  *out = buf;
-  return RTP_OK;
-}
-
-/* A non-negative integer without sign, fraction or exponent, at most INT64_MAX. */
-static int jp_uint(struct jp *p, uint64_t *out) {
-  jp_ws(p);
-  if (p->pos >= p->n) return jp_fail(p, "unexpected end of header");
-  unsigned char c = p->s[p->pos];
-  if (c == '-') return jp_fail(p, "negative number");
-  if (c < '0' || c > '9') return jp_fail(p, "expected a non-negative integer");
-  if (c == '0' && p->pos + 1 < p->n && p->s[p->pos + 1] >= '0' && p->s[p->pos + 1] <= '9') {
-    return jp_fail(p, "number with a leading zero");
-  }
-  uint64_t v = 0;
-  while (p->pos < p->n && p->s[p->pos] >= '0' && p->s[p->pos] <= '9') {
-    uint64_t d = p->s[p->pos] - '0';
-    if (v > ((uint64_t)INT64_MAX - d) / 10) return jp_fail(p, "integer too large");
-    v = v * 10 + d;
-    p->pos++;
-  }
-  if (p->pos < p->n && (p->s[p->pos] == '.' || p->s[p->pos] == 'e' || p->s[p->pos] == 'E')) {
-    return jp_fail(p, "expected an integer, not a fraction");
-  }
-  *out = v;
-  return RTP_OK;
-}
-
-/* [u, u, ...] with at most max elements stored; *count is the real number. */
-static int jp_uint_array(struct jp *p, uint64_t *vals, int max, int *count) {
-  int rc = jp_expect(p, '[');
-  if (rc) return rc;
-  int k = 0;
-  if (jp_peek(p) == ']') {
-    p->pos++;
-    *count = 0;
-    return RTP_OK;
-  }
-  for (;;) {
-    uint64_t v = 0;
-    if ((rc = jp_uint(p, &v))) return rc;
-    if (k < max) vals[k] = v;
-    if (k < INT32_MAX) k++;
-    int c = jp_peek(p);
-    if (c == ',') {
-      p->pos++;
-    } else if (c == ']') {
-      p->pos++;
-      break;
-    } else {
-      return jp_fail(p, "expected ',' or ']' in array");
-    }
-  }
-  *count = k;
-  return RTP_OK;
-}
-
-static int st_add_meta(struct rtp_safetensors *st, char *key, char *value) {
-  for (int i = 0; i < st->n_meta; i++) {
-    if (strcmp(st->meta[i].key, key) == 0) {
-      rtp__error(RTP_EFORMAT, "%s: duplicate __metadata__ key '%s'", st->path, key);
-      free(key);
-      free(value);
-      return RTP_EFORMAT;
-    }
-  }
-  if (st->n_meta == st->cap_meta) {
-    int cap = st->cap_meta ? st->cap_meta * 2 : 8;
-    struct st_meta *m = realloc(st->meta, (size_t)cap * sizeof(*m));
-    if (!m) {
-      free(key);
-      free(value);
-      return rtp__error(RTP_ENOMEM, "%s: out of memory parsing the header", st->path);
-    }
-    st->meta = m;
-    st->cap_meta = cap;
-  }
-  st->meta[st->n_meta].key = key;
-  st->meta[st->n_meta].value = value;
-  st->n_meta++;
-  return RTP_OK;
+/* The header's top-level keys are tensor names and __metadata__: a repeated one is named
+ * so, not as a repeated key. */
+static int st_duplicate(const struct rtp_safetensors *st, const struct rtp__json_fault *f) {
+  if (f->depth == 1 && strcmp(f->key, "__metadata__") == 0)
+    return rtp__error(RTP_EFORMAT, "%s: duplicate __metadata__", st->path);
+  if (f->depth == 1)
+    return rtp__error(RTP_EFORMAT, "%s: duplicate tensor name '%s'", st->path, f->key);
+  if (f->depth == 2 && strcmp(f->parent, "__metadata__") == 0)
+    return rtp__error(RTP_EFORMAT, "%s: duplicate __metadata__ key '%s'", st->path, f->key);
+  if (f->depth == 2 && f->parent[0]) /* else an object in an array: no tensor */
+    return rtp__error(RTP_EFORMAT, "%s: tensor '%s': duplicate key '%s'", st->path, f->parent,
+                      f->key);
+  return RTP_EFORMAT; /* the parser's message stands */
 }
 
 /* {"k": "v", ...}: strings only, as in the reference implementation. */
-static int st_parse_meta(struct rtp_safetensors *st, struct jp *p) {
-  int rc = jp_expect(p, '{');
+static int st_read_meta(struct rtp_safetensors *st, const struct rtp__json *doc,
+                        const struct rtp__json_value *obj) {
+  int rc = rtp__json_expect(doc, obj, RTP__JSON_OBJECT, "__metadata__");
   if (rc) return rc;
-  if (jp_peek(p) == '}') {
-    p->pos++;
-    return RTP_OK;
+  st->meta = calloc(rtp__json_count(obj) + 1, sizeof(*st->meta));
+  if (!st->meta)
+    return rtp__error(RTP_ENOMEM, "%s: out of memory reading the header", st->path);
+  for (const struct rtp__json_value *m = rtp__json_child(doc, obj); m;
+       m = rtp__json_next(doc, m)) {
+    const char *key = rtp__json_key(doc, m), *value = rtp__json_str(doc, m);
+    if (!value)
+      return rtp__error(RTP_EFORMAT, "%s: __metadata__ values must be strings: '%s' is %s",
+                        st->path, key, rtp__json_kind_name(m));
+    struct st_meta *e = &st->meta[st->n_meta];
+    e->key = st_strdup(key);
+    e->value = st_strdup(value);
+    if (!e->key || !e->value) {
+      free(e->key);
+      free(e->value);
+      return rtp__error(RTP_ENOMEM, "%s: out of memory reading the header", st->path);
+    }
+    st->n_meta++;
   }
-  for (;;) {
-    char *key = NULL, *value = NULL;
-    if ((rc = jp_string(p, &key))) return rc;
-    if ((rc = jp_expect(p, ':'))) {
-      free(key);
-      return rc;
-    }
-    if (jp_peek(p) != '"') {
-      free(key);
-      return jp_fail(p, "__metadata__ values must be strings");
-    }
-    if ((rc = jp_string(p, &value))) {
-      free(key);
-      return rc;
-    }
-    if ((rc = st_add_meta(st, key, value))) return rc;
-    int c = jp_peek(p);
-    if (c == ',') {
-      p->pos++;
-    } else if (c == '}') {
-      p->pos++;
-      return RTP_OK;
-    } else {
-      return jp_fail(p, "expected ',' or '}' in __metadata__");
-    }
-  }
+  return RTP_OK;
 }
 
 /* {"dtype": ..., "shape": [...], "data_offsets": [b, e]} for the tensor e->name. */
-static int st_parse_entry(struct rtp_safetensors *st, struct jp *p, struct st_entry *e) {
-  bool have_dtype = false, have_shape = false, have_offsets = false;
-  int rc = jp_expect(p, '{');
+static int st_read_entry(const struct rtp_safetensors *st, const struct rtp__json *doc,
+                         const struct rtp__json_value *obj, struct st_entry *e) {
+  static const char *const keys[] = {"dtype", "shape", "data_offsets", NULL};
+  const struct rtp__json_value *dtype, *shape, *offs;
+  const char *n = e->name;
+  int rc = rtp__json_expect(doc, obj, RTP__JSON_OBJECT, "tensor '%s'", n);
+  if (!rc) rc = rtp__json_only(doc, obj, keys, "tensor '%s'", n);
+  if (!rc) rc = rtp__json_member(doc, obj, "dtype", RTP__JSON_STRING, &dtype, "tensor '%s'", n);
+  if (!rc) rc = rtp__json_member(doc, obj, "shape", RTP__JSON_ARRAY, &shape, "tensor '%s'", n);
+  if (!rc)
+    rc = rtp__json_member(doc, obj, "data_offsets", RTP__JSON_ARRAY, &offs, "tensor '%s'", n);
   if (rc) return rc;
-  if (jp_peek(p) != '}') {
-    for (;;) {
-      char *key = NULL;
-      if ((rc = jp_string(p, &key))) return rc;
-      if ((rc = jp_expect(p, ':'))) {
-        free(key);
-        return rc;
-      }
-      if (strcmp(key, "dtype") == 0 && !have_dtype) {
-        char *dt = NULL;
-        if (jp_peek(p) != '"') {
-          free(key);
-          return jp_fail(p, "dtype must be a string");
-        }
-        if ((rc = jp_string(p, &dt))) {
-          free(key);
-          return rc;
-        }
-        if (strcmp(dt, "F32") == 0) {
-          e->type = RTP_TYPE_F32;
-        } else if (strcmp(dt, "I32") == 0) {
-          e->type = RTP_TYPE_I32;
-        } else {
-          rtp__error(RTP_EFORMAT,
-                     "%s: tensor '%s': dtype '%s' is not supported (only F32, I32)", st->path,
-                     e->name, dt);
-          free(dt);
-          free(key);
-          return RTP_EFORMAT;
-        }
-        free(dt);
-        have_dtype = true;
-      } else if (strcmp(key, "shape") == 0 && !have_shape) {
-        uint64_t dims[RTP_MAX_DIMS];
-        int nd;
-        if ((rc = jp_uint_array(p, dims, RTP_MAX_DIMS, &nd))) {
-          free(key);
-          return rc;
-        }
-        if (nd > RTP_MAX_DIMS) {
-          free(key);
-          return rtp__error(RTP_EFORMAT, "%s: tensor '%s': %d dims, at most %d are supported",
-                            st->path, e->name, nd, RTP_MAX_DIMS);
-        }
-        e->n_dims = nd;
-        for (int i = 0; i < RTP_MAX_DIMS; i++) e->ne[i] = 1;
-        for (int i = 0; i < nd; i++) e->ne[i] = (int64_t)dims[nd - 1 - i];
-        have_shape = true;
-      } else if (strcmp(key, "data_offsets") == 0 && !have_offsets) {
-        uint64_t offs[2];
-        int no;
-        if ((rc = jp_uint_array(p, offs, 2, &no))) {
-          free(key);
-          return rc;
-        }
-        if (no != 2) {
-          free(key);
-          return rtp__error(RTP_EFORMAT, "%s: tensor '%s': data_offsets has %d values, not 2",
-                            st->path, e->name, no);
-        }
-        e->begin = offs[0];
-        e->end = offs[1];
-        have_offsets = true;
-      } else {
-        bool dup = strcmp(key, "dtype") == 0 || strcmp(key, "shape") == 0 ||
-                   strcmp(key, "data_offsets") == 0;
-        rtp__error(RTP_EFORMAT, "%s: tensor '%s': %s key '%s'", st->path, e->name,
-                   dup ? "duplicate" : "unknown", key);
-        free(key);
-        return RTP_EFORMAT;
-      }
-      free(key);
-      int c = jp_peek(p);
-      if (c == ',') {
-        p->pos++;
-      } else if (c == '}') {
-        break;
-      } else {
-        return jp_fail(p, "expected ',' or '}' in tensor entry");
-      }
-    }
+  const char *dt = rtp__json_str(doc, dtype);
+  if (strcmp(dt, "F32") == 0) {
+    e->type = RTP_TYPE_F32;
+  } else if (strcmp(dt, "I32") == 0) {
+    e->type = RTP_TYPE_I32;
+  } else {
+    return rtp__error(RTP_EFORMAT,
+                      "%s: tensor '%s': dtype '%s' is not supported (only F32, I32)", st->path,
+                      n, dt);
   }
-  p->pos++; /* '}' */
-  if (!have_dtype || !have_shape || !have_offsets) {
-    return rtp__error(RTP_EFORMAT, "%s: tensor '%s': missing %s", st->path, e->name,
-                      !have_dtype   ? "dtype"
-                      : !have_shape ? "shape"
-                                    : "data_offsets");
+  size_t nd = rtp__json_count(shape);
+  if (nd > RTP_MAX_DIMS)
+    return rtp__error(RTP_EFORMAT, "%s: tensor '%s': %zu dims, at most %d are supported",
+                      st->path, n, nd, RTP_MAX_DIMS);
+  e->n_dims = (int)nd;
+  for (int d = 0; d < RTP_MAX_DIMS; d++) e->ne[d] = 1;
+  int d = (int)nd - 1; /* the file lists the outermost dimension first */
+  for (const struct rtp__json_value *v = rtp__json_child(doc, shape); v && !rc;
+       v = rtp__json_next(doc, v), d--)
+    rc = rtp__json_int(doc, v, 0, INT64_MAX, &e->ne[d], "tensor '%s': shape[%d]", n,
+                       (int)nd - 1 - d);
+  if (rc) return rc;
+  if (rtp__json_count(offs) != 2)
+    return rtp__error(RTP_EFORMAT, "%s: tensor '%s': data_offsets has %zu values, not 2",
+                      st->path, n, rtp__json_count(offs));
+  int64_t be[2];
+  const struct rtp__json_value *v = rtp__json_child(doc, offs);
+  for (int i = 0; i < 2 && !rc; i++, v = rtp__json_next(doc, v))
+    rc = rtp__json_int(doc, v, 0, INT64_MAX, &be[i], "tensor '%s': data_offsets[%d]", n, i);
+  e->begin = (uint64_t)be[0];
+  e->end = (uint64_t)be[1];
+  return rc;
+}
+
+static int st_read_header(struct rtp_safetensors *st, const struct rtp__json *doc) {
+  const struct rtp__json_value *root = rtp__json_root(doc), *meta;
+  int rc = rtp__json_expect(doc, root, RTP__JSON_OBJECT, "header");
+  if (rc) return rc;
+  meta = rtp__json_get(doc, root, "__metadata__");
+  if (meta && (rc = st_read_meta(st, doc, meta))) return rc;
+  size_t n = rtp__json_count(root) - (meta != NULL);
+  if (n > INT32_MAX) return rtp__error(RTP_EFORMAT, "%s: %zu tensors, too many", st->path, n);
+  st->e = calloc(n + 1, sizeof(*st->e));
+  if (!st->e) return rtp__error(RTP_ENOMEM, "%s: out of memory reading the header", st->path);
+  for (const struct rtp__json_value *m = rtp__json_child(doc, root); m && !rc;
+       m = rtp__json_next(doc, m)) {
+    if (m == meta) continue;
+    struct st_entry *e = &st->e[st->n];
+    if (!(e->name = st_strdup(rtp__json_key(doc, m))))
+      return rtp__error(RTP_ENOMEM, "%s: out of memory reading the header", st->path);
+    st->n++;
+    rc = st_read_entry(st, doc, m, e);
   }
-  return RTP_OK;
+  return rc;
 }
 
 static int st_parse_header(struct rtp_safetensors *st, const char *hdr, size_t n) {
-  struct jp p = {st->path, (const unsigned char *)hdr, n, 0};
-  bool have_meta = false;
-  int rc = jp_expect(&p, '{');
-  if (rc) return rc;
-  if (jp_peek(&p) == '}') {
-    p.pos++;
-  } else {
-    for (;;) {
-      char *key = NULL;
-      if ((rc = jp_string(&p, &key))) return rc;
-      if ((rc = jp_expect(&p, ':'))) {
-        free(key);
-        return rc;
-      }
-      if (strcmp(key, "__metadata__") == 0) {
-        free(key);
-        if (have_meta) return rtp__error(RTP_EFORMAT, "%s: duplicate __metadata__", st->path);
-        have_meta = true;
-        if ((rc = st_parse_meta(st, &p))) return rc;
-      } else {
-        if (st->n == st->cap) {
-          int cap = st->cap ? st->cap * 2 : 16;
-          struct st_entry *ne = realloc(st->e, (size_t)cap * sizeof(*ne));
-          if (!ne) {
-            free(key);
-            return rtp__error(RTP_ENOMEM, "%s: out of memory parsing the header", st->path);
-          }
-          st->e = ne;
-          st->cap = cap;
-        }
-        struct st_entry *e = &st->e[st->n++];
-        memset(e, 0, sizeof(*e));
-        e->name = key;
-        if ((rc = st_parse_entry(st, &p, e))) return rc;
-      }
-      int c = jp_peek(&p);
-      if (c == ',') {
-        p.pos++;
-      } else if (c == '}') {
-        p.pos++;
-        break;
-      } else {
-        return jp_fail(&p, "expected ',' or '}' after a tensor");
-      }
-    }
-  }
-  jp_ws(&p);
-  if (p.pos != p.n) return jp_fail(&p, "trailing bytes after the header object");
-  return RTP_OK;
+  /* A tensor's entry takes at least 5 bytes a value, a metadata pair 6: a quarter of the
+   * header's bytes bounds the tree (its memory) for any file written as the format says. */
+  struct rtp__json_limits lim = {ST_MAX_HEADER, 16, n / 4 + 16};
+  struct rtp__json *doc;
+  struct rtp__json_fault fault;
+  int rc = rtp__json_parse(st->path, hdr, n, &lim, &doc, &fault);
+  if (rc) return fault.duplicate ? st_duplicate(st, &fault) : rc;
+  rc = st_read_header(st, doc);
+  rtp__json_free(doc);
+  return rc;
 }
 
 /* ---- checks after parsing -------------------------------------------------------- */
-
-static int st_cmp_name(const void *a, const void *b) {
-  const struct st_entry *x = *(const struct st_entry *const *)a;
-  const struct st_entry *y = *(const struct st_entry *const *)b;
-  return strcmp(x->name, y->name);
-}
 
 static int st_cmp_offs(const void *a, const void *b) {
   const struct st_entry *x = *(const struct st_entry *const *)a;
@@ -677,13 +332,7 @@ static int st_validate(struct rtp_safetensors *st) {
   struct st_entry **idx = malloc((size_t)(unsigned)st->n * sizeof(*idx));
   if (!idx) return rtp__error(RTP_ENOMEM, "%s: out of memory", st->path);
   for (int i = 0; i < st->n; i++) idx[i] = &st->e[i];
-  int rc = RTP_OK;
-  qsort(idx, (size_t)(unsigned)st->n, sizeof(*idx), st_cmp_name);
-  for (int i = 1; i < st->n && !rc; i++) {
-    if (strcmp(idx[i - 1]->name, idx[i]->name) == 0) {
-      rc = rtp__error(RTP_EFORMAT, "%s: duplicate tensor name '%s'", st->path, idx[i]->name);
-    }
-  }
+  int rc = RTP_OK; /* names are unique: the parser refuses a key twice */
   /* The tensors must tile the data section: no overlap, no hole (as the reference
    * implementation requires). */
   qsort(idx, (size_t)(unsigned)st->n, sizeof(*idx), st_cmp_offs);
@@ -1076,13 +725,7 @@ static void sb_put_json(struct st_buf *b, const char *s) {
 }
 
 static bool st_valid_utf8(const char *s) {
-  size_t n = strlen(s);
-  for (size_t i = 0; i < n;) {
-    size_t len = jp_utf8_len((const unsigned char *)s + i, n - i);
-    if (!len) return false;
-    i += len;
-  }
-  return true;
+  return rtp__json_utf8_valid(s, strlen(s));
 }
 
 static int st_cmp_str(const void *a, const void *b) {

@@ -811,8 +811,9 @@ struct rtp_ckpt_params {
 RTP_API int rtp_ckpt_save(const struct rtp_ckpt_params *p, int64_t step);
 
 struct rtp_ckpt;
-/* The checkpoint dir/latest names, after checking its marker and its index's checksum;
- * RTP_EIO or RTP_EFORMAT with a message saying what is missing or wrong. */
+/* The checkpoint dir/latest names, after checking its marker, its index's checksum and
+ * every field of the index; RTP_EIO or RTP_EFORMAT with a message saying what is missing
+ * or wrong. */
 RTP_API int rtp_ckpt_open(const char *dir, struct rtp_ckpt **out);
 RTP_API void rtp_ckpt_close(struct rtp_ckpt *c); /* NULL is fine */
 RTP_API int64_t rtp_ckpt_step(const struct rtp_ckpt *c);

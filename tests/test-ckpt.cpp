@@ -1,14 +1,18 @@
 // Sharded checkpoints (rtp-ckpt.c): a plan's parameter blocks and Adam states saved on 1 or
 // 2 ranks load back exactly, also onto the other world size; only the newest two complete
 // checkpoints are kept; a failed save leaves latest on the previous one; damaged
-// checkpoints are refused with a message naming the fault.
+// checkpoints are refused with a message naming the fault; index.json is read as JSON
+// (any order, spacing, escapes) and refused whole when any field is wrong.
 #include <gtest/gtest.h>
+#include <openssl/sha.h>
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -361,6 +365,316 @@ TEST(Ckpt, DamagedCheckpointsAreRefused) {
   expect_refused("marker", "rm COMPLETE", "no COMPLETE marker");
   expect_refused("index", "sed -i s/42/43/ index.json", "index.json: checksum mismatch");
   expect_refused("latest", "echo bogus > ../latest", "step-<8 digits>");
+}
+
+// ---- index.json read as JSON ---------------------------------------------------------
+
+std::string slurp(const std::string &path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+std::string sha256_hex(const std::string &bytes) {
+  unsigned char d[SHA256_DIGEST_LENGTH];
+  SHA256((const unsigned char *)bytes.data(), bytes.size(), d);
+  char hex[2 * SHA256_DIGEST_LENGTH + 1];
+  for (int i = 0; i < SHA256_DIGEST_LENGTH; i++) snprintf(hex + 2 * i, 3, "%02x", d[i]);
+  return hex;
+}
+
+// Replaces index.json in step and writes the COMPLETE marker that matches it, so that
+// only the reader stands between the text and a load. The old files are removed first:
+// ext4 flushes a file truncated and written again to disk on close, seconds per thousand.
+void put_index(const std::string &step, const std::string &text) {
+  std::remove((step + "/index.json").c_str());
+  std::remove((step + "/COMPLETE").c_str());
+  std::ofstream(step + "/index.json", std::ios::binary) << text;
+  std::ofstream(step + "/COMPLETE") << "sha256 " << sha256_hex(text) << "\n";
+}
+
+// save_one's index.json (step 1) as its keys and their values' JSON text; text() puts it
+// back together in any order and with any spacing.
+struct Index {
+  std::vector<std::pair<std::string, std::string>> top;
+  std::string bytes, sha;  // of rank-0.safetensors, as JSON
+
+  explicit Index(const std::string &step) {
+    std::string rank0 = slurp(step + "/rank-0.safetensors");
+    bytes = std::to_string(rank0.size());
+    sha = "\"" + sha256_hex(rank0) + "\"";
+    top = {{"format", "\"rtp-checkpoint\""},
+           {"version", "1"},
+           {"step", "1"},
+           {"world_size", "1"},
+           {"strategy", "\"none\""},
+           {"adam_steps", "7"},
+           {"state", "{\"seed\": \"42\"}"},
+           {"files", "[\n    " + file() + "\n  ]"},
+           {"tensors",
+            "[\n    " + tensor("w", "[6, 8]") + ",\n    " + tensor("b", "[6]") + "\n  ]"}};
+  }
+  // An entry of "files", by default rank 0's as written.
+  std::string file(const std::string &name = "\"rank-0.safetensors\"",
+                   const std::string &rank = "0", std::string b = "",
+                   std::string s = "") const {
+    return "{\"name\": " + name + ", \"rank\": " + rank +
+           ", \"bytes\": " + (b.empty() ? bytes : b) +
+           ", \"sha256\": " + (s.empty() ? sha : s) + "}";
+  }
+  // An entry of "tensors" held whole by rank 0.
+  static std::string tensor(const std::string &name, const std::string &shape,
+                            const std::string &block = "\"first\": 0, \"rows\": 6") {
+    return "{\"name\": \"" + name + "\", \"shape\": " + shape +
+           ", \"blocks\": [{\"rank\": 0, " + block + "}]}";
+  }
+  std::string &operator[](const std::string &key) {
+    for (auto &kv : top)
+      if (kv.first == key) return kv.second;
+    top.push_back({key, ""});
+    return top.back().second;
+  }
+  Index &erase(const std::string &key) {
+    for (size_t i = 0; i < top.size(); i++)
+      if (top[i].first == key) top.erase(top.begin() + (long)i);
+    return *this;
+  }
+  Index &first(const std::string &key) {  // moves key to the front
+    for (size_t i = 0; i < top.size(); i++)
+      if (top[i].first == key)
+        std::rotate(top.begin(), top.begin() + (long)i, top.begin() + (long)i + 1);
+    return *this;
+  }
+  std::string text(const char *open = "{\n  ", const char *colon = ": ",
+                   const char *comma = ",\n  ", const char *close = "\n}\n") const {
+    std::string s = open;
+    for (size_t i = 0; i < top.size(); i++)
+      s += (i ? comma : "") + ("\"" + top[i].first + "\"") + colon + top[i].second;
+    return s + close;
+  }
+};
+
+void expect_opens_and_loads(const std::string &dir, const char *what) {
+  rtp_ckpt *ck = nullptr;
+  ASSERT_EQ(rtp_ckpt_open(dir.c_str(), &ck), RTP_OK) << what << ": " << rtp_last_error();
+  EXPECT_EQ(rtp_ckpt_step(ck), 1) << what;
+  EXPECT_EQ(rtp_ckpt_world_size(ck), 1) << what;
+  EXPECT_EQ(rtp_ckpt_strategy(ck), RTP_STRATEGY_NONE) << what;
+  EXPECT_STREQ(rtp_ckpt_state(ck, "seed"), "42") << what;
+  rtp_ckpt_close(ck);
+  EXPECT_EQ(load_one(dir), 0) << what;
+}
+
+// Whatever the order of keys, the spacing and the escapes, and whatever else holds the
+// names of keys, the fields of index.json load. Of these, key scanning took only the text
+// as written and the reversed one: it refused the others (no space after a colon, a
+// file's "bytes" before its name, escapes) or read the state's "strategy" for the index's.
+TEST(CkptIndex, ReadAsJsonNotScanned) {
+  std::string dir = tmp_dir("index-json"), step = dir + "/step-00000001";
+  ASSERT_EQ(save_one(dir, 1), 0) << rtp_last_error();
+  const Index good(step);
+  ASSERT_EQ(good.text(), slurp(step + "/index.json")) << "the writer's layout changed";
+  Index reversed = good, nested = good, escaped = good, members = good;
+  std::reverse(reversed.top.begin(), reversed.top.end());
+  nested["state"] =
+      R"({"strategy": "ddp", "step": "9", "world_size": "4", "adam_steps": "3", "seed": "42"})";
+  nested.first("state");
+  escaped["strategy"] = R"("\u006eone")";
+  escaped["state"] = R"({"se\u0065d": "4\u0032", "note": "\"step\": 9, \"bytes\": 1"})";
+  members["files"] = "[{\"sha256\": " + good.sha + ", \"bytes\": " + good.bytes +
+                     ",\n \"rank\": 0, \"name\": \"rank-0.safetensors\"}]";
+  const struct {
+    const char *what;
+    std::string text;
+  } cases[] = {
+      {"as written", good.text()},
+      {"spaced", good.text("\r\n\t{ \n", " \t:\r\n ", "\n\n ,\t", " \n}\r\n\n")},
+      {"compact", good.text("{", ":", ",", "}")},
+      {"reversed", reversed.text()},
+      {"state keys named like the index's, first", nested.text()},
+      {"escapes", escaped.text()},
+      {"a file entry's members in another order", members.text()},
+  };
+  for (const auto &c : cases) {
+    put_index(step, c.text);
+    expect_opens_and_loads(dir, c.what);
+  }
+  put_index(step, escaped.text());
+  rtp_ckpt *ck = nullptr;
+  ASSERT_EQ(rtp_ckpt_open(dir.c_str(), &ck), RTP_OK) << rtp_last_error();
+  EXPECT_STREQ(rtp_ckpt_state(ck, "note"), "\"step\": 9, \"bytes\": 1");
+  rtp_ckpt_close(ck);
+}
+
+// A state value that names a rank's file (a word the writer accepts): key scanning found
+// it ahead of the "files" entry and took the next entry's size and checksum, refusing a
+// good checkpoint of 2 ranks as changed.
+TEST(CkptIndex, StateNamingAFileLoads) {
+  std::string dir = tmp_dir("index-state-file");
+  ASSERT_EQ(on_two_ranks(RTP_STRATEGY_RTP, dir, true), 0);
+  std::string step = dir + "/step-00000005", text = slurp(step + "/index.json");
+  const std::string seed = "\"seed\": \"42\"";
+  ASSERT_NE(text.find(seed), std::string::npos) << text;
+  put_index(step, text.replace(text.find(seed), seed.size(),
+                               "\"from\": \"rank-1.safetensors\", " + seed));
+  EXPECT_EQ(load_one(dir), 0) << rtp_last_error();
+}
+
+// Damaged or inconsistent indexes, each with a marker that matches it (only the reader
+// stands in the way), fail with RTP_EFORMAT and a message naming index.json and the fault.
+TEST(CkptIndex, DamagedIndexesAreRefused) {
+  std::string dir = tmp_dir("index-bad"), step = dir + "/step-00000001";
+  ASSERT_EQ(save_one(dir, 1), 0) << rtp_last_error();
+  const Index good(step);
+  auto with = [&](const std::string &key, const std::string &value) {
+    Index i = good;
+    i[key] = value;
+    return i.text();
+  };
+  auto tensors = [&](const std::string &w, const std::string &b) {
+    return with("tensors", "[" + w + ", " + b + "]");
+  };
+  const std::string w = Index::tensor("w", "[6, 8]"), b = Index::tensor("b", "[6]");
+  const std::string text = good.text();
+  Index twice = good, hidden = good;
+  twice.top.push_back({"step", "2"});
+  hidden.erase("step")["history"] = "{\"step\": 1}";
+  hidden.first("history");
+  const struct {
+    std::string text;
+    const char *message;
+  } cases[] = {
+      {Index(good).erase("step").text(), "index.json: missing step"},
+      {hidden.text(), "index.json: unknown key 'history'"},
+      {twice.text(), "duplicate key 'step'"},
+      {with("step", "\"1\""), "index.json: step: expected an integer, found a string"},
+      {with("world_size", "1.0"), "world_size: expected an integer, found a number with a"},
+      {with("world_size", "0"), "world_size: 0 is out of range [1, 65536]"},
+      {with("step", "99999999999999999999"), "step: integer too large"},
+      {with("adam_steps", "-7"), "adam_steps: negative number -7"},
+      {with("adam_steps", "true"), "adam_steps: expected an integer, found true"},
+      {with("stepp", "1"), "unknown key 'stepp'"},
+      {Index(good).erase("adam_steps").text(), "index.json: missing adam_steps"},
+      {with("format", "\"safetensors\""), "format 'safetensors': not an rtp checkpoint index"},
+      {with("version", "2"), "version 2, this library reads version 1"},
+      {with("step", "2"), "step 2 in the directory of step 1"},
+      {with("strategy", "\"nope\""), "unknown strategy 'nope'"},
+      {with("strategy", "null"), "strategy: expected a string, found null"},
+      {with("state", R"({"seed": 42})"), "state: seed: expected a string, found an integer"},
+      {with("state", "[]"), "state: expected '{' (an object), found an array"},
+      {with("state", R"({"seed": "4\u0000"})"), "NUL character"},
+      {with("state", "{\"deep\": [[[[[[[[[1]]]]]]]]]}"), "nesting deeper than 8"},
+      {with("files", "[]"), "does not list rank-0.safetensors, which it needs"},
+      {with("files", "[" + good.file() + ", " + good.file() + "]"), "listed twice"},
+      {with("files", "{}"), "files: expected '[' (an array), found an object"},
+      {with("files", "[\"rank-0.safetensors\"]"), "files[0]: expected '{' (an object)"},
+      {with("files", "[{\"name\": \"rank-0.safetensors\", \"rank\": 0}]"),
+       "files[0]: missing bytes"},
+      {with("files", "[" + good.file("\"rank-1.safetensors\"") + "]"),
+       "files[0]: name 'rank-1.safetensors' for rank 0, expected 'rank-0.safetensors'"},
+      {with("files", "[" + good.file("\"rank-1.safetensors\"", "1") + "]"),
+       "files[0]: rank: 1 is out of range [0, 0]"},
+      {with("files", "[" + good.file("\"rank-0.safetensors\"", "0", "", "\"XYZ\"") + "]"),
+       "sha256 'XYZ' is not 64 lowercase hex digits"},
+      {with("files", "[" + good.file("\"rank-0.safetensors\"", "0", "1e3") + "]"),
+       "files[0]: bytes: expected an integer, found a number with a fraction"},
+      {tensors(w, Index::tensor("b", "[6]", "\"first\": 1, \"rows\": 5")),
+       "tensors[1] ('b'): blocks[0]: first row 1, expected 0"},
+      {tensors(Index::tensor("w", "[6, 8]", "\"first\": 0, \"rows\": 5"), b),
+       "tensors[0] ('w'): 1 blocks of 5 rows for 1 files and 6 rows"},
+      {tensors(w, Index::tensor(
+                      "b", "[6]",
+                      "\"first\": 0, \"rows\": 6}, {\"rank\": 0, \"first\": 6, \"rows\": 0")),
+       "tensors[1] ('b'): blocks[1]: more blocks than the 1 files"},
+      {tensors(w, Index::tensor("w", "[6]")), "tensor 'w' is listed twice"},
+      {tensors(Index::tensor("w", "[6, \"8\"]"), b),
+       "tensors[0] ('w'): shape[1]: expected an integer, found a string"},
+      {tensors(Index::tensor("w", "[1, 1, 1, 6, 8]"), b), "5 dims, expected 1 to 4"},
+      {tensors(Index::tensor("w", "[6, 8]", "\"rank\": 0, \"first\": 0, \"rows\": 6"), b),
+       "duplicate key 'rank'"},
+      {text + "x", "trailing bytes after the top-level value"},
+      {text + "{}", "trailing"},
+      {text.substr(0, text.find("\"files\"")), "unexpected end of input"},
+      {text.substr(0, text.find("none") + 2), "unterminated string"},
+      {"", "unexpected end of input"},
+      {"[]", "index.json: expected '{' (an object), found an array"},
+      {"{" + std::string(1, '\0') + text.substr(1), "found byte 0x00"},
+      {with("strategy", "\"n\xc3one\""), "invalid UTF-8"},
+      {with("strategy", "\"n\\one\""), "bad escape '\\o'"},
+  };
+  for (const auto &c : cases) {
+    SCOPED_TRACE(c.message);
+    put_index(step, c.text);
+    rtp_ckpt *ck = nullptr;
+    int rc = rtp_ckpt_open(dir.c_str(), &ck);
+    rtp_ckpt_close(ck);
+    std::string why = rtp_last_error();
+    EXPECT_EQ(rc, RTP_EFORMAT) << why;
+    EXPECT_NE(why.find(step + "/index.json: "), std::string::npos) << why;
+    EXPECT_NE(why.find(c.message), std::string::npos) << why;
+  }
+  // ddp with one rank is consistent (rank 0 writes the one file): it loads.
+  put_index(step, with("strategy", "\"ddp\""));
+  EXPECT_EQ(load_one(dir), 0) << rtp_last_error();
+  put_index(step, good.text());
+  EXPECT_EQ(load_one(dir), 0) << "the good index, back";
+}
+
+// Random damage to the index, each time with a matching marker: open and load never crash
+// (ASan build) and fail only with the statuses they document. The seed is fixed, so any
+// failure repeats.
+TEST(CkptIndex, FuzzedIndexesNeverCrash) {
+  std::string dir = tmp_dir("index-fuzz"), step = dir + "/step-00000001";
+  ASSERT_EQ(save_one(dir, 1), 0) << rtp_last_error();
+  const std::string good = slurp(step + "/index.json");
+  const char interesting[] = "\"\\{}[],:0123456789-.e \n\x80\xff";
+  Plan p;
+  ASSERT_TRUE(p.build(RTP_STRATEGY_NONE, nullptr));
+  rtp_ckpt_params cp = p.ckpt(dir);
+  std::mt19937 rng(42);
+  const char *env = getenv("RTP_CKPT_FUZZ_ITERS");  // more for a longer run
+  const int iters = env ? atoi(env) : 3000;
+  int opened = 0, loaded = 0;
+  for (int iter = 0; iter < iters; iter++) {
+    std::string t = good;
+    for (int m = 1 + (int)(rng() % 3); m > 0 && !t.empty(); m--) {
+      size_t pos = rng() % t.size();
+      switch (rng() % 5) {
+        case 0:
+          t[pos] = interesting[rng() % (sizeof(interesting) - 1)];
+          break;
+        case 1:
+          t[pos] = (char)(t[pos] ^ (1 << (rng() % 8)));
+          break;
+        case 2:
+          t.erase(pos, 1 + rng() % 4);
+          break;
+        case 3:
+          t.insert(pos, 1, interesting[rng() % (sizeof(interesting) - 1)]);
+          break;
+        default:
+          t.resize(pos);
+      }
+    }
+    put_index(step, t);
+    rtp_ckpt *ck = nullptr;
+    int rc = rtp_ckpt_open(dir.c_str(), &ck);
+    if (rc) {
+      ASSERT_EQ(rc, RTP_EFORMAT) << rtp_last_error();
+      ASSERT_EQ(ck, nullptr);
+      continue;
+    }
+    opened++;
+    rc = rtp_ckpt_load(ck, &cp);
+    rtp_ckpt_close(ck);
+    EXPECT_TRUE(rc == RTP_OK || rc == RTP_EFORMAT || rc == RTP_ESHAPE || rc == RTP_EIO)
+        << rc << ": " << rtp_last_error();
+    loaded += rc == RTP_OK;
+  }
+  std::printf("%d damaged indexes: %d opened, %d of them loaded\n", iters, opened, loaded);
+  EXPECT_GT(opened, iters / 100);  // spacing, digits of values: some mutations stay valid
+  EXPECT_GT(loaded, 0);
+  put_index(step, good);
+  EXPECT_EQ(load_one(dir), 0);
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "rtp.h"
+#include "rtp-json.h"
 #include "test-util.h"
 
 namespace {
@@ -831,6 +832,340 @@ TEST_F(IoTest, ReadOnlyDirectoryLeavesOldFileIntact) {
   EXPECT_TRUE(Contains(rtp_last_error(), "temporary")) << rtp_last_error();
   chmod(sub.c_str(), 0755);
   EXPECT_EQ(ReadFile(path), before);
+}
+
+// ---- the JSON reader (rtp-json.c), shared with checkpoint indexes ----------------------
+
+// A parse of text named "f.json"; the tree is freed with it.
+struct Json {
+  rtp__json *doc = nullptr;
+  rtp__json_fault fault = {};
+  int rc;
+  std::string msg;
+  explicit Json(const std::string &text, rtp__json_limits lim = {}) {
+    rc = rtp__json_parse("f.json", text.data(), text.size(), &lim, &doc, &fault);
+    msg = rc ? rtp_last_error() : "";
+  }
+  ~Json() {
+    rtp__json_free(doc);
+  }
+  const rtp__json_value *root() const {
+    return rtp__json_root(doc);
+  }
+};
+
+// The text fails to parse with RTP_EFORMAT and a message naming f.json and holding part.
+void JsonFails(const std::string &text, const std::string &part, rtp__json_limits lim = {}) {
+  Json j(text, lim);
+  EXPECT_EQ(j.rc, RTP_EFORMAT) << "'" << text << "' parsed";
+  EXPECT_EQ(j.doc, nullptr);
+  EXPECT_TRUE(Contains(j.msg, "f.json: ")) << j.msg;
+  EXPECT_TRUE(Contains(j.msg, part)) << "'" << text << "': " << j.msg;
+}
+
+// The decoded string of the JSON string text.
+std::string JsonString(const std::string &text) {
+  Json j(text);
+  EXPECT_EQ(j.rc, RTP_OK) << text << ": " << j.msg;
+  const char *s = rtp__json_str(j.doc, j.root());
+  return s ? s : "(not a string)";
+}
+
+TEST(JsonReader, Escapes) {
+  EXPECT_EQ(JsonString(R"("\"\\\/\b\f\n\r\t")"), "\"\\/\b\f\n\r\t");
+  EXPECT_EQ(JsonString(R"("\u0041\u00e9\u20AC")"), "A\xc3\xa9\xe2\x82\xac");
+  EXPECT_EQ(JsonString(R"("\ud83d\ude00 \uD83D\uDE00")"), "\xf0\x9f\x98\x80 \xf0\x9f\x98\x80");
+  EXPECT_EQ(JsonString("\"raw \xc3\xa9 \xf0\x9f\x98\x80\""), "raw \xc3\xa9 \xf0\x9f\x98\x80");
+  EXPECT_EQ(JsonString(R"("")"), "");
+  JsonFails(R"("\x")", "bad escape '\\x'");
+  JsonFails(R"("\')", "bad escape");
+  JsonFails(R"("\u12")", "\\u escape");
+  JsonFails(R"("\u12)", "\\u escape");
+  JsonFails(R"("\u00g0")", "hex");
+  JsonFails(R"("\ud800")", "high surrogate \\ud800 not followed by a low one");
+  JsonFails(R"("\ud800\n")", "surrogate");
+  JsonFails(R"("\ud800\ud800")", "surrogate");
+  JsonFails(R"("\ude00\ud83d")", "lone low surrogate");
+  JsonFails(R"("\u0000")", "NUL");
+  JsonFails("\"a\tb\"", "control character (byte 0x09)");
+  JsonFails(std::string("\"a\0b\"", 5), "control character (byte 0x00)");
+  JsonFails("\"\xc0\xaf\"", "UTF-8");          // overlong '/'
+  JsonFails("\"\xed\xb0\x80\"", "UTF-8");      // an encoded surrogate
+  JsonFails("\"\xf4\x90\x80\x80\"", "UTF-8");  // beyond U+10FFFF
+  JsonFails("\"\xe2\x82\"", "UTF-8");          // cut short
+  JsonFails("\"\x80\"", "UTF-8");
+  JsonFails("\"abc", "unterminated string");
+  JsonFails("\"abc\\", "unterminated string");
+  // Keys are compared decoded: "a" and "\u0061" are the same key.
+  JsonFails(R"({"a": 1, "\u0061": 2})", "duplicate key 'a'");
+}
+
+TEST(JsonReader, Numbers) {
+  const struct {
+    const char *text;
+    int64_t value;
+  } ints[] = {{"0", 0},
+              {"-0", 0},
+              {"42", 42},
+              {"-17", -17},
+              {"9223372036854775807", INT64_MAX},
+              {"-9223372036854775808", INT64_MIN}};
+  for (const auto &c : ints) {
+    Json j(c.text);
+    ASSERT_EQ(j.rc, RTP_OK) << c.text << ": " << j.msg;
+    EXPECT_EQ(rtp__json_kind(j.root()), RTP__JSON_INT) << c.text;
+    EXPECT_EQ(rtp__json_int_value(j.root()), c.value) << c.text;
+  }
+  // Valid numbers that are not INTs: rtp__json_int says why.
+  const struct {
+    std::string text;
+    const char *why;
+  } others[] = {{"9223372036854775808", "too large"},
+                {"-9223372036854775809", "too large"},
+                {"99999999999999999999", "too large"},
+                {std::string(5000, '7'), "too large"},
+                {"1.5", "fraction"},
+                {"3.0", "fraction"},
+                {"1e3", "fraction"},
+                {"1E+3", "fraction"},
+                {"-0.0e-0", "fraction"},
+                {"1e99999999999", "fraction"}};
+  for (const auto &c : others) {
+    Json j(c.text);
+    ASSERT_EQ(j.rc, RTP_OK) << c.text << ": " << j.msg;
+    EXPECT_EQ(rtp__json_kind(j.root()), RTP__JSON_NUMBER) << c.text;
+    int64_t v;
+    EXPECT_EQ(rtp__json_int(j.doc, j.root(), INT64_MIN, INT64_MAX, &v, "n"), RTP_EFORMAT);
+    EXPECT_TRUE(Contains(rtp_last_error(), std::string("f.json: n: "))) << rtp_last_error();
+    EXPECT_TRUE(Contains(rtp_last_error(), c.why)) << c.text << ": " << rtp_last_error();
+  }
+  JsonFails("01", "leading zero");
+  JsonFails("-01", "leading zero");
+  JsonFails("[00]", "leading zero");
+  JsonFails("-", "expected a digit after '-'");
+  JsonFails("-a", "expected a digit after '-'");
+  JsonFails("1.", "expected a digit after '.'");
+  JsonFails("1.e3", "expected a digit after '.'");
+  JsonFails("1e", "exponent");
+  JsonFails("1e+", "exponent");
+  JsonFails(".5", "expected a value");
+  JsonFails("+1", "expected a value");
+  JsonFails("0x10", "trailing");
+  JsonFails("NaN", "expected a value");
+  JsonFails("[Infinity]", "expected a value");
+  JsonFails("[1 2]", "expected ',' or ']' in array");
+  JsonFails("[1,]", "expected a value");
+}
+
+TEST(JsonReader, LiteralsAndStructure) {
+  Json j(R"({"t": true, "f": false, "n": null, "a": [], "o": {}})");
+  ASSERT_EQ(j.rc, RTP_OK) << j.msg;
+  EXPECT_EQ(rtp__json_kind(rtp__json_get(j.doc, j.root(), "t")), RTP__JSON_BOOL);
+  EXPECT_STREQ(rtp__json_kind_name(rtp__json_get(j.doc, j.root(), "f")), "false");
+  EXPECT_EQ(rtp__json_kind(rtp__json_get(j.doc, j.root(), "n")), RTP__JSON_NULL);
+  EXPECT_EQ(rtp__json_count(rtp__json_get(j.doc, j.root(), "a")), 0u);
+  EXPECT_EQ(rtp__json_child(j.doc, rtp__json_get(j.doc, j.root(), "o")), nullptr);
+  EXPECT_EQ(rtp__json_get(j.doc, j.root(), "missing"), nullptr);
+  JsonFails("tru", "unexpected end");
+  JsonFails("trux", "expected a value");
+  JsonFails("True", "expected a value");
+  JsonFails("[nul]", "expected a value");
+  JsonFails("{'a': 1}", "expected '\"' to start a key, found '''");
+  JsonFails("{\"a\" 1}", "expected ':' after a key");
+  JsonFails("{\"a\": 1,}", "expected '\"' to start a key, found '}'");
+  JsonFails("{\"a\": 1 \"b\": 2}", "expected ',' or '}' in object");
+  JsonFails("{1: 2}", "start a key");
+  JsonFails("]", "expected a value");
+  JsonFails("\xef\xbb\xbf{}", "found byte 0xef");  // no byte order mark
+}
+
+TEST(JsonReader, Nesting) {
+  auto nested = [](int depth) { return std::string(depth, '[') + std::string(depth, ']'); };
+  rtp__json_limits eight = {0, 8, 0};
+  EXPECT_EQ(Json(nested(8), eight).rc, RTP_OK);
+  JsonFails(nested(9), "nesting deeper than 8", eight);
+  JsonFails(R"({"a": {"b": {"c": [[[[[[1]]]]]]}}})", "nesting deeper than 8", eight);
+  EXPECT_EQ(Json(nested(64)).rc, RTP_OK);  // the default and the most any caller gets
+  JsonFails(nested(65), "nesting deeper than 64");
+  JsonFails(std::string(1000000, '['), "nesting deeper than 64");  // no stack overflow
+  JsonFails(std::string(100000, '{'), "start a key");
+}
+
+TEST(JsonReader, DuplicateKeys) {
+  Json top(R"({"a": 1, "b": 2, "a": 3})");
+  EXPECT_EQ(top.rc, RTP_EFORMAT);
+  EXPECT_TRUE(Contains(top.msg, "duplicate key 'a'")) << top.msg;
+  EXPECT_TRUE(Contains(top.msg, "line 1, column 1")) << top.msg;  // the object's start
+  EXPECT_TRUE(top.fault.duplicate);
+  EXPECT_EQ(top.fault.depth, 1);
+  EXPECT_STREQ(top.fault.key, "a");
+  EXPECT_STREQ(top.fault.parent, "");
+  Json nested("{\"x\": {\"ok\": [1, 2]},\n \"y\": {\"k\": 1, \"k\": {}}}");
+  EXPECT_EQ(nested.rc, RTP_EFORMAT);
+  EXPECT_TRUE(Contains(nested.msg, "line 2, column 7")) << nested.msg;
+  EXPECT_EQ(nested.fault.depth, 2);
+  EXPECT_STREQ(nested.fault.parent, "y");
+  Json in_array(R"([{"k": 1}, {"k": 2, "k": 2}])");
+  EXPECT_EQ(in_array.rc, RTP_EFORMAT);
+  EXPECT_EQ(in_array.fault.depth, 2);
+  EXPECT_STREQ(in_array.fault.parent, "");
+  // The same key in different objects is fine; so are many keys, once each.
+  EXPECT_EQ(Json(R"({"a": {"k": 1}, "b": {"k": 1}, "k": [{"k": 1}, {"k": 1}]})").rc, RTP_OK);
+  std::string many = "{";
+  for (int i = 0; i < 5000; i++) many += (i ? ",\"k" : "\"k") + std::to_string(i) + "\":0";
+  EXPECT_EQ(Json(many + "}").rc, RTP_OK);
+  JsonFails(many + ",\"k2500\":1}", "duplicate key 'k2500'");
+}
+
+TEST(JsonReader, GarbageAfterTheEnd) {
+  EXPECT_EQ(Json(" \t\r\n{} \t\r\n").rc, RTP_OK);
+  JsonFails("{} x", "trailing bytes after the top-level value");
+  JsonFails("{}{}", "trailing");
+  JsonFails("{}]", "trailing");
+  JsonFails("1 2", "trailing");
+  JsonFails(std::string("{}\0", 3), "trailing");
+  JsonFails("{}\x0b", "trailing");  // vertical tab is not JSON whitespace
+  JsonFails("", "unexpected end of input");
+  JsonFails(" \n ", "unexpected end of input");
+}
+
+TEST(JsonReader, TruncatedAtEveryByte) {
+  const std::string texts[] = {
+      kGood,
+      "{\n  \"format\": \"rtp-checkpoint\",\n  \"step\": -12,\n  \"state\": {\"s\": "
+      "\"\\u00e9\\ud83d\\ude00\"},\n  \"x\": [1.5e3, true, false, null, {\"k\": []}]\n}"};
+  for (const std::string &text : texts) {
+    ASSERT_EQ(Json(text).rc, RTP_OK) << Json(text).msg;
+    for (size_t n = 0; n < text.size(); n++) {
+      SCOPED_TRACE("cut to " + std::to_string(n) + " bytes");
+      JsonFails(text.substr(0, n), "byte");
+    }
+  }
+}
+
+TEST(JsonReader, Limits) {
+  rtp__json_limits three = {0, 0, 3}, four = {0, 0, 4}, ten_bytes = {10, 0, 0};
+  JsonFails("[1,2,3]", "more than 3 values", three);
+  EXPECT_EQ(Json("[1,2,3]", four).rc, RTP_OK);
+  JsonFails("[1, 2, 3, 4]", "12 bytes of JSON, more than the limit of 10", ten_bytes);
+  EXPECT_EQ(Json("[1,2,3,4]", ten_bytes).rc, RTP_OK);
+  JsonFails(std::string(100000, ' ') + "[" + std::string(100000, ' '), "unexpected end");
+}
+
+TEST(JsonReader, CheckedAccess) {
+  Json j(R"({"name": "w", "shape": [6, -1], "n": 1.5, "s": "abcdef"})");
+  ASSERT_EQ(j.rc, RTP_OK) << j.msg;
+  const rtp__json_value *v = nullptr, *r = j.root();
+  auto fails = [](int rc, const char *part) {
+    EXPECT_EQ(rc, RTP_EFORMAT);
+    EXPECT_TRUE(Contains(rtp_last_error(), part)) << rtp_last_error();
+  };
+  EXPECT_EQ(rtp__json_member(j.doc, r, "shape", RTP__JSON_ARRAY, &v, "tensor '%s'", "w"), 0);
+  EXPECT_EQ(rtp__json_count(v), 2u);
+  fails(rtp__json_member(j.doc, r, "dtype", RTP__JSON_STRING, &v, "tensor 'w'"),
+        "f.json: tensor 'w': missing dtype");
+  fails(rtp__json_member(j.doc, r, "name", RTP__JSON_ARRAY, &v, "tensor 'w'"),
+        "f.json: tensor 'w': name: expected '[' (an array), found a string");
+  fails(rtp__json_member(j.doc, r, "shape", RTP__JSON_OBJECT, &v, "%s", ""),
+        "f.json: shape: expected '{' (an object), found an array");
+  ASSERT_EQ(rtp__json_member(j.doc, r, "shape", RTP__JSON_ARRAY, &v, "t"), 0);
+  const rtp__json_value *d0 = rtp__json_child(j.doc, v), *d1 = rtp__json_next(j.doc, d0);
+  EXPECT_EQ(rtp__json_next(j.doc, d1), nullptr);
+  EXPECT_EQ(rtp__json_key(j.doc, d0), nullptr);  // array elements have no key
+  int64_t x = 0;
+  EXPECT_EQ(rtp__json_int(j.doc, d0, 0, 10, &x, "shape[0]"), 0);
+  EXPECT_EQ(x, 6);
+  fails(rtp__json_int(j.doc, d0, 0, 5, &x, "shape[%d]", 0),
+        "shape[0]: 6 is out of range [0, 5]");
+  fails(rtp__json_int(j.doc, d1, 0, 10, &x, "shape[1]"), "shape[1]: negative number -1");
+  fails(rtp__json_int(j.doc, rtp__json_get(j.doc, r, "n"), 0, 10, &x, "n"),
+        "n: expected an integer, found a number with a fraction or exponent");
+  const char *s = nullptr;
+  fails(rtp__json_string(j.doc, rtp__json_get(j.doc, r, "s"), 5, &s, "s"),
+        "s: a string of 6 bytes, at most 5 allowed");
+  EXPECT_EQ(rtp__json_string(j.doc, rtp__json_get(j.doc, r, "s"), 6, &s, "s"), 0);
+  EXPECT_STREQ(s, "abcdef");
+  static const char *const keys[] = {"name", "shape", "n", nullptr};
+  fails(rtp__json_only(j.doc, r, keys, "entry"), "f.json: entry: unknown key 's'");
+  // Members in document order, with their keys.
+  std::string order;
+  for (const rtp__json_value *m = rtp__json_child(j.doc, r); m; m = rtp__json_next(j.doc, m))
+    order += std::string(rtp__json_key(j.doc, m)) + ",";
+  EXPECT_EQ(order, "name,shape,n,s,");
+}
+
+// Every value of a tree, visited through every accessor (for ASan to watch).
+int JsonWalk(const rtp__json *doc, const rtp__json_value *v, int depth) {
+  int n = 1;
+  EXPECT_LE(depth, 64);
+  EXPECT_NE(rtp__json_kind_name(v), nullptr);
+  if (const char *s = rtp__json_str(doc, v)) {
+    EXPECT_TRUE(rtp__json_utf8_valid(s, strlen(s)));
+  }
+  (void)rtp__json_int_value(v);
+  size_t count = 0;
+  for (const rtp__json_value *c = rtp__json_child(doc, v); c; c = rtp__json_next(doc, c)) {
+    const char *key = rtp__json_key(doc, c);
+    EXPECT_EQ(key != nullptr, rtp__json_kind(v) == RTP__JSON_OBJECT);
+    if (key) {
+      EXPECT_EQ(rtp__json_get(doc, v, key), c);  // keys are unique
+    }
+    n += JsonWalk(doc, c, depth + 1);
+    count++;
+  }
+  EXPECT_EQ(count, rtp__json_count(v));
+  return n;
+}
+
+// Random byte flips, insertions, deletions and truncations of a header and of an index:
+// never a crash (ASan build) or an unchecked tree; the seed is fixed, so failures repeat.
+TEST(JsonReader, FuzzedTextNeverCrashes) {
+  const std::string seeds[] = {
+      kGood,
+      "{\n  \"format\": \"rtp-checkpoint\",\n  \"version\": 1,\n  \"step\": 3,\n  "
+      "\"state\": {\"seed\": \"4\\u0032\"},\n  \"files\": [\n    {\"name\": "
+      "\"rank-0.safetensors\", \"rank\": 0, \"bytes\": 1024, \"sha256\": \"00ff\"}\n  ],\n  "
+      "\"tensors\": [{\"name\": \"w\", \"shape\": [6, 8], \"blocks\": [{\"rank\": 0, "
+      "\"first\": 0, \"rows\": 6}]}],\n  \"x\": [-1.5e-3, true, false, null, "
+      "\"\\ud83d\\ude00\"]\n}\n"};
+  const char interesting[] = "\"\\{}[],:0-.eE+u \n\x7f\x80\xff\xc3";
+  std::mt19937 rng(20261126);
+  const char *env = getenv("RTP_IO_FUZZ_ITERS");
+  const int iters = env ? atoi(env) : 20000;
+  int parsed = 0;
+  for (int iter = 0; iter < iters; iter++) {
+    std::string t = seeds[iter % 2];
+    for (int m = 1 + (int)(rng() % 4); m > 0 && !t.empty(); m--) {
+      size_t pos = rng() % t.size();
+      switch (rng() % 5) {
+        case 0:
+          t[pos] = interesting[rng() % (sizeof(interesting) - 1)];
+          break;
+        case 1:
+          t[pos] = (char)(t[pos] ^ (1 << (rng() % 8)));
+          break;
+        case 2:
+          t.erase(pos, 1 + rng() % 3);
+          break;
+        case 3:
+          t.insert(pos, 1, interesting[rng() % (sizeof(interesting) - 1)]);
+          break;
+        default:
+          t.resize(pos);
+      }
+    }
+    rtp__json_limits lim = {0, 1 + (int)(rng() % 8), 0};
+    Json j(t, lim);
+    if (j.rc) {
+      ASSERT_EQ(j.rc, RTP_EFORMAT) << j.msg;
+      ASSERT_TRUE(Contains(j.msg, "f.json: ")) << j.msg;
+      continue;
+    }
+    parsed++;
+    EXPECT_GE(JsonWalk(j.doc, j.root(), 1), 1);
+  }
+  std::printf("%d damaged texts: %d parsed\n", iters, parsed);
+  EXPECT_GT(parsed, iters / 50);  // spaces, digits, string bytes: many mutations stay valid
 }
 
 }  // namespace
