@@ -260,7 +260,8 @@ static void backward_node(struct backward *bw, struct rtp_tensor *t) {
       break;
     case RTP_OP_ROT: {
       struct rtp_tensor *dx = NULL, *dp = NULL;
-      rtp__rot_backward(ctx, t, dy, needs_grad(bw, a) ? &dx : NULL, &dp);
+      const struct rtp_rot_hook *h = rtp__rot_hook(t);
+      h->backward(h, ctx, t, dy, needs_grad(bw, a) ? &dx : NULL, &dp);
       if (dx) add_grad(bw, a, dx);
       if (dp) add_grad(bw, b, dp); /* tp's handles have no parameter source */
       break;

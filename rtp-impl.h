@@ -14,8 +14,8 @@
  */
 #define RTP__FLAG_OWNED (1 << 30)
 /* rtp: a hop of a small block, which the schedule may post ahead of transfers needed
- * sooner (rtp-parallel.c, hoist_transfers); set from the largest block, so alike on all
- * ranks. */
+ * sooner (rtp-sched.c, rtp__graph_hoist_transfers); set from the largest block, so alike
+ * on all ranks. */
 #define RTP__FLAG_SMALL_HOP (1 << 29)
 /* A mul_mat whose src[2] is an addend (rtp__mul_mat_add), not only kept alive by it (the
  * rtp forward's blocks name the result they write into there). */
@@ -77,6 +77,23 @@ void rtp__set_param_f32(struct rtp_tensor *t, int i, float v);
 float rtp__get_param_f32(const struct rtp_tensor *t, int i);
 void rtp__set_param_u64(struct rtp_tensor *t, int i, uint64_t v);
 uint64_t rtp__get_param_u64(const struct rtp_tensor *t, int i);
+
+/* A ROT node stands for an op whose backward the pass that made it supplies (a parallel
+ * strategy's schedule): op_params words 2..3 point to its hook, which autodiff calls for
+ * the gradient of src[0] (dx NULL when src[0] needs none) and of src[1] (dp). Core reaches
+ * the strategies only through it. */
+struct rtp_rot_hook {
+  void (*backward)(const struct rtp_rot_hook *hook, struct rtp_context *ctx,
+                   struct rtp_tensor *t, struct rtp_tensor *dy, struct rtp_tensor **dx,
+                   struct rtp_tensor **dp);
+};
+#define RTP__ROT_HOOK 2
+static inline void rtp__rot_set_hook(struct rtp_tensor *t, const struct rtp_rot_hook *h) {
+  rtp__set_param_u64(t, RTP__ROT_HOOK, (uint64_t)(uintptr_t)h);
+}
+static inline const struct rtp_rot_hook *rtp__rot_hook(const struct rtp_tensor *t) {
+  return (const struct rtp_rot_hook *)(uintptr_t)rtp__get_param_u64(t, RTP__ROT_HOOK);
+}
 
 /* src[3] of a compute node may be an order-only edge: the node runs after it but does
  * not read it (the executor does not wait for it, the planner does not count it). The
@@ -149,11 +166,6 @@ void rtp__optimizer_set_comm(struct rtp_optimizer *opt, struct rtp_comm *comm);
  * every rank holds whole (tp's replicated parameters), so it is counted once. */
 void rtp__optimizer_set_norm_weight(struct rtp_optimizer *opt, const struct rtp_tensor *param,
                                     float w);
-
-/* ---- rtp-parallel.c ---- */
-/* The backward schedule of a ROT node (an op on a rotated parameter block). */
-void rtp__rot_backward(struct rtp_context *ctx, struct rtp_tensor *t, struct rtp_tensor *dy,
-                       struct rtp_tensor **dx, struct rtp_tensor **dp);
 
 /* ---- rtp-gemm.c ---- */
 /* C[m][n] = sum_k A(m,k) * B(n,k) (+ C[m][n] if accumulate), all f32, where A(m,k) is at

@@ -651,7 +651,7 @@ RTP_API struct rtp_tensor *rtp_send(struct rtp_context *ctx, struct rtp_comm *co
 RTP_API struct rtp_tensor *rtp_recv(struct rtp_context *ctx, struct rtp_comm *comm,
                                     struct rtp_tensor *buf, int src, struct rtp_tensor *after);
 
-/* ---- parallel strategies (rtp-parallel.c) --------------------------------------- */
+/* ---- parallel strategies (rtp-parallel.c, a file per strategy) ------------------ */
 /*
  * Build the model once, as for one device, in a context that may have no_alloc (its
  * parameters then take no memory); then rtp_parallelize builds this rank's training

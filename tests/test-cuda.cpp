@@ -421,7 +421,7 @@ TEST_F(Cuda, MulMatBf16) {
 
 // The parallel passes make ops write their result into a block of a larger tensor (an
 // EMPTY node): columns of each row for a product (ldc > M), rows for an elementwise op.
-// Built here as rtp-parallel.c's write_into does.
+// Built here as rtp-rotate.c's write_into does.
 TEST_F(Cuda, ResultsIntoBlocks) {
   const int64_t K = 5, M = 7, N = 6, D = 4;
   std::vector<float> va(K * M), vb(K * N), vx(D * N), vr(D);

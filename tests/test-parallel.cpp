@@ -1163,3 +1163,124 @@ TEST(ParallelErrors, TpHeadsNotDivisible) {
 }
 
 }  // namespace
+
+// ---- ddp with many gradients ----------------------------------------------------------
+
+namespace {
+
+// More gradients than the fixed array of 4096 that ddp's bucketing once stopped at, each
+// a parameter of 2 floats: z = x * w_0 * w_1 * ... over a batch x {2, B}, loss = mean(z^2),
+// so every w_i has its own gradient (z / w_i's share). Small buckets make many
+// all-reduces.
+const int kManyParams = 4200, kManyBatch = 2;
+
+struct ManyModel {
+  std::vector<rtp_tensor *> w;
+  rtp_tensor *x = nullptr, *loss = nullptr;
+};
+
+ManyModel many_build(rtp_context *ctx, int batch) {
+  ManyModel mm;
+  mm.x = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 2, batch);
+  rtp_set_input(mm.x);
+  rtp_tensor *z = mm.x;
+  for (int i = 0; i < kManyParams; i++) {
+    rtp_tensor *w = rtp_set_name(rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 2), "w%d", i);
+    rtp_set_param(w);
+    mm.w.push_back(w);
+    z = rtp_mul(ctx, z, w);
+  }
+  mm.loss = rtp_mean(ctx, rtp_mul(ctx, z, z));
+  return mm;
+}
+
+// Near 1, so that the product of all of them stays of the order of 1.
+float many_w(int i, int j) {
+  return 1.0f + 0.01f * (float)((i * 7 + j * 3) % 11 - 5);
+}
+
+float many_x(int col, int j) {
+  return 0.5f + 0.25f * (float)((col * 5 + j) % 4);
+}
+
+// The one-process gradients and loss on the global batch of `cols` columns.
+bool many_reference(int cols, std::vector<std::vector<float>> &grads, float *loss) {
+  rtp_init_params ip = {64 << 20, nullptr, false, nullptr, 0};
+  rtp_context *ctx = rtp_init(ip);
+  ManyModel mm = many_build(ctx, cols);
+  rtp_graph *g = rtp_graph_new(ctx, 1 << 16);
+  bool ok = rtp_graph_build(g, mm.loss) == RTP_OK &&
+            rtp_build_backward(ctx, g, mm.loss) == RTP_OK && rtp_graph_plan(ctx, g) == RTP_OK;
+  for (int i = 0; ok && i < kManyParams; i++)
+    for (int j = 0; j < 2; j++) ((float *)mm.w[i]->data)[j] = many_w(i, j);
+  for (int c = 0; ok && c < cols; c++)
+    for (int j = 0; j < 2; j++) ((float *)mm.x->data)[c * 2 + j] = many_x(c, j);
+  ok = ok && rtp_graph_compute(g, nullptr) == RTP_OK;
+  for (int i = 0; ok && i < kManyParams; i++) {
+    const float *d = (const float *)mm.w[i]->grad->data;
+    grads.emplace_back(d, d + 2);
+  }
+  if (ok) *loss = rtp_get_f32_1d(mm.loss, 0);
+  rtp_free(ctx);
+  return ok;
+}
+
+int many_rank(int rank, int world, int port) {
+  std::vector<std::vector<float>> want;
+  float want_loss = 0;
+  if (!many_reference(world * kManyBatch, want, &want_loss)) return 70;
+  Rank rk;
+  if (int rc = rk.join(rank, world, port, 71)) return rc;
+  rtp_init_params mip = {64 << 20, nullptr, true, nullptr, 0};
+  rk.meta = rtp_init(mip);
+  ManyModel mm = many_build(rk.meta, kManyBatch);
+  rtp_graph *fwd = rtp_graph_new(rk.meta, 1 << 15);
+  if (rtp_graph_build(fwd, mm.loss)) return 72;
+  rtp_init_params ip = {128 << 20, nullptr, false, nullptr, 0};
+  rk.ctx = rtp_init(ip);
+  rtp_parallel_params pp = {RTP_STRATEGY_DDP, rk.comm,      4096,
+                            1 << 16,          RTP_TYPE_F32, RTP_TYPE_F32};
+  rk.par = rtp_parallelize(rk.ctx, fwd, mm.loss, &pp);
+  if (!rk.par) {
+    fprintf(stderr, "rank %d: %s\n", rank, rtp_last_error());
+    return 73;
+  }
+  rtp_graph *g = rtp_parallel_graph(rk.par);
+  if (rtp_graph_plan(rk.ctx, g)) return 74;
+  int buckets = 0;
+  for (int i = 0; i < g->n_nodes; i++) buckets += g->nodes[i]->op == RTP_OP_COMM;
+  if (buckets < 32) {  // 4200 x 64 bytes (aligned) in buckets of 4 KiB, and the loss's
+    fprintf(stderr, "rank %d: %d all-reduces\n", rank, buckets);
+    return 75;
+  }
+  for (int i = 0; i < kManyParams; i++) {
+    float *d = (float *)rtp_parallel_tensor(rk.par, mm.w[i])->data;
+    for (int j = 0; j < 2; j++) d[j] = many_w(i, j);
+  }
+  float *x = (float *)rtp_parallel_tensor(rk.par, mm.x)->data;
+  for (int c = 0; c < kManyBatch; c++)
+    for (int j = 0; j < 2; j++) x[c * 2 + j] = many_x(rank * kManyBatch + c, j);
+  if (rtp_graph_compute(g, nullptr)) return 76;
+  float loss = rtp_get_f32_1d(rtp_parallel_tensor(rk.par, mm.loss), 0);
+  if (std::fabs(loss - want_loss) > 1e-5f * std::fabs(want_loss)) {
+    fprintf(stderr, "rank %d: loss %.8f, one process %.8f\n", rank, loss, want_loss);
+    return 77;
+  }
+  for (int i = 0; i < kManyParams; i++) {
+    const float *got = (const float *)rtp_parallel_tensor(rk.par, mm.w[i])->grad->data;
+    for (int j = 0; j < 2; j++)
+      if (std::fabs(got[j] - want[i][j]) > 1e-5f * std::fabs(want[i][j]) + 1e-7f) {
+        fprintf(stderr, "rank %d: gradient of w%d[%d] %g, one process %g\n", rank, i, j, got[j],
+                want[i][j]);
+        return 78;
+      }
+  }
+  rk.leave();
+  return 0;
+}
+
+TEST(DdpBuckets, MoreThan4096GradientsMatchOneProcess) {
+  expect_ranks_pass(2, [](int r, int port) { return many_rank(r, 2, port); });
+}
+
+}  // namespace
