@@ -27,18 +27,29 @@ static int ddp_bucket(struct rtp_parallel *p, struct rtp_tensor **grads, int i, 
   return RTP_OK;
 }
 
+/* Nodes by their place in the graph (kept in extra while the pass runs). */
+static int by_place(const void *a, const void *b) {
+  intptr_t x = (intptr_t)(*(struct rtp_tensor *const *)a)->extra;
+  intptr_t y = (intptr_t)(*(struct rtp_tensor *const *)b)->extra;
+  return (x > y) - (x < y);
+}
+
 /*
  * The gradients of consecutive parameters that are adjacent in memory form buckets of
- * about bucket_bytes, in the order backward computes them.
+ * about bucket_bytes, in the order backward computes them: with micro-batches, the order
+ * in which the last one's adds complete them, each bucket reduced once.
  */
 static int ddp_finish(struct rtp_parallel *p) {
   struct rtp_graph *g = p->graph;
-  struct rtp_tensor **grads = malloc(sizeof(*grads) * (size_t)(g->n_nodes + 1));
+  struct rtp_tensor **grads = malloc(sizeof(*grads) * (size_t)(g->n_leafs + 1));
   if (!grads) return rtp__ctx_error(p->ctx, RTP_ENOMEM, "ddp: out of memory for buckets");
   int n_params = 0, rc = RTP_OK;
-  for (int i = 0; i < g->n_nodes; i++)
-    if (g->nodes[i]->role == RTP_ROLE_GRAD && !g->nodes[i]->view_src)
-      grads[n_params++] = g->nodes[i];
+  for (int i = 0; i < g->n_leafs; i++) /* their last writers: what each bucket follows */
+    if ((g->leafs[i]->flags & RTP_FLAG_PARAM) && g->leafs[i]->grad)
+      grads[n_params++] = g->leafs[i]->grad;
+  for (int i = 0; i < g->n_nodes; i++) g->nodes[i]->extra = (void *)(intptr_t)i;
+  qsort(grads, (size_t)n_params, sizeof(*grads), by_place);
+  for (int i = 0; i < g->n_nodes; i++) g->nodes[i]->extra = NULL;
   for (int i = 0, j; i < n_params && !rc; i = j) {
     char *lo = grads[i]->data, *hi = lo + rtp_nbytes(grads[i]);
     for (j = i + 1; j < n_params && (size_t)(hi - lo) < p->bucket_bytes; j++) {

@@ -192,6 +192,11 @@ static struct rtp_shard fsdp_shard(const struct rtp_parallel *p, const struct rt
   return s;
 }
 
+static void fsdp_micro(struct rtp_parallel *p, int m) {
+  struct fsdp *f = p->state;
+  rtp__sched_micro(&f->s, p->graph, m);
+}
+
 static struct rtp_tensor *fsdp_node(struct rtp_parallel *p, int i, const struct rtp_tensor *t) {
   (void)i;
   const struct rtp_tensor *param = rtp__param_read(t);
@@ -202,9 +207,9 @@ static struct rtp_tensor *fsdp_node(struct rtp_parallel *p, int i, const struct 
  * are posted while the unit before it computes. */
 static int fsdp_finish(struct rtp_parallel *p) {
   struct fsdp *f = p->state;
-  rtp__sched_sink_sums(p->graph, &f->s);
-  rtp__graph_hoist_transfers(p->graph);
-  return RTP_OK;
+  int rc = rtp__sched_sink_sums(p->graph, &f->s);
+  if (!rc) rtp__graph_hoist_transfers(p->graph);
+  return rc;
 }
 
 /* Each rank's gradients are disjoint shares of the whole: their norm needs every rank. */
@@ -216,6 +221,7 @@ const struct rtp_strategy_i rtp__strategy_fsdp = {
     .name = "fsdp",
     .prepare = fsdp_prepare,
     .shard = fsdp_shard,
+    .micro = fsdp_micro,
     .node = fsdp_node,
     .backward = fsdp_backward,
     .finish = fsdp_finish,

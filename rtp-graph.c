@@ -1,6 +1,7 @@
 /* rtp-graph.c - graphs: recording nodes in dependency order, and autodiff. */
 #include "rtp-impl.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 /* The graph as the context keeps it: a pointer set for "already in the graph", with one
@@ -287,6 +288,23 @@ static struct rtp_tensor *claim_grad(struct backward *bw, struct rtp_tensor *p) 
   return p->grad = g;
 }
 
+/* Adds this call's contribution to p's gradient (p->grad) into the gradient an earlier
+ * call claimed (old): an add whose result is old's memory, so accumulating takes no
+ * memory of its own and no copy. The add reads each element before writing it. */
+static struct rtp_tensor *accumulate_grad(struct backward *bw, struct rtp_tensor *p,
+                                          struct rtp_tensor *old) {
+  struct rtp_tensor *g = rtp_add(bw->ctx, old, rtp_cont(bw->ctx, p->grad));
+  if (!g) return NULL;
+  g->view_src = old->view_src ? old->view_src : old;
+  g->view_offs = old->view_offs;
+  g->data = old->data;
+  g->role = RTP_ROLE_GRAD;
+  g->flags |= RTP_FLAG_OUTPUT;
+  rtp_set_name(g, "grad.%.58s", p->name);
+  if (rtp_graph_build(&bw->go->g, g)) return NULL;
+  return p->grad = g;
+}
+
 static void mark_needs_grad(struct graph_obj *go) {
   struct rtp_graph *g = &go->g;
   for (int i = 0; i < g->n_leafs; i++) {
@@ -327,16 +345,30 @@ int rtp_build_backward(struct rtp_context *ctx, struct rtp_graph *g, struct rtp_
 
   struct backward bw = {ctx, go};
   int n_fwd = g->n_nodes, n_leafs = g->n_leafs;
-  for (int i = n_fwd - 1; i >= 0; i--) {
+  /* Gradients an earlier call claimed: this call sums its own contributions apart, then
+   * adds them in. */
+  struct rtp_tensor **old = calloc((size_t)n_leafs + 1, sizeof(*old));
+  if (!old) return rtp__ctx_error(ctx, RTP_ENOMEM, "rtp_build_backward: out of memory");
+  for (int i = 0; i < n_leafs; i++)
+    if (g->leafs[i]->flags & RTP_FLAG_PARAM) {
+      old[i] = g->leafs[i]->grad;
+      g->leafs[i]->grad = NULL;
+    }
+  int rc = RTP_OK;
+  for (int i = n_fwd - 1; i >= 0 && !rc; i--) {
     struct rtp_tensor *t = g->nodes[i];
     if (t->grad && (*mark_of(go, t) & MARK_NEEDS_GRAD)) backward_node(&bw, t);
-    if (rtp_context_error(ctx, NULL)) return rtp_context_error(ctx, NULL);
+    rc = rtp_context_error(ctx, NULL);
   }
   /* The last parameters used are the first whose gradients are ready. */
-  for (int i = n_leafs - 1; i >= 0; i--) {
+  for (int i = n_leafs - 1; i >= 0 && !rc; i--) {
     struct rtp_tensor *p = g->leafs[i];
-    if (!(p->flags & RTP_FLAG_PARAM) || !p->grad) continue;
-    if (!claim_grad(&bw, p)) return rtp_context_error(ctx, NULL);
+    if (!(p->flags & RTP_FLAG_PARAM)) continue;
+    if (!p->grad) /* no contribution from this loss */
+      p->grad = old[i];
+    else if (!(old[i] ? accumulate_grad(&bw, p, old[i]) : claim_grad(&bw, p)))
+      rc = rtp_context_error(ctx, NULL);
   }
-  return rtp_context_error(ctx, NULL);
+  free(old);
+  return rc ? rc : rtp_context_error(ctx, NULL);
 }

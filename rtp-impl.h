@@ -95,6 +95,12 @@ static inline const struct rtp_rot_hook *rtp__rot_hook(const struct rtp_tensor *
   return (const struct rtp_rot_hook *)(uintptr_t)rtp__get_param_u64(t, RTP__ROT_HOOK);
 }
 
+/* Whether t is an add by which rtp_build_backward accumulated a later loss's gradient
+ * (src[1]) into a parameter's gradient (src[0]), in the memory of src[0]. */
+static inline bool rtp__is_grad_acc(const struct rtp_tensor *t) {
+  return t->op == RTP_OP_ADD && t->role == RTP_ROLE_GRAD && t->view_src;
+}
+
 /* src[3] of a compute node may be an order-only edge: the node runs after it but does
  * not read it (the executor does not wait for it, the planner does not count it). The
  * parallel passes use it to lay out their schedules. */

@@ -63,6 +63,11 @@ int rtp__parallel_index(const struct rtp_parallel *p, const struct rtp_tensor *t
   return -1;
 }
 
+/* Entries of the map per micro-batch: src's nodes, then its leaves. */
+static size_t map_rows(const struct rtp_graph *src) {
+  return (size_t)(src->n_nodes + src->n_leafs);
+}
+
 struct rtp_tensor *rtp__parallel_mapped(const struct rtp_parallel *p,
                                         const struct rtp_tensor *t) {
   int i = t ? rtp__parallel_index(p, t) : -1;
@@ -82,6 +87,19 @@ struct rtp_tensor *rtp_parallel_tensor(const struct rtp_parallel *p,
   if (t == p->loss) return p->global_loss;
   int i = rtp__parallel_index(p, t);
   return i >= 0 ? p->map[i] : NULL;
+}
+
+struct rtp_tensor *rtp_parallel_micro_tensor(const struct rtp_parallel *p,
+                                             const struct rtp_tensor *t, int m) {
+  if (!p || !t || m < 0 || m >= p->micro_batches) {
+    rtp__error(RTP_EINVAL, "rtp_parallel_micro_tensor: micro-batch %d of %d", m,
+               p ? p->micro_batches : 0);
+    return NULL;
+  }
+  if (t == p->loss) return p->global_loss;
+  int i = rtp__parallel_index(p, t);
+  if (i < 0) rtp__error(RTP_EINVAL, "rtp_parallel_micro_tensor: not a tensor of the model");
+  return i >= 0 ? p->maps[(size_t)m * map_rows(p->src) + (size_t)i] : NULL;
 }
 
 struct rtp_graph *rtp_parallel_graph(const struct rtp_parallel *p) {
@@ -181,10 +199,14 @@ static struct rtp_tensor *clone_node(struct rtp_parallel *p, const struct rtp_te
   return c;
 }
 
-static int clone_forward(struct rtp_parallel *p) {
+/* Micro-batch m's forward: its own inputs, the parameters and constants of the first. */
+static int clone_forward(struct rtp_parallel *p, int m) {
   const struct rtp_graph *src = p->src;
+  p->map = p->maps + (size_t)m * map_rows(src);
   for (int i = 0; i < src->n_leafs; i++) {
-    p->map[src->n_nodes + i] = clone_leaf(p, src->leafs[i]);
+    const struct rtp_tensor *t = src->leafs[i];
+    p->map[src->n_nodes + i] =
+        m > 0 && !(t->flags & RTP_FLAG_INPUT) ? p->maps[src->n_nodes + i] : clone_leaf(p, t);
     if (!p->map[src->n_nodes + i]) return rtp_context_error(p->ctx, NULL);
   }
   for (int i = 0; i < src->n_nodes; i++) {
@@ -203,26 +225,49 @@ static int clone_forward(struct rtp_parallel *p) {
 
 /* ---- what every strategy shares ------------------------------------------------- */
 
-/* Each rank's loss is the mean over its own batch: seeding backward with 1/N makes the
+/* Each rank's loss is the mean over its own batch (tp: over the whole batch) and each
+ * micro-batch's over its own: seeding each backward with 1/(N M) (tp: 1/M) makes the
  * summed gradients those of the mean over the global batch. */
-static int scale_seed(struct rtp_parallel *p) {
-  struct rtp_tensor *seed = p->map[rtp__parallel_index(p, p->loss)]->grad;
+static int scale_seed(struct rtp_parallel *p, struct rtp_tensor *loss) {
+  int n = p->comm && !p->iface->whole_batch ? rtp_comm_size(p->comm) : 1;
+  if (n * p->micro_batches == 1) return RTP_OK;
+  struct rtp_tensor *seed = loss->grad;
   if (!seed || !seed->data) return rtp__error(RTP_ESTATE, "rtp_parallelize: no loss seed");
-  rtp_set_f32(seed, 1.0f / (float)rtp_comm_size(p->comm));
+  rtp_set_f32(seed, 1.0f / (float)(n * p->micro_batches));
   return RTP_OK;
 }
 
-/* The loss over the global batch, for logging: the ranks' means, averaged. */
+/* Micro-batch m: its forward cloned, then its backward, which adds its gradients to the
+ * micro-batches' before (rtp_build_backward), so one micro-batch's activations are dead
+ * when the next one's forward starts. */
+static int micro_batch(struct rtp_parallel *p, int m, int graph_size) {
+  if (p->iface->micro) p->iface->micro(p, m);
+  int rc = clone_forward(p, m);
+  if (!rc && !p->graph && !(p->graph = rtp_graph_new(p->ctx, graph_size)))
+    rc = rtp_context_error(p->ctx, NULL);
+  struct rtp_tensor *l = rc ? NULL : p->map[rtp__parallel_index(p, p->loss)];
+  if (!rc) rc = rtp_graph_build(p->graph, l);
+  if (!rc) rc = rtp_build_backward(p->ctx, p->graph, l);
+  if (!rc) rc = scale_seed(p, l);
+  return rc;
+}
+
+/* The loss over the global batch, for logging: the means of the ranks and micro-batches,
+ * averaged. */
 static int global_loss(struct rtp_parallel *p) {
-  struct rtp_tensor *l = p->map[rtp__parallel_index(p, p->loss)];
-  if (!p->comm || p->iface->whole_batch) {
+  int li = rtp__parallel_index(p, p->loss), M = p->micro_batches;
+  struct rtp_tensor *l = p->maps[li], *sum = l;
+  bool local = !p->comm || p->iface->whole_batch; /* tp: every rank has the whole */
+  if (local && M == 1) {
     p->global_loss = l;
     return RTP_OK;
   }
-  struct rtp_tensor *copy = rtp_dup(p->ctx, l);
-  struct rtp_tensor *sum = rtp_allreduce(p->ctx, p->comm, copy, NULL);
-  p->global_loss =
-      rtp_set_name(rtp_scale(p->ctx, sum, 1.0f / (float)rtp_comm_size(p->comm)), "loss.global");
+  for (int m = 1; m < M; m++)
+    sum = rtp_add(p->ctx, sum, p->maps[(size_t)m * map_rows(p->src) + (size_t)li]);
+  if (!local) /* summed in place: a copy of the loss, which stays for the caller */
+    sum = rtp_allreduce(p->ctx, p->comm, M == 1 ? rtp_dup(p->ctx, l) : sum, NULL);
+  int n = local ? M : M * rtp_comm_size(p->comm);
+  p->global_loss = rtp_set_name(rtp_scale(p->ctx, sum, 1.0f / (float)n), "loss.global");
   rtp_set_output(p->global_loss);
   return p->global_loss ? rtp_graph_build(p->graph, p->global_loss)
                         : rtp_context_error(p->ctx, NULL);
@@ -244,14 +289,16 @@ static int check_same_model(struct rtp_parallel *p) {
     h = (h ^ (uint64_t)p->comm_type) * 1099511628211ull;
   if (p->compute_type) /* shifted: bf16 products alone must not hash as bf16 rotation */
     h = (h ^ ((uint64_t)p->compute_type << 8)) * 1099511628211ull;
+  if (p->micro_batches > 1) /* every micro-batch's transfers must meet the others' */
+    h = (h ^ ((uint64_t)p->micro_batches << 16)) * 1099511628211ull;
   uint64_t root = h;
   int rc = rtp_comm_broadcast(p->comm, &root, sizeof(root), 0, NULL);
   if (rc) return rc;
   if (root != h)
     return rtp__error(RTP_EPEER,
                       "rtp_parallelize: rank %d built a different model than "
-                      "rank 0 (parameter names, shapes or tp/fsdp marks, comm_type or "
-                      "compute_type differ)",
+                      "rank 0 (parameter names, shapes or tp/fsdp marks, comm_type, "
+                      "compute_type or micro_batches differ)",
                       rtp_comm_rank(p->comm));
   return RTP_OK;
 }
@@ -318,6 +365,12 @@ struct rtp_parallel *rtp_parallelize(struct rtp_context *ctx, const struct rtp_g
     return NULL;
   }
   int world = pp->comm ? rtp_comm_size(pp->comm) : 1;
+  int M = pp->micro_batches > 1 ? pp->micro_batches : 1;
+  if (pp->micro_batches < 0) {
+    rtp__ctx_error(ctx, RTP_EINVAL, "rtp_parallelize: micro_batches %d (0 or more)",
+                   pp->micro_batches);
+    return NULL;
+  }
   if ((pp->strategy == RTP_STRATEGY_NONE && world > 1) || world > RTP_MAX_WORLD) {
     rtp__ctx_error(ctx, RTP_EINVAL, "rtp_parallelize: strategy %s with %d ranks (max %d)",
                    rtp_strategy_name(pp->strategy), world, RTP_MAX_WORLD);
@@ -339,8 +392,8 @@ struct rtp_parallel *rtp_parallelize(struct rtp_context *ctx, const struct rtp_g
   }
   if (check_compute_type(ctx, fwd, pp->compute_type)) return NULL;
   struct rtp_parallel *p = rtp__ctx_alloc(ctx, sizeof(*p), "the parallel plan");
-  struct rtp_tensor **map = rtp__ctx_alloc(
-      ctx, sizeof(*map) * (size_t)(fwd->n_nodes + fwd->n_leafs + 1), "the parallel map");
+  struct rtp_tensor **map =
+      rtp__ctx_alloc(ctx, sizeof(*map) * (map_rows(fwd) * (size_t)M + 1), "the parallel map");
   if (!p || !map) return NULL;
   *p = (struct rtp_parallel){
       .ctx = ctx,
@@ -350,8 +403,10 @@ struct rtp_parallel *rtp_parallelize(struct rtp_context *ctx, const struct rtp_g
       .comm_type = pp->comm_type,
       .compute_type = pp->compute_type,
       .bucket_bytes = pp->bucket_bytes ? pp->bucket_bytes : (size_t)4 << 20,
+      .micro_batches = M,
       .src = fwd,
       .map = map,
+      .maps = map,
       .loss = loss,
       .hook = {rot_backward}};
   if (rtp__parallel_index(p, loss) < 0) {
@@ -360,13 +415,9 @@ struct rtp_parallel *rtp_parallelize(struct rtp_context *ctx, const struct rtp_g
   }
   int rc = world > 1 ? check_same_model(p) : RTP_OK;
   if (!rc && p->iface->prepare) rc = p->iface->prepare(p);
-  if (!rc) rc = clone_forward(p);
-  if (!rc && !(p->graph = rtp_graph_new(ctx, pp->graph_size > 0 ? pp->graph_size : 16384)))
-    rc = rtp_context_error(ctx, NULL);
-  struct rtp_tensor *l = rc ? NULL : p->map[rtp__parallel_index(p, loss)];
-  if (!rc) rc = rtp_graph_build(p->graph, l);
-  if (!rc) rc = rtp_build_backward(ctx, p->graph, l);
-  if (!rc && p->comm && !p->iface->whole_batch) rc = scale_seed(p);
+  for (int m = 0; m < M && !rc; m++)
+    rc = micro_batch(p, m, pp->graph_size > 0 ? pp->graph_size : 16384 * M);
+  p->map = p->maps;
   if (!rc && p->iface->finish) rc = p->iface->finish(p);
   if (!rc) rc = global_loss(p);
   if (!rc) set_compute_type(p);

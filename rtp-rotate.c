@@ -355,6 +355,16 @@ static struct rtp_shard rot_shard(const struct rtp_parallel *p, const struct rtp
   return s;
 }
 
+/* Each micro-batch's schedule starts as the first one's: its first op follows no forward
+ * step, its backward's first fetch no backward step (those came before it), and its
+ * first hops empty the slots they land in. */
+static void rot_micro(struct rtp_parallel *p, int m) {
+  struct rotate *st = p->state;
+  st->prev_apply = NULL;
+  st->last_step = NULL;
+  rtp__sched_micro(&st->s, p->graph, m);
+}
+
 static struct rtp_tensor *rot_node(struct rtp_parallel *p, int i, const struct rtp_tensor *t) {
   (void)i;
   const struct rtp_tensor *param = rtp__param_read(t);
@@ -364,9 +374,9 @@ static struct rtp_tensor *rot_node(struct rtp_parallel *p, int i, const struct r
 /* The owners' sums late, then every ready hop early. */
 static int rot_finish(struct rtp_parallel *p) {
   struct rotate *st = p->state;
-  rtp__sched_sink_sums(p->graph, &st->s);
-  rtp__graph_hoist_transfers(p->graph);
-  return RTP_OK;
+  int rc = rtp__sched_sink_sums(p->graph, &st->s);
+  if (!rc) rtp__graph_hoist_transfers(p->graph);
+  return rc;
 }
 
 /* Each rank's gradients are disjoint shares of the whole: their norm needs every rank. */
@@ -378,6 +388,7 @@ const struct rtp_strategy_i rtp__strategy_rtp = {
     .name = "rtp",
     .prepare = rot_prepare,
     .shard = rot_shard,
+    .micro = rot_micro,
     .node = rot_node,
     .backward = rot_backward,
     .finish = rot_finish,

@@ -5,6 +5,7 @@
  * ready transfer early (docs/parallel.md, "Small blocks must not make the ranks meet"). */
 #include "rtp-strategy.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 /* ---- blocks of a parameter ------------------------------------------------------ */
@@ -146,9 +147,13 @@ int rtp__sched_init(struct rtp_parallel *p, struct rtp_sched *s, size_t w_elems)
     if (n > largest) largest = n;
   }
   s->pool_elems = largest;
-  s->sink = rtp__ctx_alloc(p->ctx, sizeof(*s->sink) * (size_t)(p->src->n_nodes + 1),
-                           "the rtp plan's late sums");
-  if (!s->sink) return rtp_context_error(p->ctx, NULL);
+  s->sink = rtp__ctx_alloc(
+      p->ctx, sizeof(*s->sink) * (size_t)(p->src->n_nodes + 1) * (size_t)p->micro_batches,
+      "the rtp plan's late sums");
+  s->n_micro = p->micro_batches;
+  s->micro_sink = rtp__ctx_alloc(p->ctx, sizeof(int) * 2 * (size_t)s->n_micro, "micro-batches");
+  if (!s->sink || !s->micro_sink) return rtp_context_error(p->ctx, NULL);
+  s->micro_start = s->micro_sink + s->n_micro;
   if (!w_elems) w_elems = largest;
   for (int i = 0; i < 2; i++) { /* bf16 copies travel in a pool of half the bytes */
     s->pool_w[i] = rtp_new_tensor_1d(p->ctx, p->comm_type, (int64_t)w_elems);
@@ -205,6 +210,12 @@ int rtp__sched_pack_hop(struct rtp_sched *s, int lo, int hi, size_t n, size_t *o
   s->live[best]++;
   s->stamp[best] = ++s->n_hops;
   return best;
+}
+
+void rtp__sched_micro(struct rtp_sched *s, const struct rtp_graph *g, int m) {
+  s->micro_sink[m] = s->n_sink;
+  s->micro_start[m] = g ? g->n_nodes : 0;
+  for (int i = 0; i < 4 && m > 0; i++) s->used[i] = 0;
 }
 
 /* rtp and fsdp backward: a partial sum of a gradient passed on to rank + 1, while rank -
@@ -356,17 +367,30 @@ static int node_pos(const struct rtp_graph *g, const struct rtp_tensor *t) {
  * first, so an earlier one can follow them down. Runs before hoist_transfers: a sum
  * moved down no longer holds back the hops posted before its transfer.
  */
-void rtp__sched_sink_sums(struct rtp_graph *g, const struct rtp_sched *s) {
+int rtp__sched_sink_sums(struct rtp_graph *g, const struct rtp_sched *s) {
+  /* With micro-batches, the add that accumulates sum q into the gradient moves with it:
+   * else it would hold the sum where it is, and the ranks would meet there. */
+  struct rtp_tensor **acc = calloc((size_t)s->n_sink + 1, sizeof(*acc));
+  if (!acc) return rtp__error(RTP_ENOMEM, "rtp_parallelize: out of memory");
+  for (int l = 0; l < g->n_leafs; l++)
+    for (struct rtp_tensor *u = g->leafs[l]->grad; u && rtp__is_grad_acc(u); u = u->src[0])
+      for (int q = 0; q < s->n_sink; q++)
+        if (s->sink[q] == u->src[1]) acc[q] = u;
   for (int q = s->n_sink - 1; q >= 0; q--) {
-    struct rtp_tensor *a = s->sink[q], *m[3] = {NULL};
+    struct rtp_tensor *a = s->sink[q], *m[4] = {NULL};
     int n = 0;
     if (a->src[0] && a->src[0]->op == RTP_OP_CAST) m[n++] = a->src[0];
     m[n++] = a;
-    int i = node_pos(g, m[0]), j = node_pos(g, a);
+    if (acc[q]) m[n++] = acc[q];
+    int i = node_pos(g, m[0]), j = node_pos(g, a), mb = 0;
     if (i < 0 || j < i) continue;
-    while (j + 1 < g->n_nodes && !refers_to(g->nodes[j + 1], m) &&
-           !(j + 2 < g->n_nodes && g->nodes[j + 1]->op == RTP_OP_CAST &&
-             g->nodes[j + 2]->src[0] == g->nodes[j + 1] && refers_to(g->nodes[j + 2], m)))
+    while (mb + 1 < s->n_micro && s->micro_sink[mb + 1] <= q) mb++;
+    int end = mb + 1 < s->n_micro ? s->micro_start[mb + 1] : g->n_nodes;
+    while (j + 1 < end &&
+           (in_group(m, g->nodes[j + 1]) ||
+            (!refers_to(g->nodes[j + 1], m) &&
+             !(j + 2 < g->n_nodes && g->nodes[j + 1]->op == RTP_OP_CAST &&
+               g->nodes[j + 2]->src[0] == g->nodes[j + 1] && refers_to(g->nodes[j + 2], m)))))
       j++; /* (a later sum sunk already stays right after its cast) */
     /* Nodes [i, j]: the others first, in their order, then the group in its. */
     for (int q2 = j, k = j; q2 >= i && k > j - n; q2--) {
@@ -376,4 +400,6 @@ void rtp__sched_sink_sums(struct rtp_graph *g, const struct rtp_sched *s) {
       g->nodes[k--] = u;
     }
   }
+  free(acc);
+  return RTP_OK;
 }

@@ -31,6 +31,8 @@ struct rtp_strategy_i {
   int (*prepare)(struct rtp_parallel *p);
   /* (optional) what this rank holds of parameter t; NULL: all of it */
   struct rtp_shard (*shard)(const struct rtp_parallel *p, const struct rtp_tensor *t);
+  /* (optional) micro-batch m's forward is about to be cloned (its backward follows it) */
+  void (*micro)(struct rtp_parallel *p, int m);
   /* (optional) the rank node for one-device node i, or NULL to clone it as it is (a
    * NULL with an error recorded in p->ctx is that error) */
   struct rtp_tensor *(*node)(struct rtp_parallel *p, int i, const struct rtp_tensor *t);
@@ -58,8 +60,11 @@ struct rtp_parallel {
   enum rtp_type comm_type;     /* rtp: what the travelling copies are (f32 or bf16) */
   enum rtp_type compute_type;  /* the precision of every product (f32 or bf16) */
   size_t bucket_bytes;         /* ddp */
+  int micro_batches;           /* M: forward and backward cloned M times */
   const struct rtp_graph *src; /* the one-device forward graph */
-  struct rtp_tensor **map;     /* rank tensor of src node i, then of src leaf i */
+  /* The rank tensor of src node i, then of src leaf i: map is the micro-batch being
+   * cloned (0 once the plan is made), maps all M in a row. */
+  struct rtp_tensor **map, **maps;
   struct rtp_graph *graph;
   struct rtp_tensor *loss, *global_loss;
   struct rtp_rot_hook hook; /* what autodiff calls for the plan's ROT nodes */
@@ -157,9 +162,14 @@ struct rtp_sched {
   size_t used[4];
   int live[4], stamp[4], n_hops;
   struct rtp_tensor *base[4];
-  /* The owners' final sums of gradients, which rtp__sched_sink_sums moves late. */
+  /* The owners' final sums of gradients, which rtp__sched_sink_sums moves late (room for
+   * every op of every micro-batch). */
   struct rtp_tensor **sink;
   int n_sink;
+  /* Per micro-batch: its first sum in sink, and where its nodes start in the graph: a
+   * micro-batch's sums sink no further than the next one's start, so what they read dies
+   * before that one's forward. */
+  int n_micro, *micro_sink, *micro_start;
 };
 
 /* The pool: block slots of w_elems (0: the largest block), gradient slots of the largest
@@ -184,13 +194,19 @@ static inline struct rtp_tensor **rtp__sched_reader(struct rtp_sched *s, int i) 
  * the node the hop must follow. */
 int rtp__sched_pack_hop(struct rtp_sched *s, int lo, int hi, size_t n, size_t *offs,
                         struct rtp_tensor **dep);
+/* Micro-batch m starts (before its forward is cloned into g). Its first hop into each slot
+ * empties the slot, after the slot's last reader: were it to pack into a slot that the
+ * micro-batch before filled, its readers of that slot would not follow that one's sums,
+ * which then could sink past the hop that next empties the slot. */
+void rtp__sched_micro(struct rtp_sched *s, const struct rtp_graph *g, int m);
 /* A partial sum of a gradient passed on to rank + 1, while rank - 1's partial sum of
  * block b arrives in a gradient slot (which goes to *slot); `after`: the hop before it. */
 struct rtp_tensor *rtp__sched_grad_hop(struct rtp_parallel *p, struct rtp_sched *s,
                                        struct rtp_tensor *send, const struct rtp_tensor *full,
                                        int b, struct rtp_tensor *after, int *slot);
-/* The owners' final sums moved late, then every ready hop and gather moved early. */
-void rtp__sched_sink_sums(struct rtp_graph *g, const struct rtp_sched *s);
+/* The owners' final sums moved late (each with the add that accumulates it into the
+ * gradient of the micro-batches before), then every ready hop and gather moved early. */
+int rtp__sched_sink_sums(struct rtp_graph *g, const struct rtp_sched *s);
 void rtp__graph_hoist_transfers(struct rtp_graph *g);
 /* Moves node t (last in g) to just after position at. */
 void rtp__graph_move_after(struct rtp_graph *g, int at, struct rtp_tensor *t);

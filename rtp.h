@@ -364,6 +364,14 @@ RTP_API int rtp_graph_build(struct rtp_graph *g, struct rtp_tensor *t);
  * Appends to g the nodes that compute d loss / d p for every parameter p that loss
  * depends on, into p->grad (persistent, role GRAD). Intermediate gradients are
  * activations like any other. loss must be a scalar already in g.
+ *
+ * Gradient accumulation: called again on the same g with another loss (e.g. the next
+ * micro-batch's, built into g after the first backward), it ADDS that loss's gradients to
+ * the gradients the first call claimed: the last node of each new contribution is an add
+ * whose result is the existing gradient's memory (no new GRAD memory, no copies), and
+ * p->grad becomes that add. Each compute, the first call's nodes overwrite the gradients
+ * (no zeroing between steps) and the later ones add to them, in graph order. A parameter
+ * that only a later loss reaches gets its memory from that call.
  */
 RTP_API int rtp_build_backward(struct rtp_context *ctx, struct rtp_graph *g,
                                struct rtp_tensor *loss);
@@ -679,6 +687,9 @@ RTP_API struct rtp_tensor *rtp_recv(struct rtp_context *ctx, struct rtp_comm *co
  * gives for the model's loss is the mean over all ranks' batches, and the gradients are
  * those of that mean, so N ranks with batch B train exactly like one process with batch
  * N x B. tp: every rank trains on the same (whole) batch, which the model was built for.
+ * Every strategy accumulates gradients over micro-batches (micro_batches): ddp reduces
+ * each bucket once, after the last micro-batch's gradients; rtp and fsdp reduce each
+ * micro-batch's into the owners' sums; tp all-reduces per micro-batch.
  */
 enum rtp_strategy {
   RTP_STRATEGY_NONE = 0, /* one process */
@@ -727,7 +738,7 @@ struct rtp_parallel_params {
   enum rtp_strategy strategy;
   struct rtp_comm *comm;   /* NULL for one process */
   size_t bucket_bytes;     /* ddp: gradient bucket size (0: 4 MiB) */
-  int graph_size;          /* nodes of the rank's graph (0: 16384) */
+  int graph_size;          /* nodes of the rank's graph (0: 16384 per micro-batch) */
   enum rtp_type comm_type; /* rtp: type of the rotating copies of blocks and partial
                               gradient sums. RTP_TYPE_F32 (0, the default) or RTP_TYPE_BF16,
                               which halves the bytes sent and the pool; owned blocks, their
@@ -739,6 +750,13 @@ struct rtp_parallel_params {
    * RTP_TYPE_BF16, mixed precision: bf16 operands; f32 sums, results, weights, gradients and
    * Adam states. The model's own products must be f32 or of this precision (RTP_EINVAL). */
   enum rtp_type compute_type;
+  /* Gradient accumulation: M micro-batches per step (0 or 1: one). The forward graph is
+   * cloned M times (parameters and constants shared, each input leaf per micro-batch,
+   * filled through rtp_parallel_micro_tensor), each clone followed by its backward, whose
+   * gradients add up in the parameters' gradients before the optimizer step; N ranks x M
+   * micro-batches of batch B train exactly like one process on batch N x M x B (tp: M
+   * micro-batches of the whole batch). See docs/parallel.md, "Micro-batches". */
+  int micro_batches;
 };
 
 struct rtp_parallel;
@@ -751,9 +769,16 @@ RTP_API struct rtp_parallel *rtp_parallelize(struct rtp_context *ctx,
                                              const struct rtp_parallel_params *params);
 RTP_API struct rtp_graph *rtp_parallel_graph(const struct rtp_parallel *p);
 /* This rank's tensor for a tensor of the one-device graph (inputs to fill, parameters
- * to initialise); for the loss, the mean over all ranks. */
+ * to initialise); for the loss, the mean over all ranks (and micro-batches). With
+ * micro-batches, micro-batch 0's. */
 RTP_API struct rtp_tensor *rtp_parallel_tensor(const struct rtp_parallel *p,
                                                const struct rtp_tensor *t);
+/* Micro-batch m's rank tensor (0 <= m < micro_batches) for a tensor of the one-device
+ * graph: its own for inputs and the nodes computed from them, the shared one for
+ * parameters and constants; for the loss, the mean over all ranks and micro-batches. NULL
+ * (rtp_last_error) for m out of range or a tensor not in the graph. */
+RTP_API struct rtp_tensor *rtp_parallel_micro_tensor(const struct rtp_parallel *p,
+                                                     const struct rtp_tensor *t, int m);
 /* Adam over this rank's parameters; the gradient norm for clipping is the global one
  * (a scalar all-reduce when parameters are sharded). */
 RTP_API struct rtp_optimizer *rtp_parallel_optimizer(const struct rtp_parallel *p,
