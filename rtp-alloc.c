@@ -156,7 +156,7 @@ static int donor(const struct rtp_graph *g, int i, const int *last) {
   int k = inplace_src(t);
   const struct rtp_tensor *s = k >= 0 ? t->src[k] : NULL;
   if (!s || s->view_src || !is_planned(s) || s->type != t->type ||
-      rtp_nbytes(s) != rtp_nbytes(t) || !rtp_is_contiguous(s))
+      rtp_tensor_nbytes(s) != rtp_tensor_nbytes(t) || !rtp_tensor_is_contiguous(s))
     return -1;
   int j = node_index(s);
   return j >= 0 && last[j] == i ? j : -1;
@@ -182,21 +182,23 @@ int rtp_graph_plan(struct rtp_context *ctx, struct rtp_graph *g) {
   for (int i = 0; i < n && rc == RTP_OK; i++) {
     struct rtp_tensor *t = g->nodes[i];
     int d = is_planned(t) ? donor(g, i, last) : -1;
-    if (is_planned(t)) sum += RTP_PAD(rtp_nbytes(t) ? rtp_nbytes(t) : 1, RTP_ALIGN);
+    if (is_planned(t))
+      sum += RTP_PAD(rtp_tensor_nbytes(t) ? rtp_tensor_nbytes(t) : 1, RTP_ALIGN);
     if (d >= 0) { /* in place: the source's memory becomes the result's */
       offs[i] = offs[d];
       last[d] = -1;
     } else if (is_planned(t)) {
-      offs[i] = fl_alloc(&fl, RTP_PAD(rtp_nbytes(t) ? rtp_nbytes(t) : 1, RTP_ALIGN));
+      offs[i] =
+          fl_alloc(&fl, RTP_PAD(rtp_tensor_nbytes(t) ? rtp_tensor_nbytes(t) : 1, RTP_ALIGN));
     }
     /* Tensors whose last reader is node i are dead once it has run. Node i's own output
      * was placed first, so it shares memory with an input only where it took it over. */
     for (int j = 0; j <= i && rc == RTP_OK; j++)
       if (last[j] == i && is_planned(g->nodes[j]))
-        rc = fl_free(
-            &fl, (struct block){offs[j],
-                                RTP_PAD(rtp_nbytes(g->nodes[j]) ? rtp_nbytes(g->nodes[j]) : 1,
-                                        RTP_ALIGN)});
+        rc = fl_free(&fl, (struct block){offs[j], RTP_PAD(rtp_tensor_nbytes(g->nodes[j])
+                                                              ? rtp_tensor_nbytes(g->nodes[j])
+                                                              : 1,
+                                                          RTP_ALIGN)});
   }
   if (rc) goto done;
 

@@ -284,7 +284,7 @@ struct ck_out {
 };
 
 static void ck_out_free(struct ck_out *o) {
-  rtp_free(o->ctx);
+  rtp_context_free(o->ctx);
   free(o->ts);
   free(o->iota);
   free(o->where);
@@ -299,7 +299,7 @@ static void ck_states(const struct rtp_ckpt_params *p, int i, struct rtp_tensor 
 
 /* Whether this rank holds parameter i in pieces that tp's save rebuilds (not whole). */
 static bool ck_tp_split(const struct rtp_ckpt_params *p, int i, const struct rtp_tensor *t) {
-  return ck_relayout(p) && rtp_nelements(t) != rtp_nelements(p->params[i]);
+  return ck_relayout(p) && rtp_tensor_nelements(t) != rtp_tensor_nelements(p->params[i]);
 }
 
 /* What this rank writes, without communication: views of the blocks it holds (under tp,
@@ -311,14 +311,14 @@ static int ck_rank_tensors(const struct rtp_ckpt_params *p, int rank, const int6
   for (int i = 0; i < p->n_params; i++) {
     const struct rtp_tensor *g = p->params[i];
     if (!ck_tp_split(p, i, rtp_parallel_tensor(p->par, g))) continue;
-    size_t whole = (size_t)rtp_nelements(g),
+    size_t whole = (size_t)rtp_tensor_nelements(g),
            rows = (size_t)blocks[(rank * p->n_params + i) * 2 + 1];
-    bytes += 3 * (whole / (size_t)g->ne[rtp_n_dims(g) - 1] * rows * sizeof(float) + 256);
+    bytes += 3 * (whole / (size_t)g->ne[rtp_tensor_n_dims(g) - 1] * rows * sizeof(float) + 256);
     largest = whole > largest ? whole : largest;
   }
   if (largest > UINT32_MAX)
     return rtp__error(RTP_ENOSYS, "rtp_ckpt_save: tp parameters of 2^32 elements or more");
-  o->ctx = rtp_init((struct rtp_init_params){.mem_size = bytes});
+  o->ctx = rtp_context_new((struct rtp_init_params){.mem_size = bytes});
   o->ts = malloc(3 * (size_t)p->n_params * sizeof(*o->ts));
   if (largest) {
     o->iota = malloc(largest * sizeof(uint32_t));
@@ -332,8 +332,8 @@ static int ck_rank_tensors(const struct rtp_ckpt_params *p, int rank, const int6
     const struct rtp_tensor *g = p->params[i];
     struct rtp_tensor *st[3];
     ck_states(p, i, st);
-    int dim = rtp_n_dims(g) - 1;
-    int64_t first = 0, rows = st[0]->ne[rtp_n_dims(st[0]) - 1], ne[RTP_MAX_DIMS];
+    int dim = rtp_tensor_n_dims(g) - 1;
+    int64_t first = 0, rows = st[0]->ne[rtp_tensor_n_dims(st[0]) - 1], ne[RTP_MAX_DIMS];
     if (ck_relayout(p)) {
       first = blocks[(rank * p->n_params + i) * 2];
       rows = blocks[(rank * p->n_params + i) * 2 + 1];
@@ -342,11 +342,11 @@ static int ck_rank_tensors(const struct rtp_ckpt_params *p, int rank, const int6
     ne[dim] = rows;
     for (int j = 0; j < 3 && st[j]; j++) {
       struct rtp_tensor *t = ck_tp_split(p, i, st[0])
-                                 ? rtp_new_tensor(o->ctx, RTP_TYPE_F32, dim + 1, ne)
+                                 ? rtp_tensor_new(o->ctx, RTP_TYPE_F32, dim + 1, ne)
                                  : rtp_view_rows(o->ctx, st[j], first, rows);
       if (!t) return rtp__error(RTP_ENOMEM, "rtp_ckpt_save: out of memory");
       o->ts[o->n++] =
-          rtp_set_name(t, "%s%s", j ? (j == 1 ? "adam.m." : "adam.v.") : "", g->name);
+          rtp_tensor_set_name(t, "%s%s", j ? (j == 1 ? "adam.m." : "adam.v.") : "", g->name);
     }
   }
   return RTP_OK;
@@ -367,8 +367,8 @@ static int ck_tp_fill(const struct rtp_ckpt_params *p, int rank, int world,
       k += n_st;
       continue;
     }
-    size_t local = (size_t)rtp_nelements(st[0]), whole = (size_t)rtp_nelements(g);
-    size_t row = whole / (size_t)g->ne[rtp_n_dims(g) - 1];
+    size_t local = (size_t)rtp_tensor_nelements(st[0]), whole = (size_t)rtp_tensor_nelements(g);
+    size_t row = whole / (size_t)g->ne[rtp_tensor_n_dims(g) - 1];
     size_t lo = (size_t)blocks[(rank * p->n_params + i) * 2] * row;
     size_t hi = lo + (size_t)blocks[(rank * p->n_params + i) * 2 + 1] * row;
     if (local * (size_t)world != whole)
@@ -428,14 +428,15 @@ static int ck_gather_blocks(const struct rtp_ckpt_params *p, int rank, int world
   if (!*blocks) return rtp__error(RTP_ENOMEM, "rtp_ckpt_save: out of memory");
   for (int i = 0; i < p->n_params; i++) {
     const struct rtp_tensor *g = p->params[i];
-    int dim = rtp_n_dims(g) - 1;
+    int dim = rtp_tensor_n_dims(g) - 1;
     int64_t *b = *blocks + (size_t)rank * per + 2 * (size_t)i;
     size_t first, len;
     if (ck_relayout(p)) {
       rtp_comm_block((size_t)g->ne[dim], world, rank, &first, &len);
       b[0] = (int64_t)first;
       b[1] = (int64_t)len;
-    } else if (rtp_parallel_block(p->par, g, &b[0], &b[1], &dim) || dim != rtp_n_dims(g) - 1) {
+    } else if (rtp_parallel_block(p->par, g, &b[0], &b[1], &dim) ||
+               dim != rtp_tensor_n_dims(g) - 1) {
       b[0] = -1; /* not one block of rows: every rank sees it after the gather */
     }
   }
@@ -455,7 +456,7 @@ static int ck_check_blocks(const struct rtp_ckpt_params *p, int world, const int
       if (next < 0) break;
       next += b[1];
     }
-    if (next != g->ne[rtp_n_dims(g) - 1])
+    if (next != g->ne[rtp_tensor_n_dims(g) - 1])
       return rtp__error(RTP_ENOSYS,
                         "rtp_ckpt: '%s' is not split into row blocks in rank order under "
                         "strategy %s: checkpoints of it are not supported",
@@ -470,7 +471,7 @@ static void ck_write_tensors(FILE *f, const struct rtp_ckpt_params *p, int world
   for (int i = 0; i < p->n_params; i++) {
     const struct rtp_tensor *t = p->params[i];
     fprintf(f, "    {\"name\": \"%s\", \"shape\": [", t->name);
-    for (int d = rtp_n_dims(t) - 1; d >= 0; d--)
+    for (int d = rtp_tensor_n_dims(t) - 1; d >= 0; d--)
       fprintf(f, "%" PRId64 "%s", t->ne[d], d ? ", " : "");
     fprintf(f, "], \"blocks\": [");
     for (int r = 0; r < world; r++) {
@@ -1003,7 +1004,7 @@ static int64_t ck_file_rows(const struct ck_files *f, int r, const char *name, i
  * tensor g), from whichever files hold them. */
 static int ck_read_block(struct ck_files *f, struct rtp_context *views, const char *name,
                          const struct rtp_tensor *g, struct rtp_tensor *t, int64_t first) {
-  int dim = rtp_n_dims(g) - 1;
+  int dim = rtp_tensor_n_dims(g) - 1;
   int64_t len = t->ne[dim], off = 0;
   for (int r = 0; r < f->n; r++) {
     int64_t n = ck_file_rows(f, r, name, dim);
@@ -1028,9 +1029,9 @@ static int ck_read_block(struct ck_files *f, struct rtp_context *views, const ch
 static int ck_read_piece(const struct rtp_ckpt_params *p, struct ck_files *f,
                          struct rtp_context *views, const char *name,
                          const struct rtp_tensor *g, struct rtp_tensor *t) {
-  struct rtp_tensor *whole = rtp_new_tensor(views, RTP_TYPE_F32, rtp_n_dims(g), g->ne);
-  float *buf = whole ? malloc((size_t)rtp_nelements(g) * sizeof(float)) : NULL;
-  float *part = buf ? malloc(rtp_nbytes(t)) : NULL; /* t may live in device memory */
+  struct rtp_tensor *whole = rtp_tensor_new(views, RTP_TYPE_F32, rtp_tensor_n_dims(g), g->ne);
+  float *buf = whole ? malloc((size_t)rtp_tensor_nelements(g) * sizeof(float)) : NULL;
+  float *part = buf ? malloc(rtp_tensor_nbytes(t)) : NULL; /* t may live in device memory */
   int rc =
       part ? RTP_OK : rtp__error(RTP_ENOMEM, "rtp_ckpt_load: out of memory for '%s'", name);
   if (!rc) {
@@ -1038,7 +1039,7 @@ static int ck_read_piece(const struct rtp_ckpt_params *p, struct ck_files *f,
     rc = ck_read_block(f, views, name, g, whole, 0);
   }
   if (!rc) rc = rtp_parallel_shard_copy(p->par, g, buf, part);
-  if (!rc) rc = rtp_tensor_set(t, part, 0, rtp_nbytes(t));
+  if (!rc) rc = rtp_tensor_set(t, part, 0, rtp_tensor_nbytes(t));
   free(part);
   free(buf);
   return rc;
@@ -1048,7 +1049,7 @@ static int ck_load_tensors(const struct rtp_ckpt_params *p, struct ck_files *f) 
   /* at most one view per file for each of the 3 tensors of a parameter, and a whole one */
   size_t hdr = ((size_t)3 * p->n_params * (f->n + 1) + 8) * 1024;
   struct rtp_context *views =
-      rtp_init((struct rtp_init_params){.mem_size = hdr, .no_alloc = true});
+      rtp_context_new((struct rtp_init_params){.mem_size = hdr, .no_alloc = true});
   if (!views) return rtp__error(RTP_ENOMEM, "rtp_ckpt_load: out of memory");
   int rc = RTP_OK;
   for (int i = 0; i < p->n_params && !rc; i++) {
@@ -1057,8 +1058,8 @@ static int ck_load_tensors(const struct rtp_ckpt_params *p, struct ck_files *f) 
     int64_t first, len;
     int dim;
     /* A block of rows is read in place; anything else (tp) through the whole tensor. */
-    bool rows =
-        rtp_parallel_block(p->par, g, &first, &len, &dim) == RTP_OK && dim == rtp_n_dims(g) - 1;
+    bool rows = rtp_parallel_block(p->par, g, &first, &len, &dim) == RTP_OK &&
+                dim == rtp_tensor_n_dims(g) - 1;
     ck_find_state(p->opt, t, &st[1], &st[2]);
     for (int j = 0; j < 3 && st[j] && !rc; j++) {
       char name[RTP_MAX_NAME + 8];
@@ -1067,7 +1068,7 @@ static int ck_load_tensors(const struct rtp_ckpt_params *p, struct ck_files *f) 
                 : ck_read_piece(p, f, views, name, g, st[j]);
     }
   }
-  rtp_free(views);
+  rtp_context_free(views);
   return rc;
 }
 

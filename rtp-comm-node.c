@@ -19,7 +19,7 @@ static struct rtp_tensor *comm_node(struct rtp_context *ctx, const char *name,
     rtp__ctx_error(ctx, RTP_EINVAL, "%s: NULL communicator", name);
     return NULL;
   }
-  if (!comm_type_ok(buf, sums) || !rtp_is_contiguous(buf))
+  if (!comm_type_ok(buf, sums) || !rtp_tensor_is_contiguous(buf))
     return rtp__op_error(
         ctx, name, RTP_ESHAPE, buf, NULL,
         sums ? "needs a contiguous f32 buffer" : "needs a contiguous f32 or bf16 buffer");
@@ -46,7 +46,7 @@ struct rtp_tensor *rtp_sendrecv(struct rtp_context *ctx, struct rtp_comm *comm,
                                 struct rtp_tensor *send, int dst, struct rtp_tensor *recv,
                                 int src, struct rtp_tensor *after) {
   if (!rtp__inputs_ok(ctx, "sendrecv", send, recv, true)) return NULL;
-  if (!comm_type_ok(send, false) || !rtp_is_contiguous(send))
+  if (!comm_type_ok(send, false) || !rtp_tensor_is_contiguous(send))
     return rtp__op_error(ctx, "sendrecv", RTP_ESHAPE, send, recv,
                          "send must be contiguous f32 or bf16");
   if (!rank_ok(ctx, "sendrecv", comm, dst) || !rank_ok(ctx, "sendrecv", comm, src)) return NULL;
@@ -107,7 +107,7 @@ struct rtp_tensor *rtp__allgather_rows(struct rtp_context *ctx, struct rtp_comm 
 
 struct rtp_comm *rtp__comm_node_op(const struct rtp_tensor *t, struct rtp_comm_op *op) {
   *op = (struct rtp_comm_op){.dst = -1, .src = -1, .what = t->name};
-  int d = rtp_n_dims(t) - 1;
+  int d = rtp_tensor_n_dims(t) - 1;
   switch (t->op_params[0]) {
     case RTP__COMM_SENDRECV:
     case RTP__COMM_SEND:
@@ -117,11 +117,11 @@ struct rtp_comm *rtp__comm_node_op(const struct rtp_tensor *t, struct rtp_comm_o
       op->src = t->op_params[2];
       if (op->dst >= 0) {
         op->sbuf = t->src[0]->data;
-        op->sbytes = rtp_nbytes(t->src[0]);
+        op->sbytes = rtp_tensor_nbytes(t->src[0]);
       }
       if (op->src >= 0) {
         op->buf = t->data;
-        op->rbytes = rtp_nbytes(t);
+        op->rbytes = rtp_tensor_nbytes(t);
       }
       break;
     case RTP__COMM_ALLGATHER: /* blocks of the outermost dimension */
@@ -133,7 +133,7 @@ struct rtp_comm *rtp__comm_node_op(const struct rtp_tensor *t, struct rtp_comm_o
     default:
       op->kind = RTP_COMM_K_ALLREDUCE;
       op->buf = t->data;
-      op->count = (uint64_t)rtp_nelements(t);
+      op->count = (uint64_t)rtp_tensor_nelements(t);
       op->esize = sizeof(float);
   }
   return (struct rtp_comm *)(uintptr_t)rtp__get_param_u64(t, 4);

@@ -134,7 +134,7 @@ static void k_dup(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   const struct rtp_tensor *a = t->src[0];
   size_t size = rtp_type_size(t->type);
   int64_t r0, r1;
-  split(rtp_nrows(t), p, &r0, &r1);
+  split(rtp_tensor_nrows(t), p, &r0, &r1);
   for (int64_t r = r0; r < r1; r++)
     copy_row(row_ptr(t, r), row_ptr(a, r), a->nb[0], t->ne[0], size);
 }
@@ -167,7 +167,7 @@ static void k_cast(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   const size_t stride = a->nb[0];
   size_t in = rtp_type_size(a->type), out = rtp_type_size(t->type);
   int64_t r0, r1;
-  split(rtp_nrows(t), p, &r0, &r1);
+  split(rtp_tensor_nrows(t), p, &r0, &r1);
   for (int64_t r = r0; r < r1; r++) {
     const char *x = row_ptr(a, r);
     char *y = row_ptr(t, r);
@@ -194,7 +194,7 @@ static void k_binary(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   const struct rtp_tensor *a = t->src[0], *b = t->src[1];
   int64_t n = t->ne[0], r0, r1;
   bool full = b->ne[0] == n;
-  split(rtp_nrows(t), p, &r0, &r1);
+  split(rtp_tensor_nrows(t), p, &r0, &r1);
   for (int64_t r = r0; r < r1; r++) {
     float *y = (float *)row_ptr(t, r);
     const float *x = (const float *)row_ptr(a, r);
@@ -225,7 +225,7 @@ static void k_scale(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   const int64_t ne0 = t->ne[0];
   float s = rtp__get_param_f32(t, 0);
   int64_t r0, r1;
-  split(rtp_nrows(t), p, &r0, &r1);
+  split(rtp_tensor_nrows(t), p, &r0, &r1);
   for (int64_t r = r0; r < r1; r++) {
     float *y = (float *)row_ptr(t, r);
     const float *x = (const float *)row_ptr(t->src[0], r);
@@ -239,7 +239,7 @@ static void k_sum(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   const int64_t ne0 = a->ne[0];
   double *part = p->work;
   int64_t r0, r1;
-  split(rtp_nrows(a), p, &r0, &r1);
+  split(rtp_tensor_nrows(a), p, &r0, &r1);
   double s = 0;
   for (int64_t r = r0; r < r1; r++) {
     const float *x = (const float *)row_ptr(a, r);
@@ -258,7 +258,7 @@ static void k_repeat(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   const int64_t ne0 = t->ne[0];
   const struct rtp_tensor *a = t->src[0];
   int64_t r0, r1;
-  split(rtp_nrows(t), p, &r0, &r1);
+  split(rtp_tensor_nrows(t), p, &r0, &r1);
   for (int64_t r = r0; r < r1; r++) {
     float *y = (float *)row_ptr(t, r);
     const float *x = (const float *)bcast_row_ptr(a, t->ne, r);
@@ -274,7 +274,7 @@ static void k_repeat(const struct rtp_compute_params *p, struct rtp_tensor *t) {
 static void k_repeat_back(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   const struct rtp_tensor *a = t->src[0];
   const int64_t ne0 = a->ne[0];
-  int64_t n_out = rtp_nrows(t), n_in = rtp_nrows(a);
+  int64_t n_out = rtp_tensor_nrows(t), n_in = rtp_tensor_nrows(a);
   if (t->ne[0] == a->ne[0] && t->ne[0] > 1) {
     int64_t c0, c1;
     split(t->ne[0], p, &c0, &c1);
@@ -300,7 +300,7 @@ static void k_repeat_back(const struct rtp_compute_params *p, struct rtp_tensor 
 
 /* Bytes of scratch a bf16-precision product takes for a rounded copy of operand x. */
 static size_t rounded_bytes(const struct rtp_tensor *x) {
-  return RTP_PAD((size_t)rtp_nelements(x) * sizeof(float), RTP_ALIGN);
+  return RTP_PAD((size_t)rtp_tensor_nelements(x) * sizeof(float), RTP_ALIGN);
 }
 
 /* x rounded to bf16 (f32_to_bf16, so exactly rtp_cast's rounding) and kept as f32, into
@@ -316,7 +316,7 @@ static const struct rtp_tensor *round_operand(const struct rtp_compute_params *p
   out->nb[0] = sizeof(float);
   for (int i = 1; i < RTP_MAX_DIMS; i++) out->nb[i] = out->nb[i - 1] * (size_t)out->ne[i - 1];
   int64_t r0, r1;
-  split(rtp_nrows(x), p, &r0, &r1);
+  split(rtp_tensor_nrows(x), p, &r0, &r1);
   for (int64_t r = r0; r < r1; r++) {
     const char *src = row_ptr(x, r);
     float *y = dst + r * ne0;
@@ -383,7 +383,7 @@ static void row_stats(const float *x, int64_t n, float eps, float *mean, float *
 static void k_norm(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   float eps = rtp__get_param_f32(t, 0);
   int64_t n = t->ne[0], r0, r1;
-  split(rtp_nrows(t), p, &r0, &r1);
+  split(rtp_tensor_nrows(t), p, &r0, &r1);
   for (int64_t r = r0; r < r1; r++) {
     const float *x = (const float *)row_ptr(t->src[0], r);
     float *y = (float *)row_ptr(t, r), mean, rstd;
@@ -396,7 +396,7 @@ static void k_norm(const struct rtp_compute_params *p, struct rtp_tensor *t) {
 static void k_norm_back(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   float eps = rtp__get_param_f32(t, 0);
   int64_t n = t->ne[0], r0, r1;
-  split(rtp_nrows(t), p, &r0, &r1);
+  split(rtp_tensor_nrows(t), p, &r0, &r1);
   for (int64_t r = r0; r < r1; r++) {
     const float *dy = (const float *)row_ptr(t->src[0], r);
     const float *x = (const float *)row_ptr(t->src[1], r);
@@ -414,7 +414,7 @@ static void k_norm_back(const struct rtp_compute_params *p, struct rtp_tensor *t
 static void k_gelu(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   const int64_t ne0 = t->ne[0];
   int64_t r0, r1;
-  split(rtp_nrows(t), p, &r0, &r1);
+  split(rtp_tensor_nrows(t), p, &r0, &r1);
   for (int64_t r = r0; r < r1; r++) {
     const float *x = (const float *)row_ptr(t->src[0], r);
     float *y = (float *)row_ptr(t, r);
@@ -428,7 +428,7 @@ static void k_gelu(const struct rtp_compute_params *p, struct rtp_tensor *t) {
 static void k_gelu_back(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   const int64_t ne0 = t->ne[0];
   int64_t r0, r1;
-  split(rtp_nrows(t), p, &r0, &r1);
+  split(rtp_tensor_nrows(t), p, &r0, &r1);
   for (int64_t r = r0; r < r1; r++) {
     const float *dy = (const float *)row_ptr(t->src[0], r);
     const float *x = (const float *)row_ptr(t->src[1], r);
@@ -445,7 +445,7 @@ static void k_soft_max(const struct rtp_compute_params *p, struct rtp_tensor *t)
   float scale = rtp__get_param_f32(t, 0);
   bool causal = t->op_params[1];
   int64_t n = t->ne[0], r0, r1;
-  split(rtp_nrows(t), p, &r0, &r1);
+  split(rtp_tensor_nrows(t), p, &r0, &r1);
   for (int64_t r = r0; r < r1; r++) {
     const float *x = (const float *)row_ptr(t->src[0], r);
     float *y = (float *)row_ptr(t, r);
@@ -463,7 +463,7 @@ static void k_soft_max_back(const struct rtp_compute_params *p, struct rtp_tenso
   const int64_t ne0 = t->ne[0];
   float scale = rtp__get_param_f32(t, 0);
   int64_t r0, r1;
-  split(rtp_nrows(t), p, &r0, &r1);
+  split(rtp_tensor_nrows(t), p, &r0, &r1);
   for (int64_t r = r0; r < r1; r++) {
     const float *dy = (const float *)row_ptr(t->src[0], r);
     const float *y = (const float *)row_ptr(t->src[1], r);
@@ -495,7 +495,7 @@ static void k_get_rows(const struct rtp_compute_params *p, struct rtp_tensor *t)
   const struct rtp_tensor *a = t->src[0];
   const int32_t *idx = t->src[1]->data;
   int64_t r0, r1;
-  split(rtp_nrows(t), p, &r0, &r1);
+  split(rtp_tensor_nrows(t), p, &r0, &r1);
   for (int64_t r = r0; r < r1; r++) {
     float *y = (float *)row_ptr(t, r);
     int64_t row = block_row(p, t, idx[r], a->ne[1]);
@@ -514,7 +514,7 @@ static void k_get_rows_back(const struct rtp_compute_params *p, struct rtp_tenso
   split(t->ne[0], p, &c0, &c1);
   for (int64_t v = 0; v < t->ne[1]; v++)
     memset((float *)row_ptr(t, v) + c0, 0, (size_t)(c1 - c0) * 4);
-  for (int64_t r = 0; r < rtp_nrows(dy); r++) {
+  for (int64_t r = 0; r < rtp_tensor_nrows(dy); r++) {
     int64_t row = block_row(p, t, idx[r], t->ne[1]);
     if (row < 0) continue;
     float *y = (float *)row_ptr(t, row);
@@ -538,7 +538,7 @@ static void k_cross_entropy(const struct rtp_compute_params *p, struct rtp_tenso
   const struct rtp_tensor *logits = t->src[0];
   const int32_t *tgt = t->src[1]->data;
   double *part = p->work;
-  int64_t r0, r1, n = rtp_nrows(logits);
+  int64_t r0, r1, n = rtp_tensor_nrows(logits);
   split(n, p, &r0, &r1);
   double s = 0;
   for (int64_t r = r0; r < r1; r++) {
@@ -558,7 +558,7 @@ static void k_cross_entropy(const struct rtp_compute_params *p, struct rtp_tenso
 static void k_cross_entropy_back(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   const struct rtp_tensor *logits = t->src[1];
   const int32_t *tgt = t->src[2]->data;
-  int64_t n = rtp_nrows(logits), V = logits->ne[0], r0, r1;
+  int64_t n = rtp_tensor_nrows(logits), V = logits->ne[0], r0, r1;
   float g = *(const float *)t->src[0]->data / (float)(n ? n : 1);
   split(n, p, &r0, &r1);
   for (int64_t r = r0; r < r1; r++) {
@@ -576,7 +576,7 @@ static void k_cross_entropy_back(const struct rtp_compute_params *p, struct rtp_
 static void k_acc(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   const struct rtp_tensor *b = t->src[0], *base = t->src[1];
   const int64_t ne0 = b->ne[0];
-  size_t bytes = rtp_nbytes(t), c0 = bytes * p->ith / p->nth / 4 * 4;
+  size_t bytes = rtp_tensor_nbytes(t), c0 = bytes * p->ith / p->nth / 4 * 4;
   size_t c1 = p->ith == p->nth - 1 ? bytes : bytes * (p->ith + 1) / p->nth / 4 * 4;
   if (!base)
     memset(DATA(t) + c0, 0, c1 - c0);
@@ -586,7 +586,7 @@ static void k_acc(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   size_t nb1 = rtp__get_param_u64(t, 0), nb2 = rtp__get_param_u64(t, 2);
   size_t nb3 = rtp__get_param_u64(t, 4), offs = rtp__get_param_u64(t, 6);
   int64_t r0, r1;
-  split(rtp_nrows(b), p, &r0, &r1);
+  split(rtp_tensor_nrows(b), p, &r0, &r1);
   for (int64_t r = r0; r < r1; r++) {
     int64_t i1 = r % b->ne[1], i2 = r / b->ne[1] % b->ne[2], i3 = r / b->ne[1] / b->ne[2];
     float *y = (float *)(DATA(t) + offs + i1 * nb1 + i2 * nb2 + i3 * nb3);
@@ -601,7 +601,7 @@ static void k_concat(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   int dim = t->op_params[0];
   size_t size = rtp_type_size(t->type);
   int64_t r0, r1;
-  split(rtp_nrows(t), p, &r0, &r1);
+  split(rtp_tensor_nrows(t), p, &r0, &r1);
   for (int64_t r = r0; r < r1; r++) {
     int64_t idx[4] = {0, r % t->ne[1], r / t->ne[1] % t->ne[2], r / t->ne[1] / t->ne[2]};
     char *y = row_ptr(t, r);

@@ -625,7 +625,7 @@ int view_of(const cuda_backend *cu, const struct rtp_tensor *t, const struct rtp
     return rtp__error(RTP_EINVAL,
                       "cuda device %d: %s '%s': '%s' is a view not aligned to %zu bytes",
                       cu->device, op, t->name, x->name, size);
-  if (!x->data && rtp_nelements(x) > 0)
+  if (!x->data && rtp_tensor_nelements(x) > 0)
     return rtp__error(RTP_ESTATE, "cuda device %d: %s '%s': '%s' has no data", cu->device, op,
                       t->name, x->name);
   v->data = x->data;
@@ -679,7 +679,7 @@ int op_dup(cuda_backend *cu, struct rtp_tensor *t) {
 int op_cast(cuda_backend *cu, struct rtp_tensor *t) {
   const struct rtp_tensor *a = t->src[0];
   if (a && a->type == t->type) return op_dup(cu, t);
-  geom g = geom_2d(t->ne[0], rtp_nrows(t));
+  geom g = geom_2d(t->ne[0], rtp_tensor_nrows(t));
   if (t->type == RTP_TYPE_BF16) {
     RTP_VIEW(y, t, RTP_TYPE_BF16);
     RTP_VIEW(x, a, RTP_TYPE_F32);
@@ -766,7 +766,7 @@ size_t mm_work(const struct rtp_tensor *t) {
   size_t n = 0;
   for (int s = 0; s < 2; s++)
     if (bf16 || mm_needs_copy(t->src[s]))
-      n += pad_work((size_t)rtp_nelements(t->src[s]) * (bf16 ? 2 : 4));
+      n += pad_work((size_t)rtp_tensor_nelements(t->src[s]) * (bf16 ? 2 : 4));
   return n;
 }
 
@@ -1023,7 +1023,7 @@ int op_acc(cuda_backend *cu, struct rtp_tensor *t) {
     return rtp__error(RTP_EINVAL, "cuda device %d: acc '%s': a view not aligned to 4 bytes",
                       cu->device, t->name);
   cudaStream_t s = compute_stream(cu);
-  size_t bytes = rtp_nbytes(t);
+  size_t bytes = rtp_tensor_nbytes(t);
   if (!base) {
     RTP_CUDA_TRY(cu, cudaMemsetAsync(y.data, 0, bytes, s));
   } else if (base->data != t->data) { /* else the planner put t in base's memory */
@@ -1119,7 +1119,7 @@ size_t cuda_work_size(struct rtp_backend *b, const struct rtp_tensor *t) {
     case RTP_OP_SUM:
       return kRedBlocks * sizeof(double);
     case RTP_OP_CROSS_ENTROPY:
-      return pad_work((size_t)rtp_nrows(t->src[0]) * sizeof(double));
+      return pad_work((size_t)rtp_tensor_nrows(t->src[0]) * sizeof(double));
     case RTP_OP_MUL_MAT:
       return mm_work(t);
     default:
@@ -1132,7 +1132,7 @@ int cuda_compute(struct rtp_backend *b, struct rtp_tensor *t, void *work) {
   if (rtp__is_view_op(t->op) || t->op == RTP_OP_COMM || t->op == RTP_OP_EMPTY ||
       t->op == RTP_OP_NONE)
     return RTP_OK;
-  if (rtp_nelements(t) == 0) return RTP_OK; /* nothing to write */
+  if (rtp_tensor_nelements(t) == 0) return RTP_OK; /* nothing to write */
   RTP_CUDA_TRY(cu, cudaSetDevice(cu->device));
   size_t need = cuda_work_size(b, t);
   if (need && (!work || (uintptr_t)work % sizeof(double)))

@@ -12,12 +12,12 @@ static int ddp_bucket(struct rtp_parallel *p, struct rtp_tensor **grads, int i, 
                       char *hi) {
   struct rtp_graph *g = p->graph;
   /* The bucket spans the gradients and the padding between them. */
-  struct rtp_tensor *span = rtp_new_tensor_1d(p->ctx, RTP_TYPE_F32, 0);
+  struct rtp_tensor *span = rtp_tensor_new_1d(p->ctx, RTP_TYPE_F32, 0);
   if (!span) return rtp_context_error(p->ctx, NULL);
   span->ne[0] = (hi - lo) / (int64_t)sizeof(float);
   for (int d = 1; d < 4; d++) span->nb[d] = span->nb[0] * (size_t)span->ne[0];
   span->data = lo;
-  rtp_set_name(span, "ddp.bucket.%d", i);
+  rtp_tensor_set_name(span, "ddp.bucket.%d", i);
   struct rtp_tensor *ar = rtp_allreduce(p->ctx, p->comm, span, grads[j - 1]);
   if (!ar || rtp_graph_build(g, ar)) return rtp_context_error(p->ctx, NULL);
   int at = 0;
@@ -51,12 +51,12 @@ static int ddp_finish(struct rtp_parallel *p) {
   qsort(grads, (size_t)n_params, sizeof(*grads), by_place);
   for (int i = 0; i < g->n_nodes; i++) g->nodes[i]->extra = NULL;
   for (int i = 0, j; i < n_params && !rc; i = j) {
-    char *lo = grads[i]->data, *hi = lo + rtp_nbytes(grads[i]);
+    char *lo = grads[i]->data, *hi = lo + rtp_tensor_nbytes(grads[i]);
     for (j = i + 1; j < n_params && (size_t)(hi - lo) < p->bucket_bytes; j++) {
       char *d = grads[j]->data;
-      if (d + rtp_nbytes(grads[j]) + RTP_ALIGN < lo || d > hi + RTP_ALIGN) break;
+      if (d + rtp_tensor_nbytes(grads[j]) + RTP_ALIGN < lo || d > hi + RTP_ALIGN) break;
       if (d < lo) lo = d;
-      if (d + rtp_nbytes(grads[j]) > hi) hi = d + rtp_nbytes(grads[j]);
+      if (d + rtp_tensor_nbytes(grads[j]) > hi) hi = d + rtp_tensor_nbytes(grads[j]);
     }
     rc = ddp_bucket(p, grads, i, j, lo, hi);
   }

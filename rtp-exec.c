@@ -266,7 +266,7 @@ static void compute_job(const struct rtp_compute_params *base, void *arg) {
 /* Every tensor a kernel touches must have memory: leafs from the arena or the caller. */
 static int check_ready(const struct rtp_graph *g) {
   for (int i = 0; i < g->n_leafs; i++)
-    if (!g->leafs[i]->data && rtp_nelements(g->leafs[i]) > 0)
+    if (!g->leafs[i]->data && rtp_tensor_nelements(g->leafs[i]) > 0)
       return rtp__error(RTP_ESTATE, "rtp_graph_compute: leaf '%s' has no data",
                         g->leafs[i]->name);
   return RTP_OK;

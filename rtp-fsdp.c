@@ -1,6 +1,6 @@
 /* rtp-fsdp.c - the fsdp strategy (ZeRO-3): each rank owns the same block of rows of every
  * parameter as under rtp, and gathers parameters whole before the ops that read them, a
- * unit at a time (rtp_set_fsdp_unit) into one of two slots, the next unit's gathers
+ * unit at a time (rtp_tensor_set_fsdp_unit) into one of two slots, the next unit's gathers
  * running during this one's compute. Backward gathers a unit again for the input
  * gradients that need it, then reduce-scatters each parameter's gradient around the
  * ring. docs/parallel.md, "fsdp". */
@@ -161,9 +161,10 @@ static size_t fsdp_units(struct rtp_parallel *p, struct fsdp *f) {
       if ((src->leafs[e]->flags & RTP_FLAG_PARAM) &&
           unit_key(src->leafs[e], e) == unit_key(t, q))
         offs = f->unit_offs[e] +
-               RTP_PAD((size_t)rtp_nelements(src->leafs[e]), RTP_ALIGN / sizeof(float));
+               RTP_PAD((size_t)rtp_tensor_nelements(src->leafs[e]), RTP_ALIGN / sizeof(float));
     f->unit_offs[q] = offs;
-    if (offs + (size_t)rtp_nelements(t) > largest) largest = offs + (size_t)rtp_nelements(t);
+    if (offs + (size_t)rtp_tensor_nelements(t) > largest)
+      largest = offs + (size_t)rtp_tensor_nelements(t);
   }
   return largest;
 }

@@ -139,8 +139,8 @@ static void backward_mul_mat(struct backward *bw, struct rtp_tensor *t, struct r
   bool a_2d = a->ne[2] == 1 && a->ne[3] == 1;
   if (a_2d && (b->ne[2] > 1 || b->ne[3] > 1)) {
     /* a serves every batch of b: its gradient sums over them, one GEMM over all rows. */
-    b = rtp_reshape_2d(ctx, rtp_cont(ctx, b), b->ne[0], rtp_nrows(b));
-    dy = rtp_reshape_2d(ctx, dy, dy->ne[0], rtp_nrows(dy));
+    b = rtp_reshape_2d(ctx, rtp_cont(ctx, b), b->ne[0], rtp_tensor_nrows(b));
+    dy = rtp_reshape_2d(ctx, dy, dy->ne[0], rtp_tensor_nrows(dy));
   }
   add_grad(bw, a, grad_mul_mat(ctx, t, rtp_transpose(ctx, b), rtp_transpose(ctx, dy)));
 }
@@ -152,7 +152,7 @@ static void backward_view(struct backward *bw, struct rtp_tensor *t, struct rtp_
     backward_error(bw, t, "only views of f32 tensors have gradients (cast to f32 first)");
     return;
   }
-  if (!rtp_is_contiguous(a) || t->nb[0] != sizeof(float)) {
+  if (!rtp_tensor_is_contiguous(a) || t->nb[0] != sizeof(float)) {
     backward_error(bw, t, "the source of a differentiated view must be contiguous");
     return;
   }
@@ -184,7 +184,7 @@ static void backward_node(struct backward *bw, struct rtp_tensor *t) {
     case RTP_OP_SUB:
       add_grad(bw, a, dy);
       if (needs_grad(bw, b)) {
-        struct rtp_tensor *db = rtp_are_same_shape(a, b) ? dy : rtp_repeat_back(ctx, dy, b);
+        struct rtp_tensor *db = rtp_tensor_same_shape(a, b) ? dy : rtp_repeat_back(ctx, dy, b);
         add_grad(bw, b, t->op == RTP_OP_SUB ? rtp_scale(ctx, db, -1.0f) : db);
       }
       break;
@@ -192,7 +192,7 @@ static void backward_node(struct backward *bw, struct rtp_tensor *t) {
       if (needs_grad(bw, a)) add_grad(bw, a, rtp_mul(ctx, dy, b));
       if (needs_grad(bw, b)) {
         struct rtp_tensor *db = rtp_mul(ctx, dy, a);
-        add_grad(bw, b, rtp_are_same_shape(a, b) ? db : rtp_repeat_back(ctx, db, b));
+        add_grad(bw, b, rtp_tensor_same_shape(a, b) ? db : rtp_repeat_back(ctx, db, b));
       }
       break;
     case RTP_OP_SCALE:
@@ -284,7 +284,7 @@ static struct rtp_tensor *claim_grad(struct backward *bw, struct rtp_tensor *p) 
   *mark_of(bw->go, g) |= MARK_GRAD_CLAIMED;
   if (!rtp__tensor_alloc(bw->ctx, g, RTP_ROLE_GRAD)) return NULL;
   g->flags |= RTP_FLAG_OUTPUT;
-  rtp_set_name(g, "grad.%.58s", p->name);
+  rtp_tensor_set_name(g, "grad.%.58s", p->name);
   return p->grad = g;
 }
 
@@ -300,7 +300,7 @@ static struct rtp_tensor *accumulate_grad(struct backward *bw, struct rtp_tensor
   g->data = old->data;
   g->role = RTP_ROLE_GRAD;
   g->flags |= RTP_FLAG_OUTPUT;
-  rtp_set_name(g, "grad.%.58s", p->name);
+  rtp_tensor_set_name(g, "grad.%.58s", p->name);
   if (rtp_graph_build(&bw->go->g, g)) return NULL;
   return p->grad = g;
 }
@@ -321,26 +321,30 @@ static void mark_needs_grad(struct graph_obj *go) {
   }
 }
 
-int rtp_build_backward(struct rtp_context *ctx, struct rtp_graph *g, struct rtp_tensor *loss) {
-  if (!ctx || !g || !loss) return rtp__error(RTP_EINVAL, "rtp_build_backward: NULL argument");
+int rtp_graph_build_backward(struct rtp_context *ctx, struct rtp_graph *g,
+                             struct rtp_tensor *loss) {
+  if (!ctx || !g || !loss)
+    return rtp__error(RTP_EINVAL, "rtp_graph_build_backward: NULL argument");
   struct graph_obj *go = (struct graph_obj *)g;
   if (g->plan)
-    return rtp__error(RTP_ESTATE, "rtp_build_backward: the graph is already planned");
+    return rtp__error(RTP_ESTATE, "rtp_graph_build_backward: the graph is already planned");
   if (!graph_has(go, loss) || loss->op == RTP_OP_NONE)
-    return rtp__ctx_error(ctx, RTP_EINVAL, "rtp_build_backward: the loss is not a node of g");
-  if (rtp_nelements(loss) != 1 || loss->type != RTP_TYPE_F32)
+    return rtp__ctx_error(ctx, RTP_EINVAL,
+                          "rtp_graph_build_backward: the loss is not a node of g");
+  if (rtp_tensor_nelements(loss) != 1 || loss->type != RTP_TYPE_F32)
     return rtp__ctx_error(ctx, RTP_ESHAPE,
-                          "rtp_build_backward: the loss must be an f32 scalar");
+                          "rtp_graph_build_backward: the loss must be an f32 scalar");
   mark_needs_grad(go);
   if (!(*mark_of(go, loss) & MARK_NEEDS_GRAD))
     return rtp__ctx_error(
         ctx, RTP_EINVAL,
-        "rtp_build_backward: the loss depends on no parameter (rtp_set_param)");
+        "rtp_graph_build_backward: the loss depends on no parameter (rtp_tensor_set_param)");
   loss->flags |= RTP_FLAG_LOSS | RTP_FLAG_OUTPUT;
-  struct rtp_tensor *seed = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 1);
+  struct rtp_tensor *seed = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 1);
   if (!seed || (!seed->data && !rtp__tensor_alloc(ctx, seed, RTP_ROLE_INPUT)))
     return rtp_context_error(ctx, NULL);
-  rtp_set_f32(rtp_set_name(seed, "loss.seed"), 1.0f);
+  int rc = rtp_tensor_fill_f32(rtp_tensor_set_name(seed, "loss.seed"), 1.0f);
+  if (rc) return rtp__ctx_error(ctx, rc, "rtp_graph_build_backward: %s", rtp_last_error());
   loss->grad = seed;
 
   struct backward bw = {ctx, go};
@@ -348,13 +352,12 @@ int rtp_build_backward(struct rtp_context *ctx, struct rtp_graph *g, struct rtp_
   /* Gradients an earlier call claimed: this call sums its own contributions apart, then
    * adds them in. */
   struct rtp_tensor **old = calloc((size_t)n_leafs + 1, sizeof(*old));
-  if (!old) return rtp__ctx_error(ctx, RTP_ENOMEM, "rtp_build_backward: out of memory");
+  if (!old) return rtp__ctx_error(ctx, RTP_ENOMEM, "rtp_graph_build_backward: out of memory");
   for (int i = 0; i < n_leafs; i++)
     if (g->leafs[i]->flags & RTP_FLAG_PARAM) {
       old[i] = g->leafs[i]->grad;
       g->leafs[i]->grad = NULL;
     }
-  int rc = RTP_OK;
   for (int i = n_fwd - 1; i >= 0 && !rc; i--) {
     struct rtp_tensor *t = g->nodes[i];
     if (t->grad && (*mark_of(go, t) & MARK_NEEDS_GRAD)) backward_node(&bw, t);

@@ -95,7 +95,7 @@ static inline const struct rtp_rot_hook *rtp__rot_hook(const struct rtp_tensor *
   return (const struct rtp_rot_hook *)(uintptr_t)rtp__get_param_u64(t, RTP__ROT_HOOK);
 }
 
-/* Whether t is an add by which rtp_build_backward accumulated a later loss's gradient
+/* Whether t is an add by which rtp_graph_build_backward accumulated a later loss's gradient
  * (src[1]) into a parameter's gradient (src[0]), in the memory of src[0]. */
 static inline bool rtp__is_grad_acc(const struct rtp_tensor *t) {
   return t->op == RTP_OP_ADD && t->role == RTP_ROLE_GRAD && t->view_src;

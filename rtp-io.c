@@ -656,7 +656,7 @@ struct rtp_tensor *rtp_safetensors_load(struct rtp_context *ctx, struct rtp_safe
     return NULL;
   }
   const struct st_entry *e = &st->e[i];
-  struct rtp_tensor *t = rtp_new_tensor(ctx, e->type, e->n_dims > 0 ? e->n_dims : 1, e->ne);
+  struct rtp_tensor *t = rtp_tensor_new(ctx, e->type, e->n_dims > 0 ? e->n_dims : 1, e->ne);
   if (!t) {
     char why[256];
     snprintf(why, sizeof(why), "%s", rtp_last_error());
@@ -664,7 +664,7 @@ struct rtp_tensor *rtp_safetensors_load(struct rtp_context *ctx, struct rtp_safe
                why);
     return NULL;
   }
-  rtp_set_name(t, "%s", name);
+  rtp_tensor_set_name(t, "%s", name);
   if (rtp_safetensors_read(st, name, t) != RTP_OK) return NULL;
   return t;
 }

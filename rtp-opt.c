@@ -18,7 +18,7 @@ struct rtp_optimizer {
   double partial[RTP_MAX_THREADS];
 };
 
-struct rtp_adamw_params rtp_adamw_default(void) {
+struct rtp_adamw_params rtp_adamw_params_default(void) {
   return (struct rtp_adamw_params){3e-4f, 0.9f, 0.95f, 1e-8f, 0.0f, 0.0f};
 }
 
@@ -51,7 +51,7 @@ struct rtp_optimizer *rtp_optimizer_new(struct rtp_context *ctx, struct rtp_grap
   for (int i = 0, k = 0; i < g->n_leafs; i++) {
     struct rtp_tensor *p = g->leafs[i];
     if (!(p->flags & RTP_FLAG_PARAM) || !p->grad) continue;
-    if (!rtp_is_contiguous(p) || !p->data || p->type != RTP_TYPE_F32) {
+    if (!rtp_tensor_is_contiguous(p) || !p->data || p->type != RTP_TYPE_F32) {
       rtp__ctx_error(ctx, RTP_EINVAL,
                      "rtp_optimizer_new: parameter '%s' must be contiguous f32 "
                      "with data",
@@ -68,14 +68,14 @@ struct rtp_optimizer *rtp_optimizer_new(struct rtp_context *ctx, struct rtp_grap
     }
     opt->params[k] = p;
     opt->norm_w[k] = 1.0f;
-    opt->m[k] = rtp_new_tensor(ctx, RTP_TYPE_F32, RTP_MAX_DIMS, p->ne);
-    opt->v[k] = rtp_new_tensor(ctx, RTP_TYPE_F32, RTP_MAX_DIMS, p->ne);
+    opt->m[k] = rtp_tensor_new(ctx, RTP_TYPE_F32, RTP_MAX_DIMS, p->ne);
+    opt->v[k] = rtp_tensor_new(ctx, RTP_TYPE_F32, RTP_MAX_DIMS, p->ne);
     if (!opt->m[k] || !opt->v[k]) return NULL;
     for (int j = 0; j < 2; j++) {
       struct rtp_tensor *s = j ? opt->v[k] : opt->m[k];
       if (!s->data && !rtp__tensor_alloc(ctx, s, RTP_ROLE_OPTIM)) return NULL;
       s->role = RTP_ROLE_OPTIM;
-      rtp_set_name(s, "adam.%c.%.56s", j ? 'v' : 'm', p->name);
+      rtp_tensor_set_name(s, "adam.%c.%.56s", j ? 'v' : 'm', p->name);
     }
     k++;
   }
@@ -88,7 +88,7 @@ static void adam_job(const struct rtp_compute_params *p, void *arg) {
   float b1 = opt->hp.beta1, b2 = opt->hp.beta2, eps = opt->hp.eps;
   float decay = 1.0f - opt->hp.lr * opt->hp.weight_decay;
   for (int k = 0; k < opt->n; k++) {
-    int64_t n = rtp_nelements(opt->params[k]);
+    int64_t n = rtp_tensor_nelements(opt->params[k]);
     int64_t i0 = n * p->ith / p->nth, i1 = n * (p->ith + 1) / p->nth;
     float *w = opt->params[k]->data, *m = opt->m[k]->data, *v = opt->v[k]->data;
     const float *g = opt->params[k]->grad->data;
@@ -108,7 +108,7 @@ static void sumsq_job(const struct rtp_compute_params *p, void *arg) {
   struct rtp_optimizer *opt = arg;
   double s = 0;
   for (int k = 0; k < opt->n; k++) {
-    int64_t n = rtp_nelements(opt->params[k]);
+    int64_t n = rtp_tensor_nelements(opt->params[k]);
     const float *g = opt->params[k]->grad->data;
     double sk = 0;
     for (int64_t i = n * p->ith / p->nth; i < n * (p->ith + 1) / p->nth; i++)
@@ -123,7 +123,7 @@ static int sumsq_device(struct rtp_optimizer *opt, double *s) {
   for (int k = 0; k < opt->n; k++) {
     double sk;
     int rc = opt->backend->i->sumsq(opt->backend, opt->params[k]->grad->data,
-                                    rtp_nelements(opt->params[k]), &sk);
+                                    rtp_tensor_nelements(opt->params[k]), &sk);
     if (rc) return rc;
     *s += opt->norm_w[k] * sk;
   }
@@ -136,7 +136,7 @@ static int adam_device(struct rtp_optimizer *opt) {
                               opt->m[k]->data,
                               opt->v[k]->data,
                               opt->params[k]->grad->data,
-                              rtp_nelements(opt->params[k]),
+                              rtp_tensor_nelements(opt->params[k]),
                               opt->gscale,
                               opt->hp.beta1,
                               opt->hp.beta2,

@@ -31,24 +31,26 @@ int rtp_strategy_parse(const char *name, enum rtp_strategy *out) {
                     name ? name : "(null)");
 }
 
-int rtp_set_tp(struct rtp_tensor *param, enum rtp_tp_role role, int groups) {
+int rtp_tensor_set_tp(struct rtp_tensor *param, enum rtp_tp_role role, int groups) {
   if (!rtp__param_leaf(param))
-    return rtp__error(RTP_EINVAL, "rtp_set_tp: not a parameter (call rtp_set_param first)");
+    return rtp__error(RTP_EINVAL,
+                      "rtp_tensor_set_tp: not a parameter (call rtp_tensor_set_param first)");
   if ((unsigned)role > RTP_TP_ROW || groups < 1 || (role == RTP_TP_ROW && groups != 1))
-    return rtp__error(RTP_EINVAL, "rtp_set_tp: bad role %d or groups %d for '%s'", (int)role,
-                      groups, param->name);
+    return rtp__error(RTP_EINVAL, "rtp_tensor_set_tp: bad role %d or groups %d for '%s'",
+                      (int)role, groups, param->name);
   param->op_params[0] = (int32_t)role;
   param->op_params[1] = role == RTP_TP_COLUMN ? groups : 1;
   return RTP_OK;
 }
 
-int rtp_set_fsdp_unit(struct rtp_tensor *param, int unit) {
+int rtp_tensor_set_fsdp_unit(struct rtp_tensor *param, int unit) {
   if (!rtp__param_leaf(param))
-    return rtp__error(RTP_EINVAL,
-                      "rtp_set_fsdp_unit: not a parameter (call rtp_set_param first)");
+    return rtp__error(
+        RTP_EINVAL,
+        "rtp_tensor_set_fsdp_unit: not a parameter (call rtp_tensor_set_param first)");
   if (unit < 0)
-    return rtp__error(RTP_EINVAL, "rtp_set_fsdp_unit: unit %d for '%s' (0 or more)", unit,
-                      param->name);
+    return rtp__error(RTP_EINVAL, "rtp_tensor_set_fsdp_unit: unit %d for '%s' (0 or more)",
+                      unit, param->name);
   param->op_params[2] = unit;
   return RTP_OK;
 }
@@ -162,10 +164,11 @@ static struct rtp_tensor *clone_leaf(struct rtp_parallel *p, const struct rtp_te
     struct rtp_shard s = shard_of(p, t);
     ne[s.dim] = s.len * s.groups;
   }
-  struct rtp_tensor *c = rtp_new_tensor(p->ctx, t->type, RTP_MAX_DIMS, ne);
+  struct rtp_tensor *c = rtp_tensor_new(p->ctx, t->type, RTP_MAX_DIMS, ne);
   if (!c) return NULL;
   if (!c->data && !rtp__tensor_alloc(p->ctx, c, RTP_ROLE_INPUT)) return NULL;
-  if (t->data && !param && rtp_tensor_set(c, t->data, 0, rtp_nbytes(t))) { /* constants */
+  if (t->data && !param &&
+      rtp_tensor_set(c, t->data, 0, rtp_tensor_nbytes(t))) { /* constants */
     char msg[256];
     snprintf(msg, sizeof(msg), "%s", rtp_last_error());
     rtp__ctx_error(p->ctx, RTP_EIO, "%s", msg);
@@ -216,7 +219,7 @@ static int clone_forward(struct rtp_parallel *p, int m) {
     if (!p->map[i]) {
       int err = rtp_context_error(p->ctx, NULL);
       return err ? err
-                 : rtp__ctx_error(p->ctx, RTP_EINVAL, "rtp_parallelize: cannot clone %s",
+                 : rtp__ctx_error(p->ctx, RTP_EINVAL, "rtp_parallel_new: cannot clone %s",
                                   rtp_op_name(t->op));
     }
   }
@@ -232,13 +235,12 @@ static int scale_seed(struct rtp_parallel *p, struct rtp_tensor *loss) {
   int n = p->comm && !p->iface->whole_batch ? rtp_comm_size(p->comm) : 1;
   if (n * p->micro_batches == 1) return RTP_OK;
   struct rtp_tensor *seed = loss->grad;
-  if (!seed || !seed->data) return rtp__error(RTP_ESTATE, "rtp_parallelize: no loss seed");
-  rtp_set_f32(seed, 1.0f / (float)(n * p->micro_batches));
-  return RTP_OK;
+  if (!seed || !seed->data) return rtp__error(RTP_ESTATE, "rtp_parallel_new: no loss seed");
+  return rtp_tensor_fill_f32(seed, 1.0f / (float)(n * p->micro_batches));
 }
 
 /* Micro-batch m: its forward cloned, then its backward, which adds its gradients to the
- * micro-batches' before (rtp_build_backward), so one micro-batch's activations are dead
+ * micro-batches' before (rtp_graph_build_backward), so one micro-batch's activations are dead
  * when the next one's forward starts. */
 static int micro_batch(struct rtp_parallel *p, int m, int graph_size) {
   if (p->iface->micro) p->iface->micro(p, m);
@@ -247,7 +249,7 @@ static int micro_batch(struct rtp_parallel *p, int m, int graph_size) {
     rc = rtp_context_error(p->ctx, NULL);
   struct rtp_tensor *l = rc ? NULL : p->map[rtp__parallel_index(p, p->loss)];
   if (!rc) rc = rtp_graph_build(p->graph, l);
-  if (!rc) rc = rtp_build_backward(p->ctx, p->graph, l);
+  if (!rc) rc = rtp_graph_build_backward(p->ctx, p->graph, l);
   if (!rc) rc = scale_seed(p, l);
   return rc;
 }
@@ -267,8 +269,8 @@ static int global_loss(struct rtp_parallel *p) {
   if (!local) /* summed in place: a copy of the loss, which stays for the caller */
     sum = rtp_allreduce(p->ctx, p->comm, M == 1 ? rtp_dup(p->ctx, l) : sum, NULL);
   int n = local ? M : M * rtp_comm_size(p->comm);
-  p->global_loss = rtp_set_name(rtp_scale(p->ctx, sum, 1.0f / (float)n), "loss.global");
-  rtp_set_output(p->global_loss);
+  p->global_loss = rtp_tensor_set_name(rtp_scale(p->ctx, sum, 1.0f / (float)n), "loss.global");
+  rtp_tensor_set_output(p->global_loss);
   return p->global_loss ? rtp_graph_build(p->graph, p->global_loss)
                         : rtp_context_error(p->ctx, NULL);
 }
@@ -296,7 +298,7 @@ static int check_same_model(struct rtp_parallel *p) {
   if (rc) return rc;
   if (root != h)
     return rtp__error(RTP_EPEER,
-                      "rtp_parallelize: rank %d built a different model than "
+                      "rtp_parallel_new: rank %d built a different model than "
                       "rank 0 (parameter names, shapes or tp/fsdp marks, comm_type, "
                       "compute_type or micro_batches differ)",
                       rtp_comm_rank(p->comm));
@@ -309,13 +311,13 @@ static int check_compute_type(struct rtp_context *ctx, const struct rtp_graph *f
                               enum rtp_type ct) {
   if (ct != RTP_TYPE_F32 && ct != RTP_TYPE_BF16)
     return rtp__ctx_error(ctx, RTP_EINVAL,
-                          "rtp_parallelize: compute_type %s (%d): f32 or bf16 only",
+                          "rtp_parallel_new: compute_type %s (%d): f32 or bf16 only",
                           rtp_type_name(ct), (int)ct);
   for (int i = 0; i < fwd->n_nodes; i++) {
     enum rtp_type prec = rtp_mul_mat_get_prec(fwd->nodes[i]);
     if (prec != RTP_TYPE_F32 && prec != ct)
       return rtp__ctx_error(ctx, RTP_EINVAL,
-                            "rtp_parallelize: mul_mat '%s' has precision %s but compute_type "
+                            "rtp_parallel_new: mul_mat '%s' has precision %s but compute_type "
                             "is %s (it sets the precision of every product: set it to %s)",
                             fwd->nodes[i]->name, rtp_type_name(prec), rtp_type_name(ct),
                             rtp_type_name(prec));
@@ -357,22 +359,22 @@ static const struct rtp_strategy_i *strategy_of(enum rtp_strategy s, int world) 
   }
 }
 
-struct rtp_parallel *rtp_parallelize(struct rtp_context *ctx, const struct rtp_graph *fwd,
-                                     struct rtp_tensor *loss,
-                                     const struct rtp_parallel_params *pp) {
+struct rtp_parallel *rtp_parallel_new(struct rtp_context *ctx, const struct rtp_graph *fwd,
+                                      struct rtp_tensor *loss,
+                                      const struct rtp_parallel_params *pp) {
   if (!ctx || !fwd || !loss || !pp) {
-    rtp__error(RTP_EINVAL, "rtp_parallelize: NULL argument");
+    rtp__error(RTP_EINVAL, "rtp_parallel_new: NULL argument");
     return NULL;
   }
   int world = pp->comm ? rtp_comm_size(pp->comm) : 1;
   int M = pp->micro_batches > 1 ? pp->micro_batches : 1;
   if (pp->micro_batches < 0) {
-    rtp__ctx_error(ctx, RTP_EINVAL, "rtp_parallelize: micro_batches %d (0 or more)",
+    rtp__ctx_error(ctx, RTP_EINVAL, "rtp_parallel_new: micro_batches %d (0 or more)",
                    pp->micro_batches);
     return NULL;
   }
   if ((pp->strategy == RTP_STRATEGY_NONE && world > 1) || world > RTP_MAX_WORLD) {
-    rtp__ctx_error(ctx, RTP_EINVAL, "rtp_parallelize: strategy %s with %d ranks (max %d)",
+    rtp__ctx_error(ctx, RTP_EINVAL, "rtp_parallel_new: strategy %s with %d ranks (max %d)",
                    rtp_strategy_name(pp->strategy), world, RTP_MAX_WORLD);
     return NULL;
   }
@@ -381,11 +383,11 @@ struct rtp_parallel *rtp_parallelize(struct rtp_context *ctx, const struct rtp_g
   if (pp->comm_type != RTP_TYPE_F32 &&
       (pp->comm_type != RTP_TYPE_BF16 || pp->strategy != RTP_STRATEGY_RTP)) {
     if (pp->comm_type != RTP_TYPE_BF16)
-      rtp__ctx_error(ctx, RTP_EINVAL, "rtp_parallelize: comm_type %s (%d): f32 or bf16 only",
+      rtp__ctx_error(ctx, RTP_EINVAL, "rtp_parallel_new: comm_type %s (%d): f32 or bf16 only",
                      rtp_type_name(pp->comm_type), (int)pp->comm_type);
     else
       rtp__ctx_error(ctx, RTP_EINVAL,
-                     "rtp_parallelize: strategy %s cannot send bf16 (comm_type bf16 is for "
+                     "rtp_parallel_new: strategy %s cannot send bf16 (comm_type bf16 is for "
                      "rtp only)",
                      rtp_strategy_name(pp->strategy));
     return NULL;
@@ -410,7 +412,7 @@ struct rtp_parallel *rtp_parallelize(struct rtp_context *ctx, const struct rtp_g
       .loss = loss,
       .hook = {rot_backward}};
   if (rtp__parallel_index(p, loss) < 0) {
-    rtp__ctx_error(ctx, RTP_EINVAL, "rtp_parallelize: the loss is not a node of the graph");
+    rtp__ctx_error(ctx, RTP_EINVAL, "rtp_parallel_new: the loss is not a node of the graph");
     return NULL;
   }
   int rc = world > 1 ? check_same_model(p) : RTP_OK;

@@ -118,7 +118,7 @@ static struct rtp_tensor *add_in_place(struct rtp_parallel *p, const struct rtp_
       read_elsewhere(p->src, u, t))
     return NULL;
   if (b->op != RTP_OP_EMPTY || x->type != RTP_TYPE_F32 || x->view_offs != 0 ||
-      !rtp_is_contiguous(x) || rtp_nbytes(x) != rtp_nbytes(b))
+      !rtp_tensor_is_contiguous(x) || rtp_tensor_nbytes(x) != rtp_tensor_nbytes(b))
     return NULL;
   return b;
 }

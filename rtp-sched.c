@@ -21,7 +21,7 @@ void rtp__param_block(const struct rtp_tensor *full, int world, int s, int64_t *
 size_t rtp__param_largest_block(int world, const struct rtp_tensor *full) {
   int64_t first, len;
   rtp__param_block(full, world, 0, &first, &len);
-  return (size_t)(rtp_nelements(full) / full->ne[rtp__param_split_dim(full)] * len);
+  return (size_t)(rtp_tensor_nelements(full) / full->ne[rtp__param_split_dim(full)] * len);
 }
 
 struct rtp_tensor *rtp__slice(struct rtp_context *ctx, struct rtp_tensor *x, int dim,
@@ -96,10 +96,10 @@ struct rtp_tensor *rtp__block_grad(struct rtp_context *ctx, enum rtp__rot_kind k
                                    struct rtp_tensor *w, struct rtp_tensor *x,
                                    struct rtp_tensor *dys, int64_t first, int64_t len) {
   switch (kind) {
-    case RTP__ROT_MUL_MAT: {   /* dW_s = dy_s^T x, over all rows of the batch */
-      if (rtp_n_dims(x) > 2) { /* GEMM reads 2-D strided slices in place; else flatten */
-        x = rtp_reshape_2d(ctx, rtp_cont(ctx, x), x->ne[0], rtp_nrows(x));
-        dys = rtp_reshape_2d(ctx, rtp_cont(ctx, dys), dys->ne[0], rtp_nrows(dys));
+    case RTP__ROT_MUL_MAT: {          /* dW_s = dy_s^T x, over all rows of the batch */
+      if (rtp_tensor_n_dims(x) > 2) { /* GEMM reads 2-D strided slices in place; else flatten */
+        x = rtp_reshape_2d(ctx, rtp_cont(ctx, x), x->ne[0], rtp_tensor_nrows(x));
+        dys = rtp_reshape_2d(ctx, rtp_cont(ctx, dys), dys->ne[0], rtp_tensor_nrows(dys));
       }
       return rtp_mul_mat(ctx, rtp_transpose(ctx, x), rtp_transpose(ctx, dys));
     }
@@ -156,14 +156,14 @@ int rtp__sched_init(struct rtp_parallel *p, struct rtp_sched *s, size_t w_elems)
   s->micro_start = s->micro_sink + s->n_micro;
   if (!w_elems) w_elems = largest;
   for (int i = 0; i < 2; i++) { /* bf16 copies travel in a pool of half the bytes */
-    s->pool_w[i] = rtp_new_tensor_1d(p->ctx, p->comm_type, (int64_t)w_elems);
-    s->pool_g[i] = rtp_new_tensor_1d(p->ctx, p->comm_type, (int64_t)largest);
+    s->pool_w[i] = rtp_tensor_new_1d(p->ctx, p->comm_type, (int64_t)w_elems);
+    s->pool_g[i] = rtp_tensor_new_1d(p->ctx, p->comm_type, (int64_t)largest);
     for (int j = 0; j < 2; j++) {
       struct rtp_tensor *t = j ? s->pool_g[i] : s->pool_w[i];
       if (!t || (!t->data && !rtp__tensor_alloc(p->ctx, t, RTP_ROLE_COMM)))
         return rtp_context_error(p->ctx, NULL);
       t->role = RTP_ROLE_COMM;
-      rtp_set_name(t, "rtp.pool.%c%d", j ? 'g' : 'w', i);
+      rtp_tensor_set_name(t, "rtp.pool.%c%d", j ? 'g' : 'w', i);
     }
   }
   return RTP_OK;
@@ -371,7 +371,7 @@ int rtp__sched_sink_sums(struct rtp_graph *g, const struct rtp_sched *s) {
   /* With micro-batches, the add that accumulates sum q into the gradient moves with it:
    * else it would hold the sum where it is, and the ranks would meet there. */
   struct rtp_tensor **acc = calloc((size_t)s->n_sink + 1, sizeof(*acc));
-  if (!acc) return rtp__error(RTP_ENOMEM, "rtp_parallelize: out of memory");
+  if (!acc) return rtp__error(RTP_ENOMEM, "rtp_parallel_new: out of memory");
   for (int l = 0; l < g->n_leafs; l++)
     for (struct rtp_tensor *u = g->leafs[l]->grad; u && rtp__is_grad_acc(u); u = u->src[0])
       for (int q = 0; q < s->n_sink; q++)

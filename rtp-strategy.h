@@ -1,5 +1,5 @@
 /* rtp-strategy.h - what the parallel passes share and users never see: the plan that
- * rtp_parallelize builds (rtp-parallel.c), the interface through which it calls a
+ * rtp_parallel_new builds (rtp-parallel.c), the interface through which it calls a
  * strategy (ddp, fsdp, rtp, tp: one file each), and the blocks and schedules that rtp and
  * fsdp share (rtp-sched.c).
  *
@@ -88,7 +88,7 @@ static inline const struct rtp_tensor *rtp__param_read(const struct rtp_tensor *
   return NULL;
 }
 
-/* tp's mark on a parameter (rtp_set_tp): role in op_params word 0, groups in word 1. */
+/* tp's mark on a parameter (rtp_tensor_set_tp): role in op_params word 0, groups in word 1. */
 static inline enum rtp_tp_role rtp__tp_role(const struct rtp_tensor *t) {
   return rtp__param_leaf(t) ? (enum rtp_tp_role)t->op_params[0] : RTP_TP_REPLICATED;
 }
@@ -109,7 +109,7 @@ enum rtp__rot_kind {
 
 /* Parameters are split along their outermost dimension (PyTorch's first). */
 static inline int rtp__param_split_dim(const struct rtp_tensor *p) {
-  return rtp_n_dims(p) - 1;
+  return rtp_tensor_n_dims(p) - 1;
 }
 /* Rows [first, first + len) of block s of world blocks of full. */
 void rtp__param_block(const struct rtp_tensor *full, int world, int s, int64_t *first,

@@ -1,5 +1,5 @@
 /* rtp-tp.c - the tp strategy (Megatron-style tensor parallelism): every rank runs the
- * whole batch and holds a part of the matrices the model marked (rtp_set_tp). A
+ * whole batch and holds a part of the matrices the model marked (rtp_tensor_set_tp). A
  * column-parallel layer's input passes through a handle whose backward all-reduces its
  * gradient (f); a row-parallel layer's partial sums are all-reduced, and a handle passes
  * the gradient straight back (g). Every node between them that reads a rank's part is
@@ -122,7 +122,7 @@ static struct rtp_tensor *tp_view(struct rtp_parallel *p, const struct rtp_tenso
                                   struct rtp_tensor *a) {
   const struct rtp_tensor *full = t->src[0];
   int ds = split_of(full, a), N = rtp_comm_size(p->comm), top = -1;
-  if (!rtp_is_contiguous(full) || !rtp_is_contiguous(a))
+  if (!rtp_tensor_is_contiguous(full) || !rtp_tensor_is_contiguous(a))
     return tp_error(p, t, "a view of a split tensor needs a contiguous source");
   int64_t f = (int64_t)rtp_type_size(t->type), inner = 1;
   for (int d = 0; d < ds; d++) inner *= full->ne[d];

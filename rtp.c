@@ -41,28 +41,28 @@ size_t rtp_type_size(enum rtp_type type) {
 
 /* ---- tensor queries ------------------------------------------------------------ */
 
-int64_t rtp_nelements(const struct rtp_tensor *t) {
+int64_t rtp_tensor_nelements(const struct rtp_tensor *t) {
   return t->ne[0] * t->ne[1] * t->ne[2] * t->ne[3];
 }
 
-int64_t rtp_nrows(const struct rtp_tensor *t) {
+int64_t rtp_tensor_nrows(const struct rtp_tensor *t) {
   return t->ne[1] * t->ne[2] * t->ne[3];
 }
 
-size_t rtp_nbytes(const struct rtp_tensor *t) {
-  if (rtp_nelements(t) == 0) return 0;
+size_t rtp_tensor_nbytes(const struct rtp_tensor *t) {
+  if (rtp_tensor_nelements(t) == 0) return 0;
   size_t n = rtp_type_size(t->type);
   for (int i = 0; i < RTP_MAX_DIMS; i++) n += (size_t)(t->ne[i] - 1) * t->nb[i];
   return n;
 }
 
-int rtp_n_dims(const struct rtp_tensor *t) {
+int rtp_tensor_n_dims(const struct rtp_tensor *t) {
   for (int i = RTP_MAX_DIMS - 1; i >= 1; i--)
     if (t->ne[i] > 1) return i + 1;
   return 1;
 }
 
-bool rtp_is_contiguous(const struct rtp_tensor *t) {
+bool rtp_tensor_is_contiguous(const struct rtp_tensor *t) {
   size_t nb = rtp_type_size(t->type);
   for (int i = 0; i < RTP_MAX_DIMS; i++) {
     if (t->ne[i] != 1 && t->nb[i] != nb) return false;
@@ -71,7 +71,7 @@ bool rtp_is_contiguous(const struct rtp_tensor *t) {
   return true;
 }
 
-bool rtp_are_same_shape(const struct rtp_tensor *a, const struct rtp_tensor *b) {
+bool rtp_tensor_same_shape(const struct rtp_tensor *a, const struct rtp_tensor *b) {
   return memcmp(a->ne, b->ne, sizeof(a->ne)) == 0;
 }
 
@@ -131,11 +131,11 @@ static int init_device_arena(struct rtp_context *ctx, struct rtp_backend *b, siz
   return RTP_OK;
 }
 
-struct rtp_context *rtp_init(struct rtp_init_params p) {
+struct rtp_context *rtp_context_new(struct rtp_init_params p) {
   rtp__gemm_init();
   struct rtp_context *ctx = calloc(1, sizeof(*ctx));
   if (!ctx) {
-    rtp__error(RTP_ENOMEM, "rtp_init: cannot allocate the context");
+    rtp__error(RTP_ENOMEM, "rtp_context_new: cannot allocate the context");
     return NULL;
   }
   ctx->mem_size = p.mem_size;
@@ -145,20 +145,21 @@ struct rtp_context *rtp_init(struct rtp_init_params p) {
     ctx->mem = aligned_alloc(RTP_ALIGN, RTP_PAD(p.mem_size, RTP_ALIGN));
     ctx->own_mem = true;
     if (!ctx->mem) {
-      rtp__error(RTP_ENOMEM, "rtp_init: cannot allocate an arena of %zu bytes", p.mem_size);
+      rtp__error(RTP_ENOMEM, "rtp_context_new: cannot allocate an arena of %zu bytes",
+                 p.mem_size);
       free(ctx);
       return NULL;
     }
   }
   ctx->used = (size_t)(-(uintptr_t)ctx->mem & (RTP_ALIGN - 1)); /* align the start */
   if (p.backend && init_device_arena(ctx, p.backend, p.data_size)) {
-    rtp_free(ctx);
+    rtp_context_free(ctx);
     return NULL;
   }
   return ctx;
 }
 
-void rtp_free(struct rtp_context *ctx) {
+void rtp_context_free(struct rtp_context *ctx) {
   if (!ctx) return;
   if (ctx->data) ctx->backend->i->release(ctx->backend, ctx->data);
   if (ctx->own_mem) free(ctx->mem);
@@ -180,7 +181,7 @@ int rtp_context_error(const struct rtp_context *ctx, const char **msg) {
   return ctx->err;
 }
 
-size_t rtp_used_mem(const struct rtp_context *ctx) {
+size_t rtp_context_used_mem(const struct rtp_context *ctx) {
   return ctx->used;
 }
 
@@ -232,7 +233,7 @@ void rtp__ctx_note_plan(struct rtp_context *ctx, size_t peak, size_t sum, size_t
 }
 
 /* Tensor data is counted by each tensor's role at report time, so changing a role
- * (rtp_set_param) needs no bookkeeping. */
+ * (rtp_tensor_set_param) needs no bookkeeping. */
 void rtp_mem_report_get(const struct rtp_context *ctx, struct rtp_mem_report *r) {
   memset(r, 0, sizeof(*r));
   size_t data = 0;
@@ -252,18 +253,18 @@ void rtp_mem_report_get(const struct rtp_context *ctx, struct rtp_mem_report *r)
 static struct rtp_tensor *new_tensor_impl(struct rtp_context *ctx, enum rtp_type type,
                                           int n_dims, const int64_t *ne, bool alloc) {
   if ((unsigned)type >= RTP_TYPE_COUNT) {
-    rtp__ctx_error(ctx, RTP_EINVAL, "rtp_new_tensor: unknown type %d", (int)type);
+    rtp__ctx_error(ctx, RTP_EINVAL, "rtp_tensor_new: unknown type %d", (int)type);
     return NULL;
   }
   if (n_dims < 1 || n_dims > RTP_MAX_DIMS) {
-    rtp__ctx_error(ctx, RTP_EINVAL, "rtp_new_tensor: %d dims (1..%d allowed)", n_dims,
+    rtp__ctx_error(ctx, RTP_EINVAL, "rtp_tensor_new: %d dims (1..%d allowed)", n_dims,
                    RTP_MAX_DIMS);
     return NULL;
   }
   int64_t count = 1;
   for (int i = 0; i < n_dims; i++) {
     if (ne[i] < 0 || (ne[i] > 0 && count > INT64_MAX / 4 / ne[i])) {
-      rtp__ctx_error(ctx, RTP_EINVAL, "rtp_new_tensor: bad size %lld in dim %d",
+      rtp__ctx_error(ctx, RTP_EINVAL, "rtp_tensor_new: bad size %lld in dim %d",
                      (long long)ne[i], i);
       return NULL;
     }
@@ -290,28 +291,28 @@ static struct rtp_tensor *new_tensor_impl(struct rtp_context *ctx, enum rtp_type
   return t;
 }
 
-struct rtp_tensor *rtp_new_tensor(struct rtp_context *ctx, enum rtp_type type, int n_dims,
+struct rtp_tensor *rtp_tensor_new(struct rtp_context *ctx, enum rtp_type type, int n_dims,
                                   const int64_t *ne) {
   return new_tensor_impl(ctx, type, n_dims, ne, !ctx->no_alloc);
 }
 
-struct rtp_tensor *rtp_new_tensor_1d(struct rtp_context *ctx, enum rtp_type type, int64_t ne0) {
-  return rtp_new_tensor(ctx, type, 1, (int64_t[]){ne0});
+struct rtp_tensor *rtp_tensor_new_1d(struct rtp_context *ctx, enum rtp_type type, int64_t ne0) {
+  return rtp_tensor_new(ctx, type, 1, (int64_t[]){ne0});
 }
 
-struct rtp_tensor *rtp_new_tensor_2d(struct rtp_context *ctx, enum rtp_type type, int64_t ne0,
+struct rtp_tensor *rtp_tensor_new_2d(struct rtp_context *ctx, enum rtp_type type, int64_t ne0,
                                      int64_t ne1) {
-  return rtp_new_tensor(ctx, type, 2, (int64_t[]){ne0, ne1});
+  return rtp_tensor_new(ctx, type, 2, (int64_t[]){ne0, ne1});
 }
 
-struct rtp_tensor *rtp_new_tensor_3d(struct rtp_context *ctx, enum rtp_type type, int64_t ne0,
+struct rtp_tensor *rtp_tensor_new_3d(struct rtp_context *ctx, enum rtp_type type, int64_t ne0,
                                      int64_t ne1, int64_t ne2) {
-  return rtp_new_tensor(ctx, type, 3, (int64_t[]){ne0, ne1, ne2});
+  return rtp_tensor_new(ctx, type, 3, (int64_t[]){ne0, ne1, ne2});
 }
 
-struct rtp_tensor *rtp_new_tensor_4d(struct rtp_context *ctx, enum rtp_type type, int64_t ne0,
+struct rtp_tensor *rtp_tensor_new_4d(struct rtp_context *ctx, enum rtp_type type, int64_t ne0,
                                      int64_t ne1, int64_t ne2, int64_t ne3) {
-  return rtp_new_tensor(ctx, type, 4, (int64_t[]){ne0, ne1, ne2, ne3});
+  return rtp_tensor_new(ctx, type, 4, (int64_t[]){ne0, ne1, ne2, ne3});
 }
 
 /* An op result: no data until the planner places it. */
@@ -328,7 +329,7 @@ struct rtp_tensor *rtp__new_node(struct rtp_context *ctx, enum rtp_op op, enum r
 
 /* Gives t zeroed memory of its own from the arena, counted under role. */
 void *rtp__tensor_alloc(struct rtp_context *ctx, struct rtp_tensor *t, enum rtp_role role) {
-  size_t n = rtp_nbytes(t);
+  size_t n = rtp_tensor_nbytes(t);
   t->data = rtp__ctx_data_alloc(ctx, n ? n : 1, "tensor data");
   if (!t->data) return NULL;
   if (!ctx->backend) {
@@ -348,21 +349,21 @@ void *rtp__tensor_alloc(struct rtp_context *ctx, struct rtp_tensor *t, enum rtp_
   return t->data;
 }
 
-void rtp_set_param(struct rtp_tensor *t) {
+void rtp_tensor_set_param(struct rtp_tensor *t) {
   if (!t) return;
   t->flags |= RTP_FLAG_PARAM;
   t->role = RTP_ROLE_PARAM;
 }
 
-void rtp_set_input(struct rtp_tensor *t) {
+void rtp_tensor_set_input(struct rtp_tensor *t) {
   if (t) t->flags |= RTP_FLAG_INPUT;
 }
 
-void rtp_set_output(struct rtp_tensor *t) {
+void rtp_tensor_set_output(struct rtp_tensor *t) {
   if (t) t->flags |= RTP_FLAG_OUTPUT;
 }
 
-struct rtp_tensor *rtp_set_name(struct rtp_tensor *t, const char *fmt, ...) {
+struct rtp_tensor *rtp_tensor_set_name(struct rtp_tensor *t, const char *fmt, ...) {
   if (!t) return NULL;
   va_list ap;
   va_start(ap, fmt);
@@ -371,13 +372,13 @@ struct rtp_tensor *rtp_set_name(struct rtp_tensor *t, const char *fmt, ...) {
   return t;
 }
 
-struct rtp_tensor *rtp_get_tensor(struct rtp_context *ctx, const char *name) {
+struct rtp_tensor *rtp_context_find_tensor(struct rtp_context *ctx, const char *name) {
   for (struct rtp_tensor_obj *o = ctx->first; o; o = o->next)
     if (strcmp(o->t.name, name) == 0) return &o->t;
   return NULL;
 }
 
-struct rtp_tensor *rtp_tensor_at(struct rtp_context *ctx, int n) {
+struct rtp_tensor *rtp_context_tensor_at(struct rtp_context *ctx, int n) {
   struct rtp_tensor_obj *o = ctx->first;
   for (int i = 0; o && i < n; i++) o = o->next;
   return o ? &o->t : NULL;
@@ -386,10 +387,11 @@ struct rtp_tensor *rtp_tensor_at(struct rtp_context *ctx, int n) {
 int rtp_tensor_set(struct rtp_tensor *t, const void *src, size_t offset, size_t n) {
   if (!t || !t->data || (!src && n))
     return rtp__error(RTP_EINVAL, "rtp_tensor_set: NULL tensor, data or source");
-  if (!rtp_is_contiguous(t) || offset > rtp_nbytes(t) || n > rtp_nbytes(t) - offset)
+  if (!rtp_tensor_is_contiguous(t) || offset > rtp_tensor_nbytes(t) ||
+      n > rtp_tensor_nbytes(t) - offset)
     return rtp__error(RTP_EINVAL, "rtp_tensor_set: %zu bytes at %zu into '%s' (%zu bytes%s)", n,
-                      offset, t->name, rtp_nbytes(t),
-                      rtp_is_contiguous(t) ? "" : ", not contiguous");
+                      offset, t->name, rtp_tensor_nbytes(t),
+                      rtp_tensor_is_contiguous(t) ? "" : ", not contiguous");
   struct rtp_backend *b = rtp__tensor_backend(t);
   if (!b) {
     memcpy((char *)t->data + offset, src, n);
@@ -401,10 +403,11 @@ int rtp_tensor_set(struct rtp_tensor *t, const void *src, size_t offset, size_t 
 int rtp_tensor_get(const struct rtp_tensor *t, void *dst, size_t offset, size_t n) {
   if (!t || !t->data || (!dst && n))
     return rtp__error(RTP_EINVAL, "rtp_tensor_get: NULL tensor, data or destination");
-  if (!rtp_is_contiguous(t) || offset > rtp_nbytes(t) || n > rtp_nbytes(t) - offset)
+  if (!rtp_tensor_is_contiguous(t) || offset > rtp_tensor_nbytes(t) ||
+      n > rtp_tensor_nbytes(t) - offset)
     return rtp__error(RTP_EINVAL, "rtp_tensor_get: %zu bytes at %zu from '%s' (%zu bytes%s)", n,
-                      offset, t->name, rtp_nbytes(t),
-                      rtp_is_contiguous(t) ? "" : ", not contiguous");
+                      offset, t->name, rtp_tensor_nbytes(t),
+                      rtp_tensor_is_contiguous(t) ? "" : ", not contiguous");
   struct rtp_backend *b = rtp__tensor_backend(t);
   if (!b) {
     memcpy(dst, (const char *)t->data + offset, n);
@@ -423,38 +426,56 @@ static void set_f32_host(struct rtp_tensor *t, float v) {
 }
 
 /* Device tensors are filled through a host copy: these are for setup, not the step loop. */
-void rtp_set_f32(struct rtp_tensor *t, float v) {
-  if (!t || !t->data || t->type != RTP_TYPE_F32) return;
+int rtp_tensor_fill_f32(struct rtp_tensor *t, float v) {
+  if (!t) return rtp__error(RTP_EINVAL, "rtp_tensor_fill_f32: NULL tensor");
+  if (t->type != RTP_TYPE_F32)
+    return rtp__error(RTP_ESHAPE, "rtp_tensor_fill_f32: '%s' is %s, not f32", t->name,
+                      rtp_type_name(t->type));
+  if (!t->data) return rtp__error(RTP_ESTATE, "rtp_tensor_fill_f32: '%s' has no data", t->name);
   if (!rtp__tensor_backend(t)) {
     set_f32_host(t, v);
-    return;
+    return RTP_OK;
   }
-  size_t n = (size_t)rtp_nelements(t);
+  if (!rtp_tensor_is_contiguous(t))
+    return rtp__error(RTP_EINVAL,
+                      "rtp_tensor_fill_f32: '%s' is a device view that is not "
+                      "contiguous",
+                      t->name);
+  size_t n = (size_t)rtp_tensor_nelements(t);
   float *tmp = malloc(n * sizeof(float));
-  if (!tmp || !rtp_is_contiguous(t)) {
-    RTP_LOG_ERROR("rtp_set_f32: cannot fill '%s' (%s)", t->name,
-                  tmp ? "a device view that is not contiguous" : "out of memory");
-  } else {
-    for (size_t i = 0; i < n; i++) tmp[i] = v;
-    if (rtp_tensor_set(t, tmp, 0, n * sizeof(float)))
-      RTP_LOG_ERROR("rtp_set_f32: %s", rtp_last_error());
-  }
+  if (!tmp)
+    return rtp__error(RTP_ENOMEM, "rtp_tensor_fill_f32: out of memory for '%s'", t->name);
+  for (size_t i = 0; i < n; i++) tmp[i] = v;
+  int rc = rtp_tensor_set(t, tmp, 0, n * sizeof(float));
   free(tmp);
+  return rc;
 }
 
-void rtp_set_zero(struct rtp_tensor *t) {
-  if (!t || !t->data) return;
+int rtp_tensor_set_zero(struct rtp_tensor *t) {
+  if (!t) return rtp__error(RTP_EINVAL, "rtp_tensor_set_zero: NULL tensor");
+  if (!t->data) return rtp__error(RTP_ESTATE, "rtp_tensor_set_zero: '%s' has no data", t->name);
   struct rtp_backend *b = rtp__tensor_backend(t);
-  if (!rtp_is_contiguous(t))
-    rtp_set_f32(t, 0.0f);
-  else if (!b)
-    memset(t->data, 0, rtp_nbytes(t));
-  else if (b->i->zero(b, t->data, rtp_nbytes(t)))
-    RTP_LOG_ERROR("rtp_set_zero: %s", rtp_last_error());
+  if (!rtp_tensor_is_contiguous(t)) {
+    if (t->type != RTP_TYPE_F32)
+      return rtp__error(RTP_EINVAL,
+                        "rtp_tensor_set_zero: '%s' is a %s view that is not "
+                        "contiguous",
+                        t->name, rtp_type_name(t->type));
+    return rtp_tensor_fill_f32(t, 0.0f);
+  }
+  if (!b) {
+    memset(t->data, 0, rtp_tensor_nbytes(t));
+    return RTP_OK;
+  }
+  return b->i->zero(b, t->data, rtp_tensor_nbytes(t));
 }
 
-float rtp_get_f32_1d(const struct rtp_tensor *t, int64_t i) {
-  if (!t || !t->data || i < 0 || i >= rtp_nelements(t)) return NAN;
+int rtp_tensor_get_f32(const struct rtp_tensor *t, int64_t i, float *out) {
+  if (!t || !out) return rtp__error(RTP_EINVAL, "rtp_tensor_get_f32: NULL argument");
+  if (!t->data) return rtp__error(RTP_ESTATE, "rtp_tensor_get_f32: '%s' has no data", t->name);
+  if (i < 0 || i >= rtp_tensor_nelements(t))
+    return rtp__error(RTP_EINVAL, "rtp_tensor_get_f32: element %lld of '%s' (%lld elements)",
+                      (long long)i, t->name, (long long)rtp_tensor_nelements(t));
   int64_t i0 = i % t->ne[0], r = i / t->ne[0];
   int64_t i1 = r % t->ne[1], i2 = r / t->ne[1] % t->ne[2], i3 = r / t->ne[1] / t->ne[2];
   size_t offs = (size_t)i0 * t->nb[0] + (size_t)i1 * t->nb[1] + (size_t)i2 * t->nb[2] +
@@ -467,12 +488,15 @@ float rtp_get_f32_1d(const struct rtp_tensor *t, int64_t i) {
   } v;
   size_t n = rtp_type_size(t->type); /* a bf16 element may end the buffer: read 2 bytes */
   struct rtp_backend *b = rtp__tensor_backend(t);
-  if (!b)
+  if (!b) {
     memcpy(&v, (const char *)t->data + offs, n);
-  else if (b->i->get(b, &v, (const char *)t->data + offs, n))
-    return NAN;
+  } else {
+    int rc = b->i->get(b, &v, (const char *)t->data + offs, n);
+    if (rc) return rc;
+  }
   if (t->type == RTP_TYPE_BF16) v.u = (uint32_t)v.h << 16; /* bf16 is f32's top half */
-  return t->type == RTP_TYPE_I32 ? (float)v.i : v.f;
+  *out = t->type == RTP_TYPE_I32 ? (float)v.i : v.f;
+  return RTP_OK;
 }
 
 /* ---- op builders ------------------------------------------------------------------
@@ -555,7 +579,7 @@ struct rtp_tensor *rtp_dup(struct rtp_context *ctx, struct rtp_tensor *a) {
 }
 
 struct rtp_tensor *rtp_cont(struct rtp_context *ctx, struct rtp_tensor *a) {
-  if (a && rtp_is_contiguous(a)) return a;
+  if (a && rtp_tensor_is_contiguous(a)) return a;
   return rtp_dup(ctx, a);
 }
 
@@ -606,7 +630,9 @@ struct rtp_tensor *rtp_sum(struct rtp_context *ctx, struct rtp_tensor *a) {
 
 struct rtp_tensor *rtp_mean(struct rtp_context *ctx, struct rtp_tensor *a) {
   struct rtp_tensor *s = rtp_sum(ctx, a);
-  return s ? rtp_scale(ctx, s, 1.0f / (float)(rtp_nelements(a) ? rtp_nelements(a) : 1)) : NULL;
+  return s ? rtp_scale(ctx, s,
+                       1.0f / (float)(rtp_tensor_nelements(a) ? rtp_tensor_nelements(a) : 1))
+           : NULL;
 }
 
 struct rtp_tensor *rtp_repeat(struct rtp_context *ctx, struct rtp_tensor *a,
@@ -685,8 +711,8 @@ struct rtp_tensor *rtp_layer_norm(struct rtp_context *ctx, struct rtp_tensor *a,
                                   struct rtp_tensor *w, struct rtp_tensor *b, float eps) {
   if (!rtp__inputs_ok(ctx, "layer_norm", a, NULL, false)) return NULL;
   const struct rtp_tensor *bad = NULL;
-  if (w && (rtp_nelements(w) != a->ne[0] || w->ne[0] != a->ne[0])) bad = w;
-  if (b && (rtp_nelements(b) != a->ne[0] || b->ne[0] != a->ne[0])) bad = b;
+  if (w && (rtp_tensor_nelements(w) != a->ne[0] || w->ne[0] != a->ne[0])) bad = w;
+  if (b && (rtp_tensor_nelements(b) != a->ne[0] || b->ne[0] != a->ne[0])) bad = b;
   if (bad)
     return rtp__op_error(ctx, "layer_norm", RTP_ESHAPE, a, bad, "affine must be {ne[0]}");
   struct rtp_tensor *t = rtp_norm(ctx, a, eps);
@@ -718,7 +744,7 @@ struct rtp_tensor *rtp_get_rows(struct rtp_context *ctx, struct rtp_tensor *a,
   if (a->type != RTP_TYPE_F32 || a->ne[2] != 1 || a->ne[3] != 1 || !rtp__rows_contiguous(a))
     return rtp__op_error(ctx, "get_rows", RTP_ESHAPE, a, idx,
                          "a must be f32 {D, V}, rows packed");
-  if (idx->type != RTP_TYPE_I32 || idx->ne[3] != 1 || !rtp_is_contiguous(idx))
+  if (idx->type != RTP_TYPE_I32 || idx->ne[3] != 1 || !rtp_tensor_is_contiguous(idx))
     return rtp__op_error(ctx, "get_rows", RTP_ESHAPE, a, idx,
                          "indices must be contiguous i32 of up to 3 dims");
   int64_t ne[4] = {a->ne[0], idx->ne[0], idx->ne[1], idx->ne[2]};
@@ -731,8 +757,8 @@ struct rtp_tensor *rtp_cross_entropy(struct rtp_context *ctx, struct rtp_tensor 
   if (logits->type != RTP_TYPE_F32 || !rtp__rows_contiguous(logits))
     return rtp__op_error(ctx, "cross_entropy", RTP_ESHAPE, logits, targets,
                          "logits must be f32 with contiguous rows");
-  if (targets->type != RTP_TYPE_I32 || !rtp_is_contiguous(targets) ||
-      rtp_nelements(targets) != rtp_nrows(logits))
+  if (targets->type != RTP_TYPE_I32 || !rtp_tensor_is_contiguous(targets) ||
+      rtp_tensor_nelements(targets) != rtp_tensor_nrows(logits))
     return rtp__op_error(ctx, "cross_entropy", RTP_ESHAPE, logits, targets,
                          "targets must be contiguous i32 with one entry per row of logits");
   return rtp__new_node(ctx, RTP_OP_CROSS_ENTROPY, RTP_TYPE_F32, (int64_t[]){1, 1, 1, 1}, logits,
@@ -778,11 +804,11 @@ struct rtp_tensor *rtp__acc_impl(struct rtp_context *ctx, struct rtp_tensor *a,
   const struct rtp_tensor *base = a ? a : like;
   if (base->type != RTP_TYPE_F32 || b->type != RTP_TYPE_F32 || !rtp__rows_contiguous(b))
     return rtp__op_error(ctx, "acc", RTP_ESHAPE, base, b, "needs f32, b with contiguous rows");
-  if (a && !rtp_is_contiguous(a))
+  if (a && !rtp_tensor_is_contiguous(a))
     return rtp__op_error(ctx, "acc", RTP_ESHAPE, a, b, "a must be contiguous (use rtp_cont)");
   size_t vnb[4] = {sizeof(float), nb[0], nb[1], nb[2]};
   size_t ext = extent(b->ne, vnb, sizeof(float));
-  size_t size = (size_t)rtp_nelements(base) * sizeof(float);
+  size_t size = (size_t)rtp_tensor_nelements(base) * sizeof(float);
   if (offset % sizeof(float) || offset > size || ext > size - offset)
     return rtp__op_error(ctx, "acc", RTP_ESHAPE, base, b, "the view of b falls outside a");
   struct rtp_tensor *t = rtp__new_node(ctx, RTP_OP_ACC, RTP_TYPE_F32, base->ne, b, a);
@@ -821,7 +847,7 @@ static struct rtp_tensor *new_view(struct rtp_context *ctx, enum rtp_op op,
                                    struct rtp_tensor *a, const int64_t ne[4],
                                    const size_t nb[4], size_t offset) {
   struct rtp_tensor *base = a->view_src ? a->view_src : a;
-  size_t base_bytes = rtp_nbytes(base);
+  size_t base_bytes = rtp_tensor_nbytes(base);
   size_t offs = a->view_offs + offset;
   size_t ext = extent(ne, nb, rtp_type_size(a->type));
   if (offs > base_bytes || ext > base_bytes - offs)
@@ -847,9 +873,9 @@ struct rtp_tensor *rtp_reshape(struct rtp_context *ctx, struct rtp_tensor *a, in
     full[i] = ne[i];
     n *= ne[i];
   }
-  if (n != rtp_nelements(a))
+  if (n != rtp_tensor_nelements(a))
     return rtp__op_error(ctx, "reshape", RTP_ESHAPE, a, NULL, "element count differs");
-  if (!rtp_is_contiguous(a))
+  if (!rtp_tensor_is_contiguous(a))
     return rtp__op_error(ctx, "reshape", RTP_ESHAPE, a, NULL, "needs a contiguous tensor");
   size_t nb[4] = {rtp_type_size(a->type)};
   for (int i = 1; i < 4; i++) nb[i] = nb[i - 1] * (size_t)full[i - 1];
@@ -890,7 +916,7 @@ struct rtp_tensor *rtp_view(struct rtp_context *ctx, struct rtp_tensor *a, int n
 struct rtp_tensor *rtp_view_rows(struct rtp_context *ctx, struct rtp_tensor *a, int64_t first,
                                  int64_t n) {
   if (!rtp__inputs_ok(ctx, "view_rows", a, NULL, false)) return NULL;
-  int d = rtp_n_dims(a) - 1;
+  int d = rtp_tensor_n_dims(a) - 1;
   if (first < 0 || n < 0 || first + n > a->ne[d])
     return rtp__op_error(ctx, "view_rows", RTP_EINVAL, a, NULL, "row range out of bounds");
   int64_t ne[4];
@@ -933,7 +959,7 @@ struct rtp_tensor *rtp__mul_mat_add(struct rtp_context *ctx, struct rtp_tensor *
                                     struct rtp_tensor *b, struct rtp_tensor *c) {
   struct rtp_tensor *t = rtp_mul_mat(ctx, a, b);
   if (!t || !c) return t;
-  if (c->type != RTP_TYPE_F32 || !rtp_are_same_shape(c, t) || !rtp_is_contiguous(c)) {
+  if (c->type != RTP_TYPE_F32 || !rtp_tensor_same_shape(c, t) || !rtp_tensor_is_contiguous(c)) {
     char sc[128], st[128];
     rtp__shape_str(c, sc, sizeof(sc));
     rtp__shape_str(t, st, sizeof(st));

@@ -5,20 +5,20 @@
  * How it works, in one example. Computing f(x) = a*x^2 + b and its gradient:
  *
  *     struct rtp_init_params ip = {.mem_size = 16 << 20};
- *     struct rtp_context *ctx = rtp_init(ip);
+ *     struct rtp_context *ctx = rtp_context_new(ip);
  *
- *     struct rtp_tensor *x = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 1);
- *     struct rtp_tensor *a = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 1);
- *     struct rtp_tensor *b = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 1);
- *     rtp_set_param(x);
+ *     struct rtp_tensor *x = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 1);
+ *     struct rtp_tensor *a = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 1);
+ *     struct rtp_tensor *b = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 1);
+ *     rtp_tensor_set_param(x);
  *     struct rtp_tensor *f = rtp_add(ctx, rtp_mul(ctx, a, rtp_mul(ctx, x, x)), b);
  *
  *     struct rtp_graph *g = rtp_graph_new(ctx, 64);
  *     rtp_graph_build(g, f);               // records the forward nodes
- *     rtp_build_backward(ctx, g, f);       // appends the gradient nodes
+ *     rtp_graph_build_backward(ctx, g, f);       // appends the gradient nodes
  *     rtp_graph_plan(ctx, g);              // places every intermediate in one arena
  *
- *     rtp_set_f32(x, 2.0f); rtp_set_f32(a, 3.0f); rtp_set_f32(b, 4.0f);
+ *     rtp_tensor_fill_f32(x, 2.0f); rtp_tensor_fill_f32(a, 3.0f); rtp_tensor_fill_f32(b, 4.0f);
  *     rtp_graph_compute(g, NULL);          // f = 16, x->grad = 12
  *
  * The context owns one fixed arena given at init: tensor headers, graphs, parameters,
@@ -178,18 +178,18 @@ struct rtp_tensor {
   struct rtp_tensor *src[RTP_MAX_SRC];
   struct rtp_tensor *view_src; /* a view shares the memory of view_src ... */
   size_t view_offs;            /* ... starting this many bytes in */
-  struct rtp_tensor *grad;     /* set by rtp_build_backward */
+  struct rtp_tensor *grad;     /* set by rtp_graph_build_backward */
   void *data;                  /* NULL until allocated or planned */
   char name[RTP_MAX_NAME];
   void *extra; /* backend-private */
 };
 
-RTP_API int64_t rtp_nelements(const struct rtp_tensor *t);
-RTP_API int64_t rtp_nrows(const struct rtp_tensor *t);
-RTP_API size_t rtp_nbytes(const struct rtp_tensor *t);
-RTP_API int rtp_n_dims(const struct rtp_tensor *t);
-RTP_API bool rtp_is_contiguous(const struct rtp_tensor *t);
-RTP_API bool rtp_are_same_shape(const struct rtp_tensor *a, const struct rtp_tensor *b);
+RTP_API int64_t rtp_tensor_nelements(const struct rtp_tensor *t);
+RTP_API int64_t rtp_tensor_nrows(const struct rtp_tensor *t);
+RTP_API size_t rtp_tensor_nbytes(const struct rtp_tensor *t);
+RTP_API int rtp_tensor_n_dims(const struct rtp_tensor *t);
+RTP_API bool rtp_tensor_is_contiguous(const struct rtp_tensor *t);
+RTP_API bool rtp_tensor_same_shape(const struct rtp_tensor *a, const struct rtp_tensor *b);
 
 /* ---- context -------------------------------------------------------------------- */
 
@@ -220,41 +220,43 @@ struct rtp_init_params {
 struct rtp_context;
 
 /* NULL (with rtp_last_error) when the arena cannot be had. */
-RTP_API struct rtp_context *rtp_init(struct rtp_init_params params);
-RTP_API void rtp_free(struct rtp_context *ctx);
+RTP_API struct rtp_context *rtp_context_new(struct rtp_init_params params);
+RTP_API void rtp_context_free(struct rtp_context *ctx);
 /* The first error recorded while building (RTP_OK if none) and its message. */
 RTP_API int rtp_context_error(const struct rtp_context *ctx, const char **msg);
-RTP_API size_t rtp_used_mem(const struct rtp_context *ctx);
+RTP_API size_t rtp_context_used_mem(const struct rtp_context *ctx);
 
 /* New leaf tensors; their data comes from the arena unless no_alloc. */
-RTP_API struct rtp_tensor *rtp_new_tensor(struct rtp_context *ctx, enum rtp_type type,
+RTP_API struct rtp_tensor *rtp_tensor_new(struct rtp_context *ctx, enum rtp_type type,
                                           int n_dims, const int64_t *ne);
-RTP_API struct rtp_tensor *rtp_new_tensor_1d(struct rtp_context *ctx, enum rtp_type type,
+RTP_API struct rtp_tensor *rtp_tensor_new_1d(struct rtp_context *ctx, enum rtp_type type,
                                              int64_t ne0);
-RTP_API struct rtp_tensor *rtp_new_tensor_2d(struct rtp_context *ctx, enum rtp_type type,
+RTP_API struct rtp_tensor *rtp_tensor_new_2d(struct rtp_context *ctx, enum rtp_type type,
                                              int64_t ne0, int64_t ne1);
-RTP_API struct rtp_tensor *rtp_new_tensor_3d(struct rtp_context *ctx, enum rtp_type type,
+RTP_API struct rtp_tensor *rtp_tensor_new_3d(struct rtp_context *ctx, enum rtp_type type,
                                              int64_t ne0, int64_t ne1, int64_t ne2);
-RTP_API struct rtp_tensor *rtp_new_tensor_4d(struct rtp_context *ctx, enum rtp_type type,
+RTP_API struct rtp_tensor *rtp_tensor_new_4d(struct rtp_context *ctx, enum rtp_type type,
                                              int64_t ne0, int64_t ne1, int64_t ne2,
                                              int64_t ne3);
 
-RTP_API void rtp_set_param(struct rtp_tensor *t);
-RTP_API void rtp_set_input(struct rtp_tensor *t);
-RTP_API void rtp_set_output(struct rtp_tensor *t);
-RTP_API struct rtp_tensor *rtp_set_name(struct rtp_tensor *t, const char *fmt, ...)
+RTP_API void rtp_tensor_set_param(struct rtp_tensor *t);
+RTP_API void rtp_tensor_set_input(struct rtp_tensor *t);
+RTP_API void rtp_tensor_set_output(struct rtp_tensor *t);
+RTP_API struct rtp_tensor *rtp_tensor_set_name(struct rtp_tensor *t, const char *fmt, ...)
     RTP_PRINTF(2, 3);
-RTP_API struct rtp_tensor *rtp_get_tensor(struct rtp_context *ctx, const char *name);
+RTP_API struct rtp_tensor *rtp_context_find_tensor(struct rtp_context *ctx, const char *name);
 /* The n-th tensor created in ctx (0-based), or NULL past the end: for iterating. */
-RTP_API struct rtp_tensor *rtp_tensor_at(struct rtp_context *ctx, int n);
+RTP_API struct rtp_tensor *rtp_context_tensor_at(struct rtp_context *ctx, int n);
 
 /* Copies n bytes between host memory and t's data starting offset bytes in (t must be
  * contiguous), wherever the data lives: the way to fill inputs of a device context. */
 RTP_API int rtp_tensor_set(struct rtp_tensor *t, const void *src, size_t offset, size_t n);
 RTP_API int rtp_tensor_get(const struct rtp_tensor *t, void *dst, size_t offset, size_t n);
-RTP_API void rtp_set_f32(struct rtp_tensor *t, float v); /* every element */
-RTP_API void rtp_set_zero(struct rtp_tensor *t);
-RTP_API float rtp_get_f32_1d(const struct rtp_tensor *t, int64_t i);
+/* Every element of t (f32, any strides; a device tensor must be contiguous) set to v. */
+RTP_API int rtp_tensor_fill_f32(struct rtp_tensor *t, float v);
+RTP_API int rtp_tensor_set_zero(struct rtp_tensor *t);
+/* Element i of t (in the order of ne, whatever the strides; f32, bf16 or i32) as f32. */
+RTP_API int rtp_tensor_get_f32(const struct rtp_tensor *t, int64_t i, float *out);
 
 /* ---- op builders: record a node, compute nothing -------------------------------- */
 
@@ -373,8 +375,8 @@ RTP_API int rtp_graph_build(struct rtp_graph *g, struct rtp_tensor *t);
  * (no zeroing between steps) and the later ones add to them, in graph order. A parameter
  * that only a later loss reaches gets its memory from that call.
  */
-RTP_API int rtp_build_backward(struct rtp_context *ctx, struct rtp_graph *g,
-                               struct rtp_tensor *loss);
+RTP_API int rtp_graph_build_backward(struct rtp_context *ctx, struct rtp_graph *g,
+                                     struct rtp_tensor *loss);
 /*
  * Places every node of g in one activation buffer taken from the arena once, reusing
  * memory of tensors that are no longer needed. Call once after building; computing
@@ -413,7 +415,8 @@ struct rtp_adamw_params {
   float weight_decay; /* decoupled (AdamW); 0 is Adam */
   float clip_norm;    /* > 0: scale gradients so their global L2 norm is at most this */
 };
-RTP_API struct rtp_adamw_params rtp_adamw_default(void); /* 3e-4, 0.9, 0.95, 1e-8, 0, 0 */
+RTP_API struct rtp_adamw_params rtp_adamw_params_default(
+    void); /* 3e-4, 0.9, 0.95, 1e-8, 0, 0 */
 
 struct rtp_optimizer;
 /* Adam states (role OPTIM) for every parameter of g, zeroed, from the arena. */
@@ -662,21 +665,21 @@ RTP_API struct rtp_tensor *rtp_recv(struct rtp_context *ctx, struct rtp_comm *co
 /* ---- parallel strategies (rtp-parallel.c, a file per strategy) ------------------ */
 /*
  * Build the model once, as for one device, in a context that may have no_alloc (its
- * parameters then take no memory); then rtp_parallelize builds this rank's training
+ * parameters then take no memory); then rtp_parallel_new builds this rank's training
  * graph in ctx: forward, backward and communication, ready for rtp_graph_plan.
  *
  *   ddp  every rank holds every parameter; gradients are summed over ranks in buckets
  *        all-reduced while backward runs.
  *   fsdp every rank owns one block of every parameter (as rtp); parameters are
  *        all-gathered whole before the ops that read them, a unit at a time
- *        (rtp_set_fsdp_unit), the next unit's gathers running during this one's compute;
+ *        (rtp_tensor_set_fsdp_unit), the next unit's gathers running during this one's compute;
  *        backward gathers a unit again for its input gradients, then reduce-scatters each
  *        parameter's gradient (ZeRO-3).
  *   rtp  every parameter is split into world-size blocks along its first (outermost)
  *        dimension; this rank owns one block, its gradient and its optimizer state.
  *        Blocks rotate around the ring during forward; during backward they rotate the
  *        other way with their gradients, which arrive at their owner summed over ranks.
- *   tp   Megatron-style tensor parallelism over the parameters marked with rtp_set_tp:
+ *   tp   Megatron-style tensor parallelism over the parameters marked with rtp_tensor_set_tp:
  *        column-parallel layers hold a block of output rows (of each group), row-parallel
  *        ones a block of input columns (ne[0]); everything between them runs on this
  *        rank's part (e.g. its attention heads), an all-reduce of activations follows each
@@ -703,7 +706,7 @@ enum rtp_strategy {
 RTP_API const char *rtp_strategy_name(enum rtp_strategy s);
 RTP_API int rtp_strategy_parse(const char *name, enum rtp_strategy *out);
 
-/* How tp splits a parameter (rtp_set_tp); other strategies ignore it. */
+/* How tp splits a parameter (rtp_tensor_set_tp); other strategies ignore it. */
 enum rtp_tp_role {
   RTP_TP_REPLICATED = 0, /* every rank holds it whole (the default) */
   RTP_TP_COLUMN,         /* a weight {in, out} read by mul_mat, or its bias {out}: each of
@@ -715,16 +718,16 @@ enum rtp_tp_role {
 };
 
 /*
- * Marks a parameter (after rtp_set_param) for tp, kept in the leaf's op_params (a leaf
+ * Marks a parameter (after rtp_tensor_set_param) for tp, kept in the leaf's op_params (a leaf
  * has no op): role in word 0, groups in word 1. groups >= 1, and 1 for RTP_TP_ROW.
- * RTP_EINVAL for anything else. rtp_parallelize checks that the marked dimension splits
+ * RTP_EINVAL for anything else. rtp_parallel_new checks that the marked dimension splits
  * evenly into groups x N blocks and that the graph between column- and row-parallel
  * layers can run on a rank's part (e.g. attention heads divisible by N).
  */
-RTP_API int rtp_set_tp(struct rtp_tensor *param, enum rtp_tp_role role, int groups);
+RTP_API int rtp_tensor_set_tp(struct rtp_tensor *param, enum rtp_tp_role role, int groups);
 
 /*
- * Puts a parameter (after rtp_set_param) in fsdp's unit `unit` (>= 1; 0, the default,
+ * Puts a parameter (after rtp_tensor_set_param) in fsdp's unit `unit` (>= 1; 0, the default,
  * takes it out), kept in the leaf's op_params word 2. fsdp gathers a unit's parameters
  * together, when an op first needs one of them, into one of two slots that each hold a
  * unit, while the unit before computes; a parameter in no unit is gathered on its own.
@@ -732,7 +735,7 @@ RTP_API int rtp_set_tp(struct rtp_tensor *param, enum rtp_tp_role role, int grou
  * two blocks. Other strategies ignore it. RTP_EINVAL for anything but a parameter, or a
  * negative unit.
  */
-RTP_API int rtp_set_fsdp_unit(struct rtp_tensor *param, int unit);
+RTP_API int rtp_tensor_set_fsdp_unit(struct rtp_tensor *param, int unit);
 
 struct rtp_parallel_params {
   enum rtp_strategy strategy;
@@ -763,10 +766,10 @@ struct rtp_parallel;
 
 /* NULL with the error in ctx (rtp_context_error) and rtp_last_error. Collective: every
  * rank calls it, and ranks that built different models fail with RTP_EPEER. */
-RTP_API struct rtp_parallel *rtp_parallelize(struct rtp_context *ctx,
-                                             const struct rtp_graph *fwd,
-                                             struct rtp_tensor *loss,
-                                             const struct rtp_parallel_params *params);
+RTP_API struct rtp_parallel *rtp_parallel_new(struct rtp_context *ctx,
+                                              const struct rtp_graph *fwd,
+                                              struct rtp_tensor *loss,
+                                              const struct rtp_parallel_params *params);
 RTP_API struct rtp_graph *rtp_parallel_graph(const struct rtp_parallel *p);
 /* This rank's tensor for a tensor of the one-device graph (inputs to fill, parameters
  * to initialise); for the loss, the mean over all ranks (and micro-batches). With
@@ -851,6 +854,67 @@ RTP_API const char *rtp_ckpt_state(const struct rtp_ckpt *c, const char *key);
  * step count; a missing, truncated or corrupted file or a shape that differs fails every
  * rank (RTP_EFORMAT, RTP_ESHAPE, RTP_EIO) with a message naming it. */
 RTP_API int rtp_ckpt_load(const struct rtp_ckpt *c, const struct rtp_ckpt_params *p);
+
+/* ---- deprecated names (until 0.3) ---------------------------------------------------- */
+/*
+ * Every public function is named rtp_<noun>_<verb> (or rtp_<noun>_<attribute> for a
+ * getter); op builders are named after their op (rtp_add, rtp_mul_mat, ...). The names
+ * below came before that rule and still work, with a compiler warning, for one release.
+ * The fill and get functions among them cannot report a failure: their replacements
+ * return a status.
+ */
+#if defined(__GNUC__)
+#define RTP_DEPRECATED(use) __attribute__((deprecated("use " #use)))
+#else
+#define RTP_DEPRECATED(use)
+#endif
+RTP_API RTP_DEPRECATED(rtp_context_new) struct rtp_context *rtp_init(struct rtp_init_params p);
+RTP_API RTP_DEPRECATED(rtp_context_free) void rtp_free(struct rtp_context *ctx);
+RTP_API RTP_DEPRECATED(rtp_context_used_mem) size_t rtp_used_mem(const struct rtp_context *ctx);
+RTP_API RTP_DEPRECATED(rtp_tensor_new) struct rtp_tensor *rtp_new_tensor(
+    struct rtp_context *ctx, enum rtp_type type, int n_dims, const int64_t *ne);
+RTP_API RTP_DEPRECATED(rtp_tensor_new_1d) struct rtp_tensor *rtp_new_tensor_1d(
+    struct rtp_context *ctx, enum rtp_type type, int64_t ne0);
+RTP_API RTP_DEPRECATED(rtp_tensor_new_2d) struct rtp_tensor *rtp_new_tensor_2d(
+    struct rtp_context *ctx, enum rtp_type type, int64_t ne0, int64_t ne1);
+RTP_API RTP_DEPRECATED(rtp_tensor_new_3d) struct rtp_tensor *rtp_new_tensor_3d(
+    struct rtp_context *ctx, enum rtp_type type, int64_t ne0, int64_t ne1, int64_t ne2);
+RTP_API RTP_DEPRECATED(rtp_tensor_new_4d) struct rtp_tensor *rtp_new_tensor_4d(
+    struct rtp_context *ctx, enum rtp_type type, int64_t ne0, int64_t ne1, int64_t ne2,
+    int64_t ne3);
+RTP_API RTP_DEPRECATED(rtp_tensor_set_param) void rtp_set_param(struct rtp_tensor *t);
+RTP_API RTP_DEPRECATED(rtp_tensor_set_input) void rtp_set_input(struct rtp_tensor *t);
+RTP_API RTP_DEPRECATED(rtp_tensor_set_output) void rtp_set_output(struct rtp_tensor *t);
+RTP_API RTP_DEPRECATED(rtp_tensor_set_name) struct rtp_tensor *rtp_set_name(
+    struct rtp_tensor *t, const char *fmt, ...) RTP_PRINTF(2, 3);
+RTP_API RTP_DEPRECATED(rtp_context_find_tensor) struct rtp_tensor *rtp_get_tensor(
+    struct rtp_context *ctx, const char *name);
+RTP_API RTP_DEPRECATED(rtp_context_tensor_at) struct rtp_tensor *rtp_tensor_at(
+    struct rtp_context *ctx, int n);
+RTP_API RTP_DEPRECATED(rtp_tensor_fill_f32) void rtp_set_f32(struct rtp_tensor *t, float v);
+RTP_API RTP_DEPRECATED(rtp_tensor_set_zero) void rtp_set_zero(struct rtp_tensor *t);
+/* NaN where the element cannot be read. */
+RTP_API RTP_DEPRECATED(rtp_tensor_get_f32) float rtp_get_f32_1d(const struct rtp_tensor *t,
+                                                                int64_t i);
+RTP_API RTP_DEPRECATED(rtp_tensor_nelements) int64_t rtp_nelements(const struct rtp_tensor *t);
+RTP_API RTP_DEPRECATED(rtp_tensor_nrows) int64_t rtp_nrows(const struct rtp_tensor *t);
+RTP_API RTP_DEPRECATED(rtp_tensor_nbytes) size_t rtp_nbytes(const struct rtp_tensor *t);
+RTP_API RTP_DEPRECATED(rtp_tensor_n_dims) int rtp_n_dims(const struct rtp_tensor *t);
+RTP_API RTP_DEPRECATED(rtp_tensor_is_contiguous) bool rtp_is_contiguous(
+    const struct rtp_tensor *t);
+RTP_API RTP_DEPRECATED(rtp_tensor_same_shape) bool rtp_are_same_shape(
+    const struct rtp_tensor *a, const struct rtp_tensor *b);
+RTP_API RTP_DEPRECATED(rtp_graph_build_backward) int rtp_build_backward(
+    struct rtp_context *ctx, struct rtp_graph *g, struct rtp_tensor *loss);
+RTP_API RTP_DEPRECATED(rtp_adamw_params_default) struct rtp_adamw_params
+    rtp_adamw_default(void);
+RTP_API RTP_DEPRECATED(rtp_tensor_set_tp) int rtp_set_tp(struct rtp_tensor *param,
+                                                         enum rtp_tp_role role, int groups);
+RTP_API RTP_DEPRECATED(rtp_tensor_set_fsdp_unit) int rtp_set_fsdp_unit(struct rtp_tensor *param,
+                                                                       int unit);
+RTP_API RTP_DEPRECATED(rtp_parallel_new) struct rtp_parallel *rtp_parallelize(
+    struct rtp_context *ctx, const struct rtp_graph *fwd, struct rtp_tensor *loss,
+    const struct rtp_parallel_params *params);
 
 #ifdef __cplusplus
 }

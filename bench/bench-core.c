@@ -91,16 +91,16 @@ static double run_direct(void *arg) {
 static double bench_gemm(const struct shape *s, int threads, int reps) {
   struct rtp_init_params ip = {
       .mem_size = (size_t)(s->m * s->k + s->n * s->k + s->m * s->n) * 4 + (16 << 20)};
-  struct rtp_context *ctx = rtp_init(ip);
-  struct rtp_tensor *a = s->a_t ? rtp_new_tensor_2d(ctx, RTP_TYPE_F32, s->m, s->k)
-                                : rtp_new_tensor_2d(ctx, RTP_TYPE_F32, s->k, s->m);
-  struct rtp_tensor *b = s->b_t ? rtp_new_tensor_2d(ctx, RTP_TYPE_F32, s->n, s->k)
-                                : rtp_new_tensor_2d(ctx, RTP_TYPE_F32, s->k, s->n);
-  fill(a->data, rtp_nelements(a), 1);
-  fill(b->data, rtp_nelements(b), 2);
+  struct rtp_context *ctx = rtp_context_new(ip);
+  struct rtp_tensor *a = s->a_t ? rtp_tensor_new_2d(ctx, RTP_TYPE_F32, s->m, s->k)
+                                : rtp_tensor_new_2d(ctx, RTP_TYPE_F32, s->k, s->m);
+  struct rtp_tensor *b = s->b_t ? rtp_tensor_new_2d(ctx, RTP_TYPE_F32, s->n, s->k)
+                                : rtp_tensor_new_2d(ctx, RTP_TYPE_F32, s->k, s->n);
+  fill(a->data, rtp_tensor_nelements(a), 1);
+  fill(b->data, rtp_tensor_nelements(b), 2);
   struct rtp_tensor *c =
       rtp_mul_mat(ctx, s->a_t ? rtp_transpose(ctx, a) : a, s->b_t ? rtp_transpose(ctx, b) : b);
-  rtp_set_output(c);
+  rtp_tensor_set_output(c);
   struct rtp_graph *g = rtp_graph_new(ctx, 16);
   if (rtp_graph_build(g, c) || rtp_graph_plan(ctx, g)) {
     fprintf(stderr, "bench-core: %s\n", rtp_last_error());
@@ -131,25 +131,26 @@ static double bench_gemm(const struct shape *s, int threads, int reps) {
   fflush(stdout);
   free(cd);
   rtp_threadpool_free(lg.tp);
-  rtp_free(ctx);
+  rtp_context_free(ctx);
   return flops / t_direct;
 }
 
 static void bench_step(struct gpt_config cfg, int batch, int threads, int steps,
                        double gemm_rate) {
   struct rtp_init_params ip = {.mem_size = gpt_arena_size(cfg, batch), .no_alloc = false};
-  struct rtp_context *ctx = rtp_init(ip);
+  struct rtp_context *ctx = rtp_context_new(ip);
   struct gpt m;
   struct rtp_graph *g = rtp_graph_new(ctx, 8192);
   if (!ctx || gpt_build(ctx, &m, cfg, batch) || rtp_graph_build(g, m.loss) ||
-      rtp_build_backward(ctx, g, m.loss) || rtp_graph_plan(ctx, g)) {
+      rtp_graph_build_backward(ctx, g, m.loss) || rtp_graph_plan(ctx, g)) {
     fprintf(stderr, "bench-core: %s\n", rtp_last_error());
     exit(1);
   }
   gpt_init_weights(&m, 1);
-  struct rtp_optimizer *opt = rtp_optimizer_new(ctx, g, rtp_adamw_default());
+  struct rtp_optimizer *opt = rtp_optimizer_new(ctx, g, rtp_adamw_params_default());
   int32_t *idx = m.idx->data, *tgt = m.targets->data;
-  for (int64_t i = 0; i < rtp_nelements(m.idx); i++) idx[i] = tgt[i] = (int32_t)(i * 7 % 256);
+  for (int64_t i = 0; i < rtp_tensor_nelements(m.idx); i++)
+    idx[i] = tgt[i] = (int32_t)(i * 7 % 256);
   struct rtp_threadpool *tp = rtp_threadpool_new(threads);
   double best = 1e30;
   for (int s = 0; s <= steps; s++) {
@@ -173,7 +174,7 @@ static void bench_step(struct gpt_config cfg, int batch, int threads, int steps,
       r.activation_sum);
   fflush(stdout);
   rtp_threadpool_free(tp);
-  rtp_free(ctx);
+  rtp_context_free(ctx);
 }
 
 int main(int argc, char **argv) {

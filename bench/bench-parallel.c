@@ -172,32 +172,32 @@ static void run_setup(const struct opts *o, enum rtp_strategy strategy, struct r
   u->strategy = strategy;
   u->baseline = proc_bytes("VmRSS:");
   struct rtp_init_params meta_ip = {.mem_size = 64 << 20, .no_alloc = true};
-  u->meta = rtp_init(meta_ip);
+  u->meta = rtp_context_new(meta_ip);
   struct gpt m;
   struct rtp_graph *fwd = u->meta ? rtp_graph_new(u->meta, 16384) : NULL;
   if (!fwd || gpt_build(u->meta, &m, o->cfg, o->batch) || rtp_graph_build(fwd, m.loss))
     die("build");
   struct rtp_init_params ip = {.mem_size = gpt_arena_size(o->cfg, o->batch), .no_alloc = false};
-  u->ctx = rtp_init(ip);
+  u->ctx = rtp_context_new(ip);
   struct rtp_parallel_params pp = {.strategy = strategy,
                                    .comm = comm,
                                    .comm_type = comm_type_of(o, strategy),
                                    .compute_type = o->compute_type};
-  u->par = u->ctx ? rtp_parallelize(u->ctx, fwd, m.loss, &pp) : NULL;
+  u->par = u->ctx ? rtp_parallel_new(u->ctx, fwd, m.loss, &pp) : NULL;
   if (!u->par) die("parallelize");
   u->g = rtp_parallel_graph(u->par);
   if (rtp_graph_plan(u->ctx, u->g)) die("plan");
-  u->opt = rtp_optimizer_new(u->ctx, u->g, rtp_adamw_default());
+  u->opt = rtp_optimizer_new(u->ctx, u->g, rtp_adamw_params_default());
   if (!u->opt) die("optimizer");
   for (int i = 0; i < m.n_params; i++) { /* values do not matter for speed, only finiteness */
     struct rtp_tensor *t = rtp_parallel_tensor(u->par, m.params[i]);
     float *d = t->data;
-    for (int64_t j = 0; j < rtp_nelements(t); j++)
+    for (int64_t j = 0; j < rtp_tensor_nelements(t); j++)
       d[j] = 0.02f * (float)((j * 7919) % 101 - 50) / 50;
   }
   struct rtp_tensor *idx = rtp_parallel_tensor(u->par, m.idx),
                     *tgt = rtp_parallel_tensor(u->par, m.targets);
-  for (int64_t j = 0; j < rtp_nelements(idx); j++) {
+  for (int64_t j = 0; j < rtp_tensor_nelements(idx); j++) {
     ((int32_t *)idx->data)[j] = (int32_t)((j * 31) % 256);
     ((int32_t *)tgt->data)[j] = (int32_t)((j * 17 + 3) % 256);
   }
@@ -223,8 +223,8 @@ static struct result run_finish(struct run *u, struct rtp_comm *comm) {
     res.comm_s = comm_only_s(u->g, comm, u->n_times);
     res.comm_est_s = comm_estimate_s(comm, res.sent);
   }
-  rtp_free(u->ctx);
-  rtp_free(u->meta);
+  rtp_context_free(u->ctx);
+  rtp_context_free(u->meta);
   return res;
 }
 

@@ -7,7 +7,7 @@
 // context::check:
 //
 //     rtp::context ctx(16 << 20);
-//     rtp_tensor *x = ctx.check(rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 4));
+//     rtp_tensor *x = ctx.check(rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 4));
 //     rtp_tensor *y = ctx.check(rtp_add(ctx, x, w));   // throws rtp::error on a bad shape
 //     rtp::graph g(ctx, 256);
 //     g.build(loss).backward(loss).plan();
@@ -62,6 +62,13 @@ T *check(rtp_context *ctx, T *p) {
   int status = rtp_context_error(ctx, &msg);
   if (status) throw error(status, msg);
   throw error(RTP_EINVAL, rtp_last_error());
+}
+
+// Element i of t as f32 (any strides, host or device memory); throws if it cannot be read.
+inline float get_f32(const rtp_tensor *t, int64_t i) {
+  float v = 0;
+  check(rtp_tensor_get_f32(t, i, &v));
+  return v;
 }
 
 namespace detail {
@@ -125,13 +132,13 @@ class backend : public detail::handle<rtp_backend, rtp_backend_free> {
 };
 
 // The arena that owns tensors, graphs and optimizer states.
-class context : public detail::handle<rtp_context, rtp_free> {
+class context : public detail::handle<rtp_context, rtp_context_free> {
  public:
   explicit context(size_t mem_size, void *mem_buffer = nullptr, bool no_alloc = false,
                    rtp_backend *backend = nullptr, size_t data_size = 0)
-      : handle(check_ptr(
-            rtp_init(rtp_init_params{mem_size, mem_buffer, no_alloc, backend, data_size}),
-            RTP_ENOMEM)) {}
+      : handle(check_ptr(rtp_context_new(rtp_init_params{mem_size, mem_buffer, no_alloc,
+                                                         backend, data_size}),
+                         RTP_ENOMEM)) {}
 
   // p itself, or the context's first recorded error as an exception when p is NULL.
   template <class T>
@@ -165,7 +172,7 @@ class graph {
     return *this;
   }
   graph &backward(rtp_tensor *loss) {
-    check(rtp_build_backward(ctx_, g_, loss));
+    check(rtp_graph_build_backward(ctx_, g_, loss));
     return *this;
   }
   graph &plan() {
@@ -190,7 +197,7 @@ class graph {
 // Adam(W) states for the parameters of a graph; they live in the context's arena.
 class optimizer {
  public:
-  optimizer(rtp_context *ctx, const graph &g, rtp_adamw_params hp = rtp_adamw_default())
+  optimizer(rtp_context *ctx, const graph &g, rtp_adamw_params hp = rtp_adamw_params_default())
       : opt_(check(ctx, rtp_optimizer_new(ctx, g, hp))) {}
   void step(rtp_threadpool *tp = nullptr) {
     check(rtp_optimizer_step(opt_, tp));

@@ -17,18 +17,18 @@ struct Built {
   gpt m{};
   rtp_graph *g = nullptr;
   ~Built() {
-    rtp_free(ctx);
+    rtp_context_free(ctx);
   }
 };
 
 void build(Built &b, gpt_config cfg, int batch) {
   rtp_init_params ip = {gpt_arena_size(cfg, batch), nullptr, false, nullptr, 0};
-  b.ctx = rtp_init(ip);
+  b.ctx = rtp_context_new(ip);
   ASSERT_NE(b.ctx, nullptr) << rtp_last_error();
   ASSERT_EQ(gpt_build(b.ctx, &b.m, cfg, batch), 0) << rtp_last_error();
   b.g = rtp_graph_new(b.ctx, 8192);
   ASSERT_EQ(rtp_graph_build(b.g, b.m.loss), 0) << rtp_last_error();
-  ASSERT_EQ(rtp_build_backward(b.ctx, b.g, b.m.loss), 0) << rtp_last_error();
+  ASSERT_EQ(rtp_graph_build_backward(b.ctx, b.g, b.m.loss), 0) << rtp_last_error();
   ASSERT_EQ(rtp_graph_plan(b.ctx, b.g), 0) << rtp_last_error();
 }
 
@@ -80,12 +80,13 @@ TEST(Planner, LiveTensorsNeverOverlap) {
       int i = planned[x], j = planned[y];  // i < j: alive together if j <= last[i]
       if (j > last[i]) continue;
       auto lo = [](const rtp_tensor *t) { return (uintptr_t)t->data; };
-      auto hi = [](const rtp_tensor *t) { return (uintptr_t)t->data + rtp_nbytes(t); };
+      auto hi = [](const rtp_tensor *t) { return (uintptr_t)t->data + rtp_tensor_nbytes(t); };
       const rtp_tensor *a = g->nodes[i], *c = g->nodes[j];
       // In place: c may take over exactly the memory of a source that dies at c.
       bool reads_a = false;
       for (const rtp_tensor *s : c->src) reads_a |= s == a;
-      if (reads_a && last[i] == j && a->data == c->data && rtp_nbytes(a) == rtp_nbytes(c)) {
+      if (reads_a && last[i] == j && a->data == c->data &&
+          rtp_tensor_nbytes(a) == rtp_tensor_nbytes(c)) {
         in_place++;
         continue;
       }
@@ -115,7 +116,7 @@ TEST(MemReport, CountsEveryRole) {
   rtp_mem_report before;
   rtp_mem_report_get(b.ctx, &before);
   size_t pbytes = 0;
-  for (int i = 0; i < b.m.n_params; i++) pbytes += rtp_nbytes(b.m.params[i]);
+  for (int i = 0; i < b.m.n_params; i++) pbytes += rtp_tensor_nbytes(b.m.params[i]);
   EXPECT_EQ((size_t)gpt_n_params(cfg) * 4, pbytes);
   // Padded to the arena's alignment, so within 64 bytes per tensor.
   EXPECT_GE(before.bytes[RTP_ROLE_PARAM], pbytes);
@@ -123,7 +124,7 @@ TEST(MemReport, CountsEveryRole) {
   EXPECT_GE(before.bytes[RTP_ROLE_GRAD], pbytes);
   EXPECT_LE(before.bytes[RTP_ROLE_GRAD], pbytes + 64 * (size_t)b.m.n_params);
   EXPECT_EQ(before.bytes[RTP_ROLE_OPTIM], 0u);
-  ASSERT_NE(rtp_optimizer_new(b.ctx, b.g, rtp_adamw_default()), nullptr);
+  ASSERT_NE(rtp_optimizer_new(b.ctx, b.g, rtp_adamw_params_default()), nullptr);
   rtp_mem_report after;
   rtp_mem_report_get(b.ctx, &after);
   EXPECT_EQ(after.bytes[RTP_ROLE_OPTIM], 2 * before.bytes[RTP_ROLE_PARAM]);
@@ -136,14 +137,14 @@ TEST(Planner, ComputeDoesNotAllocate) {
   gpt_config cfg = {256, 16, 32, 2, 4};
   Built b;
   ASSERT_NO_FATAL_FAILURE(build(b, cfg, 2));
-  rtp_optimizer *opt = rtp_optimizer_new(b.ctx, b.g, rtp_adamw_default());
-  size_t used = rtp_used_mem(b.ctx);
+  rtp_optimizer *opt = rtp_optimizer_new(b.ctx, b.g, rtp_adamw_params_default());
+  size_t used = rtp_context_used_mem(b.ctx);
   rtp_threadpool *tp = rtp_threadpool_new(2);
   for (int s = 0; s < 3; s++) {
     ASSERT_EQ(rtp_graph_compute(b.g, tp), 0) << rtp_last_error();
     ASSERT_EQ(rtp_optimizer_step(opt, tp), 0);
   }
-  EXPECT_EQ(rtp_used_mem(b.ctx), used);
+  EXPECT_EQ(rtp_context_used_mem(b.ctx), used);
   rtp_threadpool_free(tp);
 }
 
@@ -154,20 +155,21 @@ namespace {
 // Tensors can be found again by name and iterated in creation order.
 TEST(Context, FindAndIterateTensors) {
   rtp_init_params ip = {1 << 20, nullptr, false, nullptr, 0};
-  rtp_context *ctx = rtp_init(ip);
-  rtp_tensor *a = rtp_set_name(rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 3), "a");
-  rtp_tensor *b = rtp_set_name(rtp_new_tensor_2d(ctx, RTP_TYPE_I32, 2, 2), "layer.%d.b", 7);
+  rtp_context *ctx = rtp_context_new(ip);
+  rtp_tensor *a = rtp_tensor_set_name(rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 3), "a");
+  rtp_tensor *b =
+      rtp_tensor_set_name(rtp_tensor_new_2d(ctx, RTP_TYPE_I32, 2, 2), "layer.%d.b", 7);
   rtp_tensor *c = rtp_gelu(ctx, a);
-  EXPECT_EQ(rtp_get_tensor(ctx, "a"), a);
-  EXPECT_EQ(rtp_get_tensor(ctx, "layer.7.b"), b);
-  EXPECT_EQ(rtp_get_tensor(ctx, "missing"), nullptr);
-  EXPECT_EQ(rtp_tensor_at(ctx, 0), a);
-  EXPECT_EQ(rtp_tensor_at(ctx, 1), b);
-  EXPECT_EQ(rtp_tensor_at(ctx, 2), c);
-  EXPECT_EQ(rtp_tensor_at(ctx, 3), nullptr);
+  EXPECT_EQ(rtp_context_find_tensor(ctx, "a"), a);
+  EXPECT_EQ(rtp_context_find_tensor(ctx, "layer.7.b"), b);
+  EXPECT_EQ(rtp_context_find_tensor(ctx, "missing"), nullptr);
+  EXPECT_EQ(rtp_context_tensor_at(ctx, 0), a);
+  EXPECT_EQ(rtp_context_tensor_at(ctx, 1), b);
+  EXPECT_EQ(rtp_context_tensor_at(ctx, 2), c);
+  EXPECT_EQ(rtp_context_tensor_at(ctx, 3), nullptr);
   EXPECT_EQ(b->data != nullptr, true);  // leafs get memory, op results wait for the planner
   EXPECT_EQ(c->data, nullptr);
-  rtp_free(ctx);
+  rtp_context_free(ctx);
 }
 
 }  // namespace

@@ -50,40 +50,41 @@ struct Plan {
   bool build(rtp_strategy s, rtp_comm *c, bool mlp = false) {
     strategy = s;
     comm = c;
-    meta = rtp_init({1 << 20, nullptr, true, nullptr, 0});
-    ctx = rtp_init({4 << 20, nullptr, false, nullptr, 0});
-    rtp_tensor *x = rtp_new_tensor_2d(meta, RTP_TYPE_F32, 8, 5), *loss = nullptr;
-    rtp_set_input(x);
+    meta = rtp_context_new({1 << 20, nullptr, true, nullptr, 0});
+    ctx = rtp_context_new({4 << 20, nullptr, false, nullptr, 0});
+    rtp_tensor *x = rtp_tensor_new_2d(meta, RTP_TYPE_F32, 8, 5), *loss = nullptr;
+    rtp_tensor_set_input(x);
     if (mlp) {
       n_params = 4;
-      params[0] = rtp_set_name(rtp_new_tensor_2d(meta, RTP_TYPE_F32, 8, 12), "fc.w");
-      params[1] = rtp_set_name(rtp_new_tensor_1d(meta, RTP_TYPE_F32, 12), "fc.b");
-      params[2] = rtp_set_name(rtp_new_tensor_2d(meta, RTP_TYPE_F32, 12, 6), "proj.w");
-      params[3] = rtp_set_name(rtp_new_tensor_1d(meta, RTP_TYPE_F32, 6), "proj.b");
-      for (rtp_tensor *t : params) rtp_set_param(t);
-      if (rtp_set_tp(params[0], RTP_TP_COLUMN, 1) || rtp_set_tp(params[1], RTP_TP_COLUMN, 1) ||
-          rtp_set_tp(params[2], RTP_TP_ROW, 1))
+      params[0] = rtp_tensor_set_name(rtp_tensor_new_2d(meta, RTP_TYPE_F32, 8, 12), "fc.w");
+      params[1] = rtp_tensor_set_name(rtp_tensor_new_1d(meta, RTP_TYPE_F32, 12), "fc.b");
+      params[2] = rtp_tensor_set_name(rtp_tensor_new_2d(meta, RTP_TYPE_F32, 12, 6), "proj.w");
+      params[3] = rtp_tensor_set_name(rtp_tensor_new_1d(meta, RTP_TYPE_F32, 6), "proj.b");
+      for (rtp_tensor *t : params) rtp_tensor_set_param(t);
+      if (rtp_tensor_set_tp(params[0], RTP_TP_COLUMN, 1) ||
+          rtp_tensor_set_tp(params[1], RTP_TP_COLUMN, 1) ||
+          rtp_tensor_set_tp(params[2], RTP_TP_ROW, 1))
         return false;
       rtp_tensor *h = rtp_gelu(meta, rtp_add(meta, rtp_mul_mat(meta, params[0], x), params[1]));
       loss = rtp_sum(meta, rtp_add(meta, rtp_mul_mat(meta, params[2], h), params[3]));
     } else {
-      params[0] = rtp_set_name(rtp_new_tensor_2d(meta, RTP_TYPE_F32, 8, 6), "w");
-      params[1] = rtp_set_name(rtp_new_tensor_1d(meta, RTP_TYPE_F32, 6), "b");
-      rtp_set_param(params[0]);
-      rtp_set_param(params[1]);
+      params[0] = rtp_tensor_set_name(rtp_tensor_new_2d(meta, RTP_TYPE_F32, 8, 6), "w");
+      params[1] = rtp_tensor_set_name(rtp_tensor_new_1d(meta, RTP_TYPE_F32, 6), "b");
+      rtp_tensor_set_param(params[0]);
+      rtp_tensor_set_param(params[1]);
       loss = rtp_sum(meta, rtp_add(meta, rtp_mul_mat(meta, params[0], x), params[1]));
     }
     rtp_graph *g = rtp_graph_new(meta, 64);
     if (!loss || rtp_graph_build(g, loss)) return false;
     rtp_parallel_params pp = {s, c, 0, 0, RTP_TYPE_F32, RTP_TYPE_F32, 0};
-    par = rtp_parallelize(ctx, g, loss, &pp);
+    par = rtp_parallel_new(ctx, g, loss, &pp);
     if (!par || rtp_graph_plan(ctx, rtp_parallel_graph(par))) return false;
-    opt = rtp_parallel_optimizer(par, rtp_adamw_default());
+    opt = rtp_parallel_optimizer(par, rtp_adamw_params_default());
     return opt != nullptr;
   }
   ~Plan() {
-    rtp_free(ctx);
-    rtp_free(meta);
+    rtp_context_free(ctx);
+    rtp_context_free(meta);
     rtp_comm_free(comm);
   }
   rtp_ckpt_params ckpt(const std::string &dir) const {
@@ -96,9 +97,9 @@ struct Plan {
   }
   // ... this rank's part of it (rtp_parallel_shard_copy: any strategy) ...
   std::vector<float> expected(int i, int k) const {
-    std::vector<float> whole(rtp_nelements(params[i]));
+    std::vector<float> whole(rtp_tensor_nelements(params[i]));
     for (size_t j = 0; j < whole.size(); j++) whole[j] = value(i, (int64_t)j, k);
-    std::vector<float> mine(rtp_nelements(rtp_parallel_tensor(par, params[i])));
+    std::vector<float> mine(rtp_tensor_nelements(rtp_parallel_tensor(par, params[i])));
     EXPECT_EQ(rtp_parallel_shard_copy(par, params[i], whole.data(), mine.data()), RTP_OK);
     return mine;
   }
@@ -216,18 +217,18 @@ TEST(Ckpt, LongParameterNames) {
     Plan p;
     ASSERT_TRUE(p.build(RTP_STRATEGY_NONE, nullptr)) << rtp_last_error();
     p.fill(true);
-    rtp_set_name(p.params[0], "%s", too_long.c_str());
+    rtp_tensor_set_name(p.params[0], "%s", too_long.c_str());
     rtp_ckpt_params cp = p.ckpt(dir);
     EXPECT_EQ(rtp_ckpt_save(&cp, 1), RTP_EINVAL);
     EXPECT_NE(std::string(rtp_last_error()).find("at most 56 characters"), std::string::npos)
         << rtp_last_error();
     EXPECT_FALSE(std::ifstream(dir + "/latest").good());
-    rtp_set_name(p.params[0], "%s", longest.c_str());
+    rtp_tensor_set_name(p.params[0], "%s", longest.c_str());
     ASSERT_EQ(rtp_ckpt_save(&cp, 1), RTP_OK) << rtp_last_error();
   }
   Plan q;
   ASSERT_TRUE(q.build(RTP_STRATEGY_NONE, nullptr)) << rtp_last_error();
-  rtp_set_name(q.params[0], "%s", longest.c_str());
+  rtp_tensor_set_name(q.params[0], "%s", longest.c_str());
   EXPECT_EQ(load_and_check(q, dir), 0);
 }
 
@@ -256,7 +257,7 @@ TEST(Ckpt, TpSavesRowBlocksThatLoadAnywhere) {
   rtp_safetensors *st = nullptr;
   ASSERT_EQ(rtp_safetensors_open((dir + "/step-00000005/rank-1.safetensors").c_str(), &st), 0)
       << rtp_last_error();
-  rtp_context *ctx = rtp_init({1 << 20, nullptr, false, nullptr, 0});
+  rtp_context *ctx = rtp_context_new({1 << 20, nullptr, false, nullptr, 0});
   const struct {
     const char *name;
     int param;
@@ -270,11 +271,11 @@ TEST(Ckpt, TpSavesRowBlocksThatLoadAnywhere) {
     EXPECT_EQ(t->ne[1], ne1) << w.name;
     int k = std::string(w.name).rfind("adam.v.", 0) == 0 ? 2 : 0, bad = 0;
     int64_t off = w.first * (w.param == 3 ? 1 : w.ne0);
-    for (int64_t j = 0; j < rtp_nelements(t); j++)
+    for (int64_t j = 0; j < rtp_tensor_nelements(t); j++)
       bad += ((float *)t->data)[j] != Plan::value(w.param, off + j, k);
     EXPECT_EQ(bad, 0) << w.name << ": values not those of its rows";
   }
-  rtp_free(ctx);
+  rtp_context_free(ctx);
   rtp_safetensors_close(st);
   EXPECT_EQ(on_ranks(2, RTP_STRATEGY_TP, dir, false, true), 0) << "tp on 2 ranks, loaded so";
   EXPECT_EQ(on_ranks(3, RTP_STRATEGY_TP, dir, false, true), 0) << "loaded by tp on 3 ranks";

@@ -17,11 +17,11 @@ int rank_main(int rank, int world, int port) {
   rtp_comm *comm = nullptr;
   if (rtp_comm_init(&cp, &comm)) return 10;
   rtp_init_params ip = {8 << 20, nullptr, false, nullptr, 0};
-  rtp_context *ctx = rtp_init(ip);
+  rtp_context *ctx = rtp_context_new(ip);
   const int n = 37;
-  rtp_tensor *mine = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, n);
-  rtp_tensor *slot[2] = {rtp_new_tensor_1d(ctx, RTP_TYPE_F32, n),
-                         rtp_new_tensor_1d(ctx, RTP_TYPE_F32, n)};
+  rtp_tensor *mine = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, n);
+  rtp_tensor *slot[2] = {rtp_tensor_new_1d(ctx, RTP_TYPE_F32, n),
+                         rtp_tensor_new_1d(ctx, RTP_TYPE_F32, n)};
   for (int i = 0; i < n; i++) ((float *)mine->data)[i] = (float)(100 * rank + i);
   int left = (rank + world - 1) % world, right = (rank + 1) % world;
   rtp_tensor *hop1 = rtp_sendrecv(ctx, comm, mine, left, slot[0], right, nullptr);
@@ -30,7 +30,7 @@ int rank_main(int rank, int world, int port) {
   rtp_tensor *got = rtp_add(ctx, rtp_scale(ctx, hop2, 2.0f), rtp_scale(ctx, busy, 0.0f));
   rtp_tensor *summed = rtp_allreduce(ctx, comm, got, nullptr);
   rtp_tensor *out = rtp_scale(ctx, summed, 1.0f);
-  rtp_set_output(out);
+  rtp_tensor_set_output(out);
   rtp_graph *g = rtp_graph_new(ctx, 64);
   if (rtp_graph_build(g, out) || rtp_graph_plan(ctx, g)) return 11;
   rtp_threadpool *tp = rtp_threadpool_new(2);
@@ -49,7 +49,7 @@ int rank_main(int rank, int world, int port) {
     }
   }
   rtp_threadpool_free(tp);
-  rtp_free(ctx);
+  rtp_context_free(ctx);
   rtp_comm_free(comm);
   return 0;
 }
@@ -73,11 +73,11 @@ int pipe_main(int rank, int port) {
   if (rtp_comm_init(&cp, &comm)) return 10;
   if (rtp_comm_split(comm, rank == 1 ? RTP_COMM_UNDEFINED : 0, rank, &ends)) return 10;
   rtp_init_params ip = {8 << 20, nullptr, false, nullptr, 0};
-  rtp_context *ctx = rtp_init(ip);
+  rtp_context *ctx = rtp_context_new(ip);
   const int n = 1000;
-  rtp_tensor *x = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, n);
-  rtp_tensor *buf = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, n);
-  rtp_set_input(x);
+  rtp_tensor *x = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, n);
+  rtp_tensor *buf = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, n);
+  rtp_tensor_set_input(x);
   rtp_tensor *out = nullptr;
   if (rank == 0) {
     rtp_tensor *sent = rtp_send(ctx, comm, rtp_scale(ctx, x, 2.0f), 1, nullptr);
@@ -93,7 +93,7 @@ int pipe_main(int rank, int port) {
     rtp_tensor *got = rtp_recv(ctx, comm, buf, 1, nullptr);
     out = rtp_send(ctx, ends, rtp_scale(ctx, got, 3.0f), 0, nullptr);
   }
-  rtp_set_output(out);
+  rtp_tensor_set_output(out);
   rtp_graph *g = rtp_graph_new(ctx, 64);
   if (!out || rtp_graph_build(g, out) || rtp_graph_plan(ctx, g)) {
     fprintf(stderr, "rank %d: %s\n", rank, rtp_last_error());
@@ -123,7 +123,7 @@ int pipe_main(int rank, int port) {
   // one-way transfers to oneself or out of the group are refused when built
   if (rtp_send(ctx, comm, x, rank, nullptr) || rtp_recv(ctx, comm, buf, 3, nullptr)) return 14;
   if (rtp_context_error(ctx, nullptr) != RTP_EINVAL) return 15;
-  rtp_free(ctx);
+  rtp_context_free(ctx);
   rtp_comm_free(ends);
   rtp_comm_free(comm);
   return 0;

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "rtp.hpp"
+#include "test-util.h"
 
 namespace {
 
@@ -39,7 +40,7 @@ TEST(Cpp, OwnersMoveAndFree) {
   rtp::context c(1 << 16);
   c = std::move(b);  // frees c's old arena (ASan would report a leak otherwise)
   EXPECT_EQ(c.get(), raw);
-  EXPECT_NE(rtp_new_tensor_1d(c, RTP_TYPE_F32, 4), nullptr);
+  EXPECT_NE(rtp_tensor_new_1d(c, RTP_TYPE_F32, 4), nullptr);
 
   rtp::threadpool tp(2);
   EXPECT_EQ(tp.size(), 2);
@@ -50,8 +51,8 @@ TEST(Cpp, OwnersMoveAndFree) {
 
 TEST(Cpp, ShapeMismatchThrowsWithTheContextMessage) {
   rtp::context ctx(1 << 20);
-  rtp_tensor *a = ctx.check(rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 3));
-  rtp_tensor *b = ctx.check(rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 4));
+  rtp_tensor *a = ctx.check(rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 3));
+  rtp_tensor *b = ctx.check(rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 4));
   expect_error([&] { ctx.check(rtp_add(ctx, a, b)); }, RTP_ESHAPE, "add");
   // The first error stays recorded: a later builder given NULL reports it again.
   expect_error([&] { ctx.check(rtp_gelu(ctx, rtp_add(ctx, a, b))); }, RTP_ESHAPE, "add");
@@ -59,13 +60,13 @@ TEST(Cpp, ShapeMismatchThrowsWithTheContextMessage) {
 
 TEST(Cpp, ArenaFullThrows) {
   rtp::context ctx(64 << 10);
-  expect_error([&] { ctx.check(rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 1 << 20)); }, RTP_ENOMEM,
+  expect_error([&] { ctx.check(rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 1 << 20)); }, RTP_ENOMEM,
                "arena full");
 }
 
 TEST(Cpp, GraphMisuseThrows) {
   rtp::context ctx(1 << 20);
-  rtp_tensor *x = ctx.check(rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 4));
+  rtp_tensor *x = ctx.check(rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 4));
   rtp_tensor *y = ctx.check(rtp_sum(ctx, x));
   rtp::graph g(ctx, 16);
   g.build(y);
@@ -73,9 +74,9 @@ TEST(Cpp, GraphMisuseThrows) {
   expect_error([&] { g.backward(y); }, RTP_EINVAL, "no parameter");
   g.plan();
   expect_error([&] { g.plan(); }, RTP_ESTATE, "already planned");
-  rtp_set_f32(x, 2.0f);
+  rtp_tensor_fill_f32(x, 2.0f);
   g.compute();
-  EXPECT_EQ(rtp_get_f32_1d(y, 0), 8.0f);
+  EXPECT_EQ(rtptest::f32_at(y, 0), 8.0f);
   rtp::context fresh(1 << 20);
   expect_error([&] { rtp::graph(fresh, 0); }, RTP_EINVAL, "size");
 }
@@ -96,8 +97,8 @@ TEST(Cpp, MissingOrCorruptSafetensorsThrows) {
 TEST(Cpp, SafetensorsRoundTrip) {
   std::string path = testing::TempDir() + "rtp-cpp-roundtrip.safetensors";
   rtp::context ctx(1 << 20);
-  rtp_tensor *w = ctx.check(rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 3, 2));
-  rtp_set_name(w, "w");
+  rtp_tensor *w = ctx.check(rtp_tensor_new_2d(ctx, RTP_TYPE_F32, 3, 2));
+  rtp_tensor_set_name(w, "w");
   for (int i = 0; i < 6; i++) static_cast<float *>(w->data)[i] = 0.5f * i;
   rtp::safetensors::save(path, {w}, {"who", "test-cpp"});
 
@@ -107,8 +108,8 @@ TEST(Cpp, SafetensorsRoundTrip) {
   EXPECT_EQ(st.find("nope"), -1);
   EXPECT_STREQ(st.meta("who"), "test-cpp");
   rtp_tensor *back = st.load(ctx, "w");
-  EXPECT_EQ(rtp_get_f32_1d(back, 5), 2.5f);
-  rtp_tensor *wrong = ctx.check(rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 5));
+  EXPECT_EQ(rtptest::f32_at(back, 5), 2.5f);
+  rtp_tensor *wrong = ctx.check(rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 5));
   expect_error([&] { st.read("w", wrong); }, RTP_ESHAPE, "w");
   expect_error([&] { st.read("nope", wrong); }, RTP_EINVAL, "nope");
   expect_error([&] { rtp::safetensors::save(path, {w, w}); }, RTP_EINVAL, "w");
@@ -128,11 +129,11 @@ TEST(Cpp, LocalCommunicator) {
 // A two-layer perceptron learns four points through the wrapper alone.
 TEST(Cpp, TrainingLoop) {
   rtp::context ctx(4 << 20);
-  rtp_tensor *x = ctx.check(rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 2, 4));
-  rtp_tensor *y = ctx.check(rtp_new_tensor_1d(ctx, RTP_TYPE_I32, 4));
-  rtp_tensor *w1 = ctx.check(rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 2, 16));
-  rtp_tensor *b1 = ctx.check(rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 16));
-  rtp_tensor *w2 = ctx.check(rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 16, 2));
+  rtp_tensor *x = ctx.check(rtp_tensor_new_2d(ctx, RTP_TYPE_F32, 2, 4));
+  rtp_tensor *y = ctx.check(rtp_tensor_new_1d(ctx, RTP_TYPE_I32, 4));
+  rtp_tensor *w1 = ctx.check(rtp_tensor_new_2d(ctx, RTP_TYPE_F32, 2, 16));
+  rtp_tensor *b1 = ctx.check(rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 16));
+  rtp_tensor *w2 = ctx.check(rtp_tensor_new_2d(ctx, RTP_TYPE_F32, 16, 2));
   for (int i = 0; i < 4; i++) {
     static_cast<float *>(x->data)[2 * i] = static_cast<float>(i & 1);
     static_cast<float *>(x->data)[2 * i + 1] = static_cast<float>(i >> 1);
@@ -140,8 +141,8 @@ TEST(Cpp, TrainingLoop) {
   }
   int k = 0;
   for (rtp_tensor *p : {w1, b1, w2}) {
-    rtp_set_param(p);
-    for (int64_t i = 0; i < rtp_nelements(p); i++)
+    rtp_tensor_set_param(p);
+    for (int64_t i = 0; i < rtp_tensor_nelements(p); i++)
       static_cast<float *>(p->data)[i] = 0.5f * std::sin(1.7f * static_cast<float>(k++));
   }
   rtp_tensor *h = rtp_gelu(ctx, rtp_add(ctx, rtp_mul_mat(ctx, w1, x), b1));
@@ -149,14 +150,14 @@ TEST(Cpp, TrainingLoop) {
 
   rtp::graph g(ctx, 128);
   g.build(loss).backward(loss).plan();
-  rtp_adamw_params hp = rtp_adamw_default();
+  rtp_adamw_params hp = rtp_adamw_params_default();
   hp.lr = 0.05f;
   rtp::optimizer opt(ctx, g, hp);
   rtp::threadpool tp(2);
   float first = 0, last = 0;
   for (int step = 0; step < 100; step++) {
     g.compute(tp);
-    last = rtp_get_f32_1d(loss, 0);
+    last = rtptest::f32_at(loss, 0);
     if (step == 0) first = last;
     opt.step(tp);
   }

@@ -24,6 +24,7 @@ extern "C" {
 int rtp__cuda_status(int cuda_error, const char *what);
 int rtp__cublas_status(int cublas_status, const char *what);
 }
+#include "test-util.h"
 
 namespace {
 
@@ -123,7 +124,7 @@ class Cuda : public ::testing::Test {
 
 rtp_context *new_ctx(rtp_backend *be, size_t size = 64 << 20) {
   rtp_init_params ip = {size, nullptr, false, be, be ? size : 0};
-  return rtp_init(ip);
+  return rtp_context_new(ip);
 }
 
 // max |a - ref| / max |ref|: one number per tensor, scale-free.
@@ -137,7 +138,7 @@ double rel_err(const std::vector<float> &a, const std::vector<float> &ref) {
 }
 
 std::vector<float> get_f32(const rtp_tensor *t) {
-  std::vector<float> v((size_t)rtp_nelements(t));
+  std::vector<float> v((size_t)rtp_tensor_nelements(t));
   EXPECT_EQ(rtp_tensor_get(t, v.data(), 0, v.size() * sizeof(float)), RTP_OK)
       << rtp_last_error();
   return v;
@@ -163,7 +164,7 @@ struct Side {
   std::vector<rtp_tensor *> xs;
   rtp_tensor *f = nullptr, *loss = nullptr;
   ~Side() {
-    rtp_free(ctx);
+    rtp_context_free(ctx);
   }
 
   void run(rtp_backend *be, const std::vector<Input> &inputs,
@@ -174,13 +175,13 @@ struct Side {
     bool any_param = false;
     for (size_t k = 0; k < inputs.size(); k++) {
       const Input &in = inputs[k];
-      rtp_tensor *x = rtp_new_tensor(ctx, in.index_range ? RTP_TYPE_I32 : RTP_TYPE_F32,
+      rtp_tensor *x = rtp_tensor_new(ctx, in.index_range ? RTP_TYPE_I32 : RTP_TYPE_F32,
                                      (int)in.ne.size(), in.ne.data());
       ASSERT_NE(x, nullptr) << rtp_last_error();
       ASSERT_EQ(rtp_tensor_set(x, values[k].data(), 0, values[k].size() * 4), RTP_OK)
           << rtp_last_error();
       if (in.param && !in.index_range) {
-        rtp_set_param(x);
+        rtp_tensor_set_param(x);
         any_param = true;
       }
       xs.push_back(x);
@@ -189,18 +190,19 @@ struct Side {
     f = build(ctx, xs);
     ASSERT_NE(f, nullptr) << (rtp_context_error(ctx, &msg), msg);
     f = rtp_cont(ctx, f);
-    rtp_set_output(f);
+    rtp_tensor_set_output(f);
     if (f->type == RTP_TYPE_F32) {
-      rtp_tensor *rt = rtp_new_tensor(ctx, RTP_TYPE_F32, 4, f->ne);
+      rtp_tensor *rt = rtp_tensor_new(ctx, RTP_TYPE_F32, 4, f->ne);
       ASSERT_NE(rt, nullptr);
-      ASSERT_EQ(rtp_tensor_set(rt, r.data(), 0, rtp_nbytes(rt)), RTP_OK) << rtp_last_error();
+      ASSERT_EQ(rtp_tensor_set(rt, r.data(), 0, rtp_tensor_nbytes(rt)), RTP_OK)
+          << rtp_last_error();
       loss = rtp_sum(ctx, rtp_mul(ctx, f, rt));
       ASSERT_NE(loss, nullptr) << (rtp_context_error(ctx, &msg), msg);
     }
     rtp_graph *g = rtp_graph_new(ctx, 1024);
     ASSERT_EQ(rtp_graph_build(g, loss ? loss : f), 0) << rtp_last_error();
     if (any_param && loss) {
-      ASSERT_EQ(rtp_build_backward(ctx, g, loss), 0) << rtp_last_error();
+      ASSERT_EQ(rtp_graph_build_backward(ctx, g, loss), 0) << rtp_last_error();
     }
     ASSERT_EQ(rtp_graph_plan(ctx, g), 0) << rtp_last_error();
     ASSERT_EQ(rtp_graph_compute(g, nullptr), 0) << rtp_last_error();
@@ -236,9 +238,9 @@ void compare(rtp_backend *be, const std::string &what, const std::vector<Input> 
   Side cpu, gpu;
   ASSERT_NO_FATAL_FAILURE(cpu.run(nullptr, inputs, values, r, build));
   ASSERT_NO_FATAL_FAILURE(gpu.run(be, inputs, values, r, build));
-  ASSERT_EQ(rtp_nelements(cpu.f), rtp_nelements(gpu.f));
+  ASSERT_EQ(rtp_tensor_nelements(cpu.f), rtp_tensor_nelements(gpu.f));
   if (cpu.f->type == RTP_TYPE_I32) {
-    std::vector<int32_t> a((size_t)rtp_nelements(cpu.f)), c(a.size());
+    std::vector<int32_t> a((size_t)rtp_tensor_nelements(cpu.f)), c(a.size());
     ASSERT_EQ(rtp_tensor_get(cpu.f, a.data(), 0, a.size() * 4), 0);
     ASSERT_EQ(rtp_tensor_get(gpu.f, c.data(), 0, c.size() * 4), 0) << rtp_last_error();
     EXPECT_EQ(a, c);
@@ -288,13 +290,13 @@ TEST_P(CudaOps, Reductions) {
   compare(b, "mean", {{s}}, [](rtp_context *c, auto &x) { return rtp_mean(c, x[0]); });
   compare(b, "repeat_back", {{s}}, [one](rtp_context *c, auto &x) {
     return rtp_repeat_back(c, x[0],
-                           rtp_new_tensor(c, RTP_TYPE_F32, (int)one.size(), one.data()));
+                           rtp_tensor_new(c, RTP_TYPE_F32, (int)one.size(), one.data()));
   });
   compare(b, "repeat_back rows", {{s}}, [s](rtp_context *c, auto &x) {
-    return rtp_repeat_back(c, x[0], rtp_new_tensor_1d(c, RTP_TYPE_F32, s[0]));
+    return rtp_repeat_back(c, x[0], rtp_tensor_new_1d(c, RTP_TYPE_F32, s[0]));
   });
   compare(b, "repeat", {{{s[0]}}}, [s](rtp_context *c, auto &x) {
-    return rtp_repeat(c, x[0], rtp_new_tensor(c, RTP_TYPE_F32, (int)s.size(), s.data()));
+    return rtp_repeat(c, x[0], rtp_tensor_new(c, RTP_TYPE_F32, (int)s.size(), s.data()));
   });
 }
 
@@ -323,7 +325,7 @@ TEST_P(CudaOps, Views) {
   });
   if (s[1] > 1)
     compare(b, "view_rows", {{s}}, [](rtp_context *c, auto &x) {
-      int d = rtp_n_dims(x[0]) - 1;
+      int d = rtp_tensor_n_dims(x[0]) - 1;
       return rtp_view_rows(c, x[0], 1, x[0]->ne[d] - 1);
     });
   if (s[0] > 2)
@@ -433,10 +435,10 @@ TEST_F(Cuda, ResultsIntoBlocks) {
   for (int side = 0; side < 2; side++) {
     rtp_context *ctx = new_ctx(side ? b : nullptr, 8 << 20);
     ASSERT_NE(ctx, nullptr) << rtp_last_error();
-    rtp_tensor *a = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, K, M);
-    rtp_tensor *bb = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, K, N);
-    rtp_tensor *x = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, D, N);
-    rtp_tensor *r = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, D);
+    rtp_tensor *a = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, K, M);
+    rtp_tensor *bb = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, K, N);
+    rtp_tensor *x = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, D, N);
+    rtp_tensor *r = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, D);
     ASSERT_EQ(rtp_tensor_set(a, va.data(), 0, va.size() * 4), 0);
     ASSERT_EQ(rtp_tensor_set(bb, vb.data(), 0, vb.size() * 4), 0);
     ASSERT_EQ(rtp_tensor_set(x, vx.data(), 0, vx.size() * 4), 0);
@@ -468,13 +470,13 @@ TEST_F(Cuda, ResultsIntoBlocks) {
       part->src[2] = z;
       ASSERT_EQ(rtp_graph_build(g, part), 0) << rtp_last_error();
     }
-    rtp_set_output(y);
-    rtp_set_output(z);
+    rtp_tensor_set_output(y);
+    rtp_tensor_set_output(z);
     ASSERT_EQ(rtp_graph_plan(ctx, g), 0) << rtp_last_error();
     ASSERT_EQ(rtp_graph_compute(g, nullptr), 0) << rtp_last_error();
     got[side][0] = get_f32(y);
     got[side][1] = get_f32(z);
-    rtp_free(ctx);
+    rtp_context_free(ctx);
   }
   EXPECT_LE(rel_err(got[1][0], got[0][0]), 1e-5) << "products";
   EXPECT_EQ(got[1][1], got[0][1]) << "sums";
@@ -498,7 +500,7 @@ TEST_F(Cuda, RowBlocks) {
           [](rtp_context *c, auto &x) { return rtp__get_rows_block(c, x[0], x[1], first); });
   compare(b, "get_rows_back block", {{{D, 10}, false}, {{10}, false, false, 10}},
           [](rtp_context *c, auto &x) {
-            rtp_tensor *like = rtp_new_tensor_2d(c, RTP_TYPE_F32, D, rows);
+            rtp_tensor *like = rtp_tensor_new_2d(c, RTP_TYPE_F32, D, rows);
             return rtp__get_rows_back_block(c, x[0], x[1], like, first);
           });
 }
@@ -550,15 +552,15 @@ TEST_F(Cuda, AttentionHeads) {
 TEST_F(Cuda, BadIndexIsAnErrorNotACrash) {
   rtp_context *ctx = new_ctx(b, 8 << 20);
   ASSERT_NE(ctx, nullptr) << rtp_last_error();
-  rtp_tensor *a = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 4, 5);
-  rtp_tensor *idx = rtp_new_tensor_1d(ctx, RTP_TYPE_I32, 3);
-  rtp_tensor *tgt = rtp_new_tensor_1d(ctx, RTP_TYPE_I32, 3);
-  rtp_set_param(a);
+  rtp_tensor *a = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, 4, 5);
+  rtp_tensor *idx = rtp_tensor_new_1d(ctx, RTP_TYPE_I32, 3);
+  rtp_tensor *tgt = rtp_tensor_new_1d(ctx, RTP_TYPE_I32, 3);
+  rtp_tensor_set_param(a);
   rtp_tensor *rows = rtp_get_rows(ctx, a, idx);
   rtp_tensor *loss = rtp_cross_entropy(ctx, rows, tgt);
   rtp_graph *g = rtp_graph_new(ctx, 64);
   ASSERT_EQ(rtp_graph_build(g, loss), 0) << rtp_last_error();
-  ASSERT_EQ(rtp_build_backward(ctx, g, loss), 0) << rtp_last_error();
+  ASSERT_EQ(rtp_graph_build_backward(ctx, g, loss), 0) << rtp_last_error();
   ASSERT_EQ(rtp_graph_plan(ctx, g), 0) << rtp_last_error();
   std::vector<float> av(20, 0.5f);
   ASSERT_EQ(rtp_tensor_set(a, av.data(), 0, 80), 0);
@@ -580,8 +582,8 @@ TEST_F(Cuda, BadIndexIsAnErrorNotACrash) {
   ASSERT_EQ(rtp_tensor_set(idx, good, 0, 12), 0);
   ASSERT_EQ(rtp_tensor_set(tgt, good_tgt, 0, 12), 0);
   EXPECT_EQ(rtp_graph_compute(g, nullptr), RTP_OK) << rtp_last_error();  // the flag was cleared
-  EXPECT_NEAR(rtp_get_f32_1d(loss, 0), std::log(4.0f), 1e-5);
-  rtp_free(ctx);
+  EXPECT_NEAR(rtptest::f32_at(loss, 0), std::log(4.0f), 1e-5);
+  rtp_context_free(ctx);
 }
 
 // ---- the GPT reference model: one training step on both backends ---------------------------
@@ -592,7 +594,7 @@ struct Model {
   rtp_graph *g = nullptr;
   rtp_optimizer *opt = nullptr;
   ~Model() {
-    rtp_free(ctx);
+    rtp_context_free(ctx);
   }
 
   void build(rtp_backend *be, gpt_config cfg, int batch, const std::vector<int32_t> &tokens,
@@ -602,14 +604,14 @@ struct Model {
     ASSERT_NE(ctx, nullptr) << rtp_last_error();
     ASSERT_EQ(gpt_build(ctx, &m, cfg, batch), 0) << rtp_last_error();
     for (int i = 0; i < m.n_params; i++) {
-      std::vector<float> w((size_t)rtp_nelements(m.params[i]));
+      std::vector<float> w((size_t)rtp_tensor_nelements(m.params[i]));
       gpt_init_tensor(&m, i, 1234, w.data());
       ASSERT_EQ(rtp_tensor_set(m.params[i], w.data(), 0, w.size() * 4), 0) << rtp_last_error();
     }
     set_tokens(tokens);
     g = rtp_graph_new(ctx, 4096);
     ASSERT_EQ(rtp_graph_build(g, m.loss), 0) << rtp_last_error();
-    ASSERT_EQ(rtp_build_backward(ctx, g, m.loss), 0) << rtp_last_error();
+    ASSERT_EQ(rtp_graph_build_backward(ctx, g, m.loss), 0) << rtp_last_error();
     ASSERT_EQ(rtp_graph_plan(ctx, g), 0) << rtp_last_error();
     opt = rtp_optimizer_new(ctx, g, hp);
     ASSERT_NE(opt, nullptr) << rtp_last_error();
@@ -642,7 +644,7 @@ TEST_F(Cuda, GptTrainingStep) {
 
   ASSERT_EQ(rtp_graph_compute(cpu.g, nullptr), 0) << rtp_last_error();
   ASSERT_EQ(rtp_graph_compute(gpu.g, nullptr), 0) << rtp_last_error();
-  float lc = rtp_get_f32_1d(cpu.m.loss, 0), lg = rtp_get_f32_1d(gpu.m.loss, 0);
+  float lc = rtptest::f32_at(cpu.m.loss, 0), lg = rtptest::f32_at(gpu.m.loss, 0);
   EXPECT_NEAR(lg, lc, 1e-4 * std::fabs(lc));
   EXPECT_LE(rel_err(get_f32(gpu.m.logits), get_f32(cpu.m.logits)), 1e-4);
   std::vector<std::vector<float>> grads;
@@ -670,14 +672,14 @@ TEST_F(Cuda, GptTrainingStep) {
 
   ASSERT_EQ(rtp_graph_compute(cpu.g, nullptr), 0) << rtp_last_error();
   ASSERT_EQ(rtp_graph_compute(gpu.g, nullptr), 0) << rtp_last_error();
-  lc = rtp_get_f32_1d(cpu.m.loss, 0), lg = rtp_get_f32_1d(gpu.m.loss, 0);
+  lc = rtptest::f32_at(cpu.m.loss, 0), lg = rtptest::f32_at(gpu.m.loss, 0);
   EXPECT_NEAR(lg, lc, 1e-3 * std::fabs(lc)) << "loss after the step";
 }
 
 TEST_F(Cuda, GptBadToken) {
   std::vector<int32_t> tokens = random_tokens(kTiny, 1, 9);
   Model gpu;
-  ASSERT_NO_FATAL_FAILURE(gpu.build(b, kTiny, 1, tokens, rtp_adamw_default()));
+  ASSERT_NO_FATAL_FAILURE(gpu.build(b, kTiny, 1, tokens, rtp_adamw_params_default()));
   ASSERT_EQ(rtp_graph_compute(gpu.g, nullptr), 0) << rtp_last_error();
   tokens[3] = kTiny.vocab;  // one past the end of the embedding table
   ASSERT_NO_FATAL_FAILURE(gpu.set_tokens(tokens));
@@ -781,12 +783,12 @@ TEST_F(Cuda, SingleRankTransfers) {
   rtp_context *ctx = new_ctx(b, 8 << 20);
   ASSERT_NE(ctx, nullptr) << rtp_last_error();
   const int n = 1000;
-  rtp_tensor *send = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, n);
-  rtp_tensor *recv = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, n);
+  rtp_tensor *send = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, n);
+  rtp_tensor *recv = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, n);
   rtp_tensor *got = rtp_sendrecv(ctx, comm, rtp_scale(ctx, send, 3.0f), 0, recv, 0, nullptr);
   rtp_tensor *sum = rtp_allreduce(ctx, comm, rtp_scale(ctx, got, 2.0f), nullptr);
   rtp_tensor *out = rtp_add(ctx, sum, send);
-  rtp_set_output(out);
+  rtp_tensor_set_output(out);
   rtp_graph *g = rtp_graph_new(ctx, 64);
   ASSERT_EQ(rtp_graph_build(g, out), 0) << rtp_last_error();
   ASSERT_EQ(rtp_graph_plan(ctx, g), 0) << rtp_last_error();
@@ -798,7 +800,7 @@ TEST_F(Cuda, SingleRankTransfers) {
     std::vector<float> y = get_f32(out);
     for (int i = 0; i < n; i++) ASSERT_EQ(y[i], 7.0f * x[i]) << i;
   }
-  rtp_free(ctx);
+  rtp_context_free(ctx);
   rtp_comm_free(comm);
 }
 

@@ -225,12 +225,12 @@ int rotations(int rank, int world, int port, rtp_backend *b, std::vector<float> 
   rtp_comm *comm = nullptr;
   if (rtp_comm_init(&cp, &comm)) return 10;
   rtp_init_params ip = {8 << 20, nullptr, false, b, b ? 8u << 20 : 0};
-  rtp_context *ctx = rtp_init(ip);
+  rtp_context *ctx = rtp_context_new(ip);
   if (!ctx) return 11;
   const int n = 37;
-  rtp_tensor *mine = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, n);
-  rtp_tensor *slot[2] = {rtp_new_tensor_1d(ctx, RTP_TYPE_F32, n),
-                         rtp_new_tensor_1d(ctx, RTP_TYPE_F32, n)};
+  rtp_tensor *mine = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, n);
+  rtp_tensor *slot[2] = {rtp_tensor_new_1d(ctx, RTP_TYPE_F32, n),
+                         rtp_tensor_new_1d(ctx, RTP_TYPE_F32, n)};
   int left = (rank + world - 1) % world, right = (rank + 1) % world;
   rtp_tensor *hop1 =
       rtp_sendrecv(ctx, comm, rtp_gelu(ctx, mine), left, slot[0], right, nullptr);
@@ -239,7 +239,7 @@ int rotations(int rank, int world, int port, rtp_backend *b, std::vector<float> 
   rtp_tensor *got = rtp_add(ctx, rtp_scale(ctx, hop2, 2.0f), busy);
   rtp_tensor *summed = rtp_allreduce(ctx, comm, got, nullptr);
   rtp_tensor *res = rtp_mul(ctx, summed, rtp_scale(ctx, hop1, 3.0f));
-  rtp_set_output(res);
+  rtp_tensor_set_output(res);
   rtp_graph *g = rtp_graph_new(ctx, 64);
   if (rtp_graph_build(g, res) || rtp_graph_plan(ctx, g)) return 12;
   for (int rep = 0; rep < 3; rep++) {
@@ -254,7 +254,7 @@ int rotations(int rank, int world, int port, rtp_backend *b, std::vector<float> 
     if (rtp_tensor_get(res, y.data(), 0, n * sizeof(float))) return 15;
     out->insert(out->end(), y.begin(), y.end());
   }
-  rtp_free(ctx);
+  rtp_context_free(ctx);
   rtp_comm_free(comm);
   return 0;
 }
@@ -337,11 +337,11 @@ TEST(Streams, TrainingMatchesCpuForEveryStrategy) {
 TEST(Device, SafetensorsRoundTripThroughDeviceMemory) {
   SimDevice dev(Order::kRandom);
   rtp_init_params ip = {1 << 20, nullptr, false, dev.get(), 8 << 20};
-  rtp_context *ctx = rtp_init(ip);
+  rtp_context *ctx = rtp_context_new(ip);
   ASSERT_NE(ctx, nullptr);
   // Larger than the 1 MiB staging buffer, so the copy takes several chunks.
   const int64_t rows = 700, cols = 500;
-  rtp_tensor *w = rtp_set_name(rtp_new_tensor_2d(ctx, RTP_TYPE_F32, cols, rows), "w");
+  rtp_tensor *w = rtp_tensor_set_name(rtp_tensor_new_2d(ctx, RTP_TYPE_F32, cols, rows), "w");
   std::vector<float> v(rows * cols);
   for (size_t i = 0; i < v.size(); i++) v[i] = 0.25f * (float)i - 3.0f;
   ASSERT_EQ(rtp_tensor_set(w, v.data(), 0, v.size() * 4), RTP_OK);
@@ -350,7 +350,7 @@ TEST(Device, SafetensorsRoundTripThroughDeviceMemory) {
 
   rtp_safetensors *st = nullptr;
   ASSERT_EQ(rtp_safetensors_open(path.c_str(), &st), RTP_OK);
-  rtp_tensor *back = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, cols, 300);  // rows 200..499
+  rtp_tensor *back = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, cols, 300);  // rows 200..499
   ASSERT_EQ(rtp_safetensors_read_rows(st, "w", 200, back), RTP_OK) << rtp_last_error();
   std::vector<float> got(300 * cols);
   ASSERT_EQ(rtp_tensor_get(back, got.data(), 0, got.size() * 4), RTP_OK);
@@ -359,14 +359,14 @@ TEST(Device, SafetensorsRoundTripThroughDeviceMemory) {
   // A strided view of device memory (one column) is refused, not copied element by element.
   const int64_t ne[2] = {1, rows};
   const size_t nb[2] = {4, (size_t)cols * 4};
-  rtp_tensor *col = rtp_set_name(rtp_view(ctx, w, 2, ne, nb, 0), "col");
+  rtp_tensor *col = rtp_tensor_set_name(rtp_view(ctx, w, 2, ne, nb, 0), "col");
   ASSERT_NE(col, nullptr);
   EXPECT_EQ(rtp_safetensors_save(path.c_str(), &col, 1, nullptr), RTP_EINVAL);
   EXPECT_NE(std::string(rtp_last_error()).find("strided view"), std::string::npos)
       << rtp_last_error();
   EXPECT_EQ(dev.sim.host_touch_while_busy, 0);
   rtp_safetensors_close(st);
-  rtp_free(ctx);
+  rtp_context_free(ctx);
 }
 
 }  // namespace

@@ -8,18 +8,19 @@
 
 #include "gpt.h"
 #include "rtp.h"
+#include "test-util.h"
 
 namespace rtptest {
 
 // The reference model built for one device in a no_alloc context (its parameters take no
-// memory) and its forward graph, as rtp_parallelize takes them: the context, or NULL
+// memory) and its forward graph, as rtp_parallel_new takes them: the context, or NULL
 // (the message in rtp_last_error) with nothing left allocated.
 inline rtp_context *gpt_forward(gpt_config cfg, int batch, gpt *m, rtp_graph **fwd) {
   rtp_init_params mip = {32 << 20, nullptr, true, nullptr, 0};
-  rtp_context *meta = rtp_init(mip);
+  rtp_context *meta = rtp_context_new(mip);
   *fwd = meta ? rtp_graph_new(meta, 8192) : nullptr;
   if (!*fwd || gpt_build(meta, m, cfg, batch) || rtp_graph_build(*fwd, m->loss)) {
-    rtp_free(meta);
+    rtp_context_free(meta);
     return nullptr;
   }
   return meta;
@@ -47,18 +48,19 @@ inline int train_gpt_rank(const rtp_comm_params &cp, rtp_strategy strategy, rtp_
   if (!meta) return fail(31);
   size_t bytes = gpt_arena_size(kRanksCfg, kRanksBatch) + (16 << 20);
   rtp_init_params ip = {bytes, nullptr, false, b, b ? bytes : 0};
-  rtp_context *ctx = rtp_init(ip);
+  rtp_context *ctx = rtp_context_new(ip);
   rtp_parallel_params pp = {strategy, comm, 0, 0, RTP_TYPE_F32, RTP_TYPE_F32, 0};
-  rtp_parallel *par = ctx ? rtp_parallelize(ctx, fwd, m.loss, &pp) : nullptr;
+  rtp_parallel *par = ctx ? rtp_parallel_new(ctx, fwd, m.loss, &pp) : nullptr;
   if (!par) return fail(32);
   rtp_graph *g = rtp_parallel_graph(par);
   if (rtp_graph_plan(ctx, g)) return fail(33);
   for (int i = 0; i < m.n_params; i++) {
     rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
-    std::vector<float> full(rtp_nelements(m.params[i])), part(rtp_nelements(mine));
+    std::vector<float> full(rtp_tensor_nelements(m.params[i])),
+        part(rtp_tensor_nelements(mine));
     gpt_init_tensor(&m, i, 42, full.data());
     if (rtp_parallel_shard_copy(par, m.params[i], full.data(), part.data()) ||
-        rtp_tensor_set(mine, part.data(), 0, rtp_nbytes(mine)))
+        rtp_tensor_set(mine, part.data(), 0, rtp_tensor_nbytes(mine)))
       return fail(34);
   }
   const int T = kRanksCfg.seq_len, V = kRanksCfg.vocab;
@@ -71,23 +73,23 @@ inline int train_gpt_rank(const rtp_comm_params &cp, rtp_strategy strategy, rtp_
   if (rtp_tensor_set(rtp_parallel_tensor(par, m.idx), idx.data(), 0, idx.size() * 4) ||
       rtp_tensor_set(rtp_parallel_tensor(par, m.targets), tgt.data(), 0, tgt.size() * 4))
     return fail(35);
-  rtp_adamw_params hp = rtp_adamw_default();
+  rtp_adamw_params hp = rtp_adamw_params_default();
   hp.lr = kRanksLr;
   hp.clip_norm = 0.5f;
   rtp_optimizer *opt = rtp_parallel_optimizer(par, hp);
   if (!opt) return fail(36);
   for (int s = 0; s < kRanksSteps; s++) {
     if (rtp_graph_compute(g, nullptr) || rtp_optimizer_step(opt, nullptr)) return fail(37);
-    losses->push_back(rtp_get_f32_1d(rtp_parallel_tensor(par, m.loss), 0));
+    losses->push_back(rtptest::f32_at(rtp_parallel_tensor(par, m.loss), 0));
   }
   for (int i = 0; i < m.n_params; i++) {
     rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
-    std::vector<float> v(rtp_nelements(mine));
-    if (rtp_tensor_get(mine, v.data(), 0, rtp_nbytes(mine))) return fail(38);
+    std::vector<float> v(rtp_tensor_nelements(mine));
+    if (rtp_tensor_get(mine, v.data(), 0, rtp_tensor_nbytes(mine))) return fail(38);
     params->insert(params->end(), v.begin(), v.end());
   }
-  rtp_free(ctx);
-  rtp_free(meta);
+  rtp_context_free(ctx);
+  rtp_context_free(meta);
   rtp_comm_free(comm);
   return 0;
 }

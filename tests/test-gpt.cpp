@@ -10,6 +10,7 @@
 
 #include "gpt.h"
 #include "rtp.h"
+#include "test-util.h"
 
 namespace {
 
@@ -43,7 +44,7 @@ struct Fixture {
     int batch = meta_int(st, "batch");
     ASSERT_EQ(gpt_config_check(cfg), 0);
     rtp_init_params ip = {gpt_arena_size(cfg, batch) + (64 << 20), nullptr, false, nullptr, 0};
-    ctx = rtp_init(ip);
+    ctx = rtp_context_new(ip);
     ASSERT_NE(ctx, nullptr);
     ASSERT_EQ(gpt_build(ctx, &m, cfg, batch), 0) << rtp_last_error();
     for (int i = 0; i < m.n_params; i++)
@@ -53,7 +54,7 @@ struct Fixture {
     ASSERT_EQ(rtp_safetensors_read(st, "input.targets", m.targets), 0) << rtp_last_error();
     g = rtp_graph_new(ctx, 4096);
     ASSERT_EQ(rtp_graph_build(g, m.loss), 0) << rtp_last_error();
-    ASSERT_EQ(rtp_build_backward(ctx, g, m.loss), 0) << rtp_last_error();
+    ASSERT_EQ(rtp_graph_build_backward(ctx, g, m.loss), 0) << rtp_last_error();
     ASSERT_EQ(rtp_graph_plan(ctx, g), 0) << rtp_last_error();
     (void)threads;
   }
@@ -63,15 +64,16 @@ struct Fixture {
     rtp_tensor *t = rtp_safetensors_load(ctx, st, name.c_str());
     EXPECT_NE(t, nullptr) << rtp_last_error();
     if (t) {
-      EXPECT_EQ(rtp_nelements(t), n) << name;
-      v.assign((float *)t->data, (float *)t->data + std::min<int64_t>(n, rtp_nelements(t)));
+      EXPECT_EQ(rtp_tensor_nelements(t), n) << name;
+      v.assign((float *)t->data,
+               (float *)t->data + std::min<int64_t>(n, rtp_tensor_nelements(t)));
     }
     return v;
   }
 
   ~Fixture() {
     rtp_safetensors_close(st);
-    rtp_free(ctx);
+    rtp_context_free(ctx);
   }
 };
 
@@ -84,16 +86,16 @@ TEST_P(GptVsTorch, LossLogitsAndGradients) {
   ASSERT_EQ(rtp_graph_compute(f.g, tp), 0) << rtp_last_error();
 
   std::vector<float> loss = f.ref("ref.loss", 1);
-  EXPECT_NEAR(rtp_get_f32_1d(f.m.loss, 0), loss[0], 1e-4 * std::fabs(loss[0]));
-  int64_t nl = rtp_nelements(f.m.logits);
+  EXPECT_NEAR(rtptest::f32_at(f.m.loss, 0), loss[0], 1e-4 * std::fabs(loss[0]));
+  int64_t nl = rtp_tensor_nelements(f.m.logits);
   std::vector<float> logits = f.ref("ref.logits", nl);
   EXPECT_LE(rel_err((float *)f.m.logits->data, logits.data(), nl), 1e-4);
 
   for (int i = 0; i < f.m.n_params; i++) {
     rtp_tensor *p = f.m.params[i];
     ASSERT_NE(p->grad, nullptr) << p->name;
-    std::vector<float> g = f.ref(std::string("grad.") + p->name, rtp_nelements(p));
-    double e = rel_err((float *)p->grad->data, g.data(), rtp_nelements(p));
+    std::vector<float> g = f.ref(std::string("grad.") + p->name, rtp_tensor_nelements(p));
+    double e = rel_err((float *)p->grad->data, g.data(), rtp_tensor_nelements(p));
     EXPECT_LE(e, 1e-4) << "gradient of " << p->name;
   }
   rtp_threadpool_free(tp);
@@ -109,14 +111,14 @@ TEST_P(GptVsTorch, AdamSteps) {
   std::vector<float> losses = f.ref("ref.adam_losses", 5);
   for (int step = 0; step < 5; step++) {
     ASSERT_EQ(rtp_graph_compute(f.g, tp), 0) << rtp_last_error();
-    EXPECT_NEAR(rtp_get_f32_1d(f.m.loss, 0), losses[step], 1e-4 * std::fabs(losses[step]))
+    EXPECT_NEAR(rtptest::f32_at(f.m.loss, 0), losses[step], 1e-4 * std::fabs(losses[step]))
         << "step " << step;
     ASSERT_EQ(rtp_optimizer_step(opt, tp), 0);
   }
   EXPECT_EQ(rtp_optimizer_steps(opt), 5);
   for (int i = 0; i < f.m.n_params; i++) {
     rtp_tensor *p = f.m.params[i];
-    int64_t n = rtp_nelements(p);
+    int64_t n = rtp_tensor_nelements(p);
     std::vector<float> want = f.ref(std::string("adam.") + p->name, n);
     std::vector<float> grad = f.ref(std::string("grad.") + p->name, n);
     // Adam divides by sqrt(v): where the true gradient is exactly zero (the key bias:

@@ -38,11 +38,11 @@ class IoTest : public ::testing::Test {
     dir_ = tmpl;
     rtp_init_params ip = {};
     ip.mem_size = 8 << 20;
-    ctx_ = rtp_init(ip);
+    ctx_ = rtp_context_new(ip);
     ASSERT_NE(ctx_, nullptr);
   }
   void TearDown() override {
-    rtp_free(ctx_);
+    rtp_context_free(ctx_);
     std::error_code ec;
     fs::remove_all(dir_, ec);
   }
@@ -61,26 +61,27 @@ class IoTest : public ::testing::Test {
   }
 
   rtp_tensor *F32(std::vector<int64_t> ne, const char *name, float base = 0.0f) {
-    rtp_tensor *t = rtp_new_tensor(ctx_, RTP_TYPE_F32, (int)ne.size(), ne.data());
+    rtp_tensor *t = rtp_tensor_new(ctx_, RTP_TYPE_F32, (int)ne.size(), ne.data());
     EXPECT_NE(t, nullptr);
-    rtp_set_name(t, "%s", name);
+    rtp_tensor_set_name(t, "%s", name);
     float *p = (float *)t->data;
-    for (int64_t i = 0; i < rtp_nelements(t); i++) p[i] = base + 0.25f * (float)i - 1.0f / 3;
+    for (int64_t i = 0; i < rtp_tensor_nelements(t); i++)
+      p[i] = base + 0.25f * (float)i - 1.0f / 3;
     return t;
   }
 
   rtp_tensor *I32(std::vector<int64_t> ne, const char *name) {
-    rtp_tensor *t = rtp_new_tensor(ctx_, RTP_TYPE_I32, (int)ne.size(), ne.data());
+    rtp_tensor *t = rtp_tensor_new(ctx_, RTP_TYPE_I32, (int)ne.size(), ne.data());
     EXPECT_NE(t, nullptr);
-    rtp_set_name(t, "%s", name);
+    rtp_tensor_set_name(t, "%s", name);
     int32_t *p = (int32_t *)t->data;
-    for (int64_t i = 0; i < rtp_nelements(t); i++) p[i] = (int32_t)(i * 7919 - 40000);
+    for (int64_t i = 0; i < rtp_tensor_nelements(t); i++) p[i] = (int32_t)(i * 7919 - 40000);
     return t;
   }
 
   // A tensor of the same type and shape as t, zeroed.
   rtp_tensor *Like(const rtp_tensor *t) {
-    rtp_tensor *r = rtp_new_tensor(ctx_, t->type, RTP_MAX_DIMS, t->ne);
+    rtp_tensor *r = rtp_tensor_new(ctx_, t->type, RTP_MAX_DIMS, t->ne);
     EXPECT_NE(r, nullptr);
     return r;
   }
@@ -154,7 +155,7 @@ TEST_F(IoTest, RoundTripSeveralTensors) {
   for (int i = 7; i >= 0; i--) hlen = hlen << 8 | bytes[i];
   EXPECT_EQ((8 + hlen) % 8, 0u);
   size_t data = 0;
-  for (auto *t : ts) data += rtp_nbytes(t);
+  for (auto *t : ts) data += rtp_tensor_nbytes(t);
   EXPECT_EQ(bytes.size(), 8 + hlen + data);
 
   rtp_safetensors *st = nullptr;
@@ -175,13 +176,13 @@ TEST_F(IoTest, RoundTripSeveralTensors) {
 
     rtp_tensor *r = Like(ts[i]);
     ASSERT_EQ(rtp_safetensors_read(st, ts[i]->name, r), RTP_OK) << rtp_last_error();
-    EXPECT_EQ(memcmp(r->data, ts[i]->data, rtp_nbytes(ts[i])), 0) << name;
+    EXPECT_EQ(memcmp(r->data, ts[i]->data, rtp_tensor_nbytes(ts[i])), 0) << name;
 
     rtp_tensor *l = rtp_safetensors_load(ctx_, st, ts[i]->name);
     ASSERT_NE(l, nullptr) << rtp_last_error();
     EXPECT_STREQ(l->name, ts[i]->name);
-    EXPECT_TRUE(rtp_are_same_shape(l, ts[i]));
-    EXPECT_EQ(memcmp(l->data, ts[i]->data, rtp_nbytes(ts[i])), 0) << name;
+    EXPECT_TRUE(rtp_tensor_same_shape(l, ts[i]));
+    EXPECT_EQ(memcmp(l->data, ts[i]->data, rtp_tensor_nbytes(ts[i])), 0) << name;
   }
   EXPECT_EQ(rtp_safetensors_find(st, "nope"), -1);
   EXPECT_EQ(rtp_safetensors_info(st, (int)ts.size(), nullptr, nullptr, nullptr, nullptr),
@@ -272,13 +273,13 @@ TEST_F(IoTest, StridedWriteAndRead) {
   rtp_safetensors *st = nullptr;
   ASSERT_EQ(rtp_safetensors_open(path.c_str(), &st), RTP_OK) << rtp_last_error();
 
-  rtp_tensor *a = rtp_new_tensor_2d(ctx_, RTP_TYPE_F32, 3, 4);
+  rtp_tensor *a = rtp_tensor_new_2d(ctx_, RTP_TYPE_F32, 3, 4);
   ASSERT_EQ(rtp_safetensors_read(st, "transposed", a), RTP_OK) << rtp_last_error();
   const float *pa = (const float *)a->data;
   for (int i = 0; i < 4; i++)
     for (int j = 0; j < 3; j++) EXPECT_EQ(pa[i * 3 + j], m[j * 4 + i]);
 
-  rtp_tensor *b = rtp_new_tensor_2d(ctx_, RTP_TYPE_F32, 5, 3);
+  rtp_tensor *b = rtp_tensor_new_2d(ctx_, RTP_TYPE_F32, 5, 3);
   ASSERT_EQ(rtp_safetensors_read(st, "rows", b), RTP_OK) << rtp_last_error();
   const float *pb = (const float *)b->data;
   for (int i = 0; i < 3; i++)
@@ -302,7 +303,7 @@ TEST_F(IoTest, ReadRows) {
   rtp_safetensors *st = nullptr;
   ASSERT_EQ(rtp_safetensors_open(path.c_str(), &st), RTP_OK) << rtp_last_error();
 
-  rtp_tensor *blk = rtp_new_tensor_2d(ctx_, RTP_TYPE_F32, 4, 3);
+  rtp_tensor *blk = rtp_tensor_new_2d(ctx_, RTP_TYPE_F32, 4, 3);
   ASSERT_EQ(rtp_safetensors_read_rows(st, "w", 2, blk), RTP_OK) << rtp_last_error();
   EXPECT_EQ(memcmp(blk->data, (float *)w->data + 8, 12 * sizeof(float)), 0);
   ASSERT_EQ(rtp_safetensors_read_rows(st, "w", 3, blk), RTP_OK) << rtp_last_error();
@@ -310,10 +311,10 @@ TEST_F(IoTest, ReadRows) {
   EXPECT_EQ(rtp_safetensors_read_rows(st, "w", 4, blk), RTP_ESHAPE);
   EXPECT_TRUE(Contains(rtp_last_error(), "rows [4,7)")) << rtp_last_error();
   EXPECT_EQ(rtp_safetensors_read_rows(st, "w", -1, blk), RTP_ESHAPE);
-  rtp_tensor *bad = rtp_new_tensor_2d(ctx_, RTP_TYPE_F32, 3, 3);
+  rtp_tensor *bad = rtp_tensor_new_2d(ctx_, RTP_TYPE_F32, 3, 3);
   EXPECT_EQ(rtp_safetensors_read_rows(st, "w", 0, bad), RTP_ESHAPE);
 
-  rtp_tensor *part = rtp_new_tensor_1d(ctx_, RTP_TYPE_I32, 4);
+  rtp_tensor *part = rtp_tensor_new_1d(ctx_, RTP_TYPE_I32, 4);
   ASSERT_EQ(rtp_safetensors_read_rows(st, "v", 5, part), RTP_OK) << rtp_last_error();
   EXPECT_EQ(memcmp(part->data, (int32_t *)v->data + 5, 4 * sizeof(int32_t)), 0);
   rtp_safetensors_close(st);
@@ -332,7 +333,7 @@ TEST(IoFixture, PythonWrittenFile) {
 
   rtp_init_params ip = {};
   ip.mem_size = 1 << 20;
-  rtp_context *ctx = rtp_init(ip);
+  rtp_context *ctx = rtp_context_new(ip);
   ASSERT_NE(ctx, nullptr);
 
   rtp_tensor *a = rtp_safetensors_load(ctx, st, "a.f32");
@@ -355,9 +356,9 @@ TEST(IoFixture, PythonWrittenFile) {
   ASSERT_EQ(rtp_safetensors_info(st, ic, nullptr, nullptr, &nd, ne), RTP_OK);
   EXPECT_EQ(nd, 0);
   for (int d = 0; d < RTP_MAX_DIMS; d++) EXPECT_EQ(ne[d], 1);
-  rtp_tensor *c = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 1);
+  rtp_tensor *c = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 1);
   ASSERT_EQ(rtp_safetensors_read(st, "c.scalar", c), RTP_OK) << rtp_last_error();
-  EXPECT_EQ(rtp_get_f32_1d(c, 0), 3.25f);
+  EXPECT_EQ(rtptest::f32_at(c, 0), 3.25f);
 
   rtp_tensor *d4 = rtp_safetensors_load(ctx, st, "d.4d");
   ASSERT_NE(d4, nullptr) << rtp_last_error();
@@ -373,13 +374,13 @@ TEST(IoFixture, PythonWrittenFile) {
 
   // JSON escapes in the name: \" and \u00e9 and the surrogate pair \ud83d\ude00.
   const char *uname = "name \"quoted\" \xc3\xa9 \xf0\x9f\x98\x80";
-  rtp_tensor *u = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 2);
+  rtp_tensor *u = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 2);
   ASSERT_EQ(rtp_safetensors_read(st, uname, u), RTP_OK) << rtp_last_error();
-  EXPECT_EQ(rtp_get_f32_1d(u, 0), 1.5f);
-  EXPECT_EQ(rtp_get_f32_1d(u, 1), -2.5f);
+  EXPECT_EQ(rtptest::f32_at(u, 0), 1.5f);
+  EXPECT_EQ(rtptest::f32_at(u, 1), -2.5f);
 
   rtp_safetensors_close(st);
-  rtp_free(ctx);
+  rtp_context_free(ctx);
 }
 
 TEST(IoFixture, GptFixture) {
@@ -393,9 +394,9 @@ TEST(IoFixture, GptFixture) {
   EXPECT_EQ(rtp_safetensors_count(st), 3 * n_params + 2 + 2 + 1);
   rtp_init_params ip = {};
   ip.mem_size = 4 << 20;
-  rtp_context *ctx = rtp_init(ip);
+  rtp_context *ctx = rtp_context_new(ip);
   ASSERT_NE(ctx, nullptr);
-  rtp_tensor *w = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 32, 96);  // [3d, d]
+  rtp_tensor *w = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, 32, 96);  // [3d, d]
   EXPECT_EQ(rtp_safetensors_read(st, "transformer.h.1.attn.c_attn.weight", w), RTP_OK)
       << rtp_last_error();
   rtp_tensor *idx = rtp_safetensors_load(ctx, st, "input.idx");
@@ -415,13 +416,13 @@ TEST(IoFixture, GptFixture) {
   rtp_tensor *loss = rtp_safetensors_load(ctx, st, "ref.loss");
   rtp_tensor *losses = rtp_safetensors_load(ctx, st, "ref.adam_losses");
   ASSERT_TRUE(loss && losses) << rtp_last_error();
-  EXPECT_EQ(rtp_get_f32_1d(loss, 0), rtp_get_f32_1d(losses, 0));
-  EXPECT_NEAR(rtp_get_f32_1d(loss, 0), std::log(256.0f), 0.1f);
+  EXPECT_EQ(rtptest::f32_at(loss, 0), rtptest::f32_at(losses, 0));
+  EXPECT_NEAR(rtptest::f32_at(loss, 0), std::log(256.0f), 0.1f);
   for (int i = 1; i < 5; i++)
-    EXPECT_LT(rtp_get_f32_1d(losses, i), rtp_get_f32_1d(losses, i - 1));
+    EXPECT_LT(rtptest::f32_at(losses, i), rtptest::f32_at(losses, i - 1));
   EXPECT_GE(rtp_safetensors_find(st, "grad.lm_head.weight"), 0);
   EXPECT_GE(rtp_safetensors_find(st, "adam.transformer.ln_f.bias"), 0);
-  rtp_free(ctx);
+  rtp_context_free(ctx);
   rtp_safetensors_close(st);
 }
 
@@ -689,7 +690,7 @@ TEST_F(IoTest, ReadShapeMismatch) {
   rtp_safetensors *st = nullptr;
   ASSERT_EQ(rtp_safetensors_open(path.c_str(), &st), RTP_OK) << rtp_last_error();
 
-  rtp_tensor *t = rtp_new_tensor_2d(ctx_, RTP_TYPE_F32, 3, 4);
+  rtp_tensor *t = rtp_tensor_new_2d(ctx_, RTP_TYPE_F32, 3, 4);
   EXPECT_EQ(rtp_safetensors_read(st, "w", t), RTP_ESHAPE);
   std::string msg = rtp_last_error();
   EXPECT_TRUE(Contains(msg, "[3, 4]")) << msg;
@@ -697,15 +698,15 @@ TEST_F(IoTest, ReadShapeMismatch) {
   EXPECT_TRUE(Contains(msg, "ne={3,4,1,1}")) << msg;
   EXPECT_TRUE(Contains(msg, "'w'")) << msg;
 
-  rtp_tensor *ti = rtp_new_tensor_1d(ctx_, RTP_TYPE_F32, 6);  // wrong type
+  rtp_tensor *ti = rtp_tensor_new_1d(ctx_, RTP_TYPE_F32, 6);  // wrong type
   EXPECT_EQ(rtp_safetensors_read(st, "i", ti), RTP_ESHAPE);
   msg = rtp_last_error();
   EXPECT_TRUE(Contains(msg, "I32")) << msg;
   EXPECT_TRUE(Contains(msg, "F32")) << msg;
 
-  rtp_tensor *t3 = rtp_new_tensor_3d(ctx_, RTP_TYPE_F32, 4, 3, 2);
+  rtp_tensor *t3 = rtp_tensor_new_3d(ctx_, RTP_TYPE_F32, 4, 3, 2);
   EXPECT_EQ(rtp_safetensors_read(st, "w", t3), RTP_ESHAPE);
-  rtp_tensor *ok = rtp_new_tensor_3d(ctx_, RTP_TYPE_F32, 4, 3, 1);  // trailing 1 is fine
+  rtp_tensor *ok = rtp_tensor_new_3d(ctx_, RTP_TYPE_F32, 4, 3, 1);  // trailing 1 is fine
   EXPECT_EQ(rtp_safetensors_read(st, "w", ok), RTP_OK) << rtp_last_error();
 
   EXPECT_EQ(rtp_safetensors_read(st, "missing", ok), RTP_EINVAL);

@@ -332,29 +332,29 @@ struct Device {
   ~Device() {
     for (void *p : mem) cudaFree(p);
     if (s) cudaStreamDestroy(s);
-    if (ctx) rtp_free(ctx);
+    if (ctx) rtp_context_free(ctx);
   }
   int init() {
     rtp_init_params ip{};
     ip.mem_size = 1 << 20;
     ip.no_alloc = true;
-    ctx = rtp_init(ip);
+    ctx = rtp_context_new(ip);
     return ctx && cudaStreamCreate(&s) == cudaSuccess ? 0 : 1;
   }
   // An f32 tensor of shape ne on the device holding v (or garbage if v is empty).
   rtp_tensor *tensor(std::vector<int64_t> ne, const std::vector<float> &v) {
-    rtp_tensor *t = rtp_new_tensor(ctx, RTP_TYPE_F32, (int)ne.size(), ne.data());
+    rtp_tensor *t = rtp_tensor_new(ctx, RTP_TYPE_F32, (int)ne.size(), ne.data());
     void *p = nullptr;
-    if (!t || cudaMalloc(&p, rtp_nbytes(t) + 4) != cudaSuccess) return nullptr;
+    if (!t || cudaMalloc(&p, rtp_tensor_nbytes(t) + 4) != cudaSuccess) return nullptr;
     mem.push_back(p);
     t->data = p;
-    cudaMemset(p, 0xff, rtp_nbytes(t) + 4);
+    cudaMemset(p, 0xff, rtp_tensor_nbytes(t) + 4);
     if (!v.empty() && cudaMemcpy(p, v.data(), v.size() * 4, cudaMemcpyHostToDevice))
       return nullptr;
     return t;
   }
   std::vector<float> get(const rtp_tensor *t) {
-    std::vector<float> v((size_t)rtp_nelements(t));
+    std::vector<float> v((size_t)rtp_tensor_nelements(t));
     cudaMemcpy(v.data(), t->data, v.size() * 4, cudaMemcpyDeviceToHost);
     return v;
   }
@@ -429,13 +429,13 @@ int collectives(int rank, int n, rtp_comm *c) {
       CHECK(got[i] == want, "allreduce %zu [%zu] = %g, want %g", m, i, got[i], want);
     }
   }
-  // Blocks of the outermost dimension that is not 1 (the executor's rtp_n_dims rule): 1001
-  // rows of 3 (uneven), 1000 (even), and one row of 3, which is 3 elements of 1.
+  // Blocks of the outermost dimension that is not 1 (the executor's rtp_tensor_n_dims rule):
+  // 1001 rows of 3 (uneven), 1000 (even), and one row of 3, which is 3 elements of 1.
   for (int64_t rows : {(int64_t)1001, (int64_t)1000, (int64_t)1}) {
     std::vector<float> v((size_t)rows * 3, -1.0f);
     rtp_tensor *t = d.tensor({3, rows}, {});
     CHECK(t, "alloc");
-    int dim = rtp_n_dims(t) - 1;
+    int dim = rtp_tensor_n_dims(t) - 1;
     size_t first, len, per = t->nb[dim] / 4;  // floats per block element
     rtp_comm_block((size_t)t->ne[dim], n, rank, &first, &len);
     for (size_t i = first * per; i < (first + len) * per; i++) v[i] = (float)i;

@@ -14,6 +14,7 @@
 extern "C" {
 #include "rtp-impl.h"
 }
+#include "test-util.h"
 
 namespace {
 
@@ -32,35 +33,35 @@ void check_grad(const std::string &what, const std::vector<Input> &inputs, const
                 int n_threads = 1, float h = 1e-2f, float tol = 1e-3f) {
   SCOPED_TRACE(what);
   rtp_init_params ip = {64 << 20, nullptr, false, nullptr, 0};
-  rtp_context *ctx = rtp_init(ip);
+  rtp_context *ctx = rtp_context_new(ip);
   ASSERT_NE(ctx, nullptr);
   std::mt19937 rng(42);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   std::vector<rtp_tensor *> xs;
   for (const Input &in : inputs) {
-    rtp_tensor *x = rtp_new_tensor(ctx, in.index_range ? RTP_TYPE_I32 : RTP_TYPE_F32,
+    rtp_tensor *x = rtp_tensor_new(ctx, in.index_range ? RTP_TYPE_I32 : RTP_TYPE_F32,
                                    (int)in.ne.size(), in.ne.data());
     ASSERT_NE(x, nullptr);
-    for (int64_t i = 0; i < rtp_nelements(x); i++) {
+    for (int64_t i = 0; i < rtp_tensor_nelements(x); i++) {
       if (in.index_range)
         ((int32_t *)x->data)[i] = (int32_t)(rng() % (uint32_t)in.index_range);
       else
         ((float *)x->data)[i] = in.positive ? 1.0f + 0.5f * u(rng) : u(rng);
     }
-    if (in.param && !in.index_range) rtp_set_param(x);
+    if (in.param && !in.index_range) rtp_tensor_set_param(x);
     xs.push_back(x);
   }
   rtp_tensor *f = build(ctx, xs);
   const char *msg = nullptr;
   ASSERT_NE(f, nullptr) << (rtp_context_error(ctx, &msg), msg);
   f = rtp_cont(ctx, f);
-  rtp_tensor *r = rtp_new_tensor(ctx, RTP_TYPE_F32, 4, f->ne);
-  for (int64_t i = 0; i < rtp_nelements(r); i++) ((float *)r->data)[i] = u(rng);
+  rtp_tensor *r = rtp_tensor_new(ctx, RTP_TYPE_F32, 4, f->ne);
+  for (int64_t i = 0; i < rtp_tensor_nelements(r); i++) ((float *)r->data)[i] = u(rng);
   rtp_tensor *loss = rtp_sum(ctx, rtp_mul(ctx, f, r));
   ASSERT_NE(loss, nullptr) << (rtp_context_error(ctx, &msg), msg);
   rtp_graph *g = rtp_graph_new(ctx, 1024);
   ASSERT_EQ(rtp_graph_build(g, loss), 0) << rtp_last_error();
-  ASSERT_EQ(rtp_build_backward(ctx, g, loss), 0) << rtp_last_error();
+  ASSERT_EQ(rtp_graph_build_backward(ctx, g, loss), 0) << rtp_last_error();
   ASSERT_EQ(rtp_graph_plan(ctx, g), 0) << rtp_last_error();
   rtp_threadpool *tp = rtp_threadpool_new(n_threads);
   ASSERT_EQ(rtp_graph_compute(g, tp), 0) << rtp_last_error();
@@ -71,14 +72,14 @@ void check_grad(const std::string &what, const std::vector<Input> &inputs, const
     if (!(xs[k]->flags & RTP_FLAG_PARAM)) continue;
     ASSERT_NE(xs[k]->grad, nullptr) << "input " << k << " got no gradient";
     grads[k].assign((float *)xs[k]->grad->data,
-                    (float *)xs[k]->grad->data + rtp_nelements(xs[k]));
+                    (float *)xs[k]->grad->data + rtp_tensor_nelements(xs[k]));
   }
   int checked = 0;
   for (size_t k = 0; k < xs.size(); k++) {
     rtp_tensor *x = xs[k];
     if (!(x->flags & RTP_FLAG_PARAM)) continue;
     const std::vector<float> &ana = grads[k];
-    for (int64_t i = 0; i < rtp_nelements(x); i++) {
+    for (int64_t i = 0; i < rtp_tensor_nelements(x); i++) {
       float *v = (float *)x->data + i, saved = *v;
       *v = saved + h;
       ASSERT_EQ(rtp_graph_compute(g, tp), 0);
@@ -96,7 +97,7 @@ void check_grad(const std::string &what, const std::vector<Input> &inputs, const
   }
   EXPECT_GT(checked, 0);
   rtp_threadpool_free(tp);
-  rtp_free(ctx);
+  rtp_context_free(ctx);
 }
 
 using Shape = std::vector<int64_t>;
@@ -125,15 +126,15 @@ TEST_P(OpGrad, Reductions) {
   Shape one = s;
   one[0] = 1;
   check_grad("repeat_back", {{s}}, [one](rtp_context *c, auto &x) {
-    rtp_tensor *like = rtp_new_tensor(c, RTP_TYPE_F32, (int)one.size(), one.data());
+    rtp_tensor *like = rtp_tensor_new(c, RTP_TYPE_F32, (int)one.size(), one.data());
     return rtp_repeat_back(c, x[0], like);
   });
   check_grad("repeat_back rows", {{s}}, [s](rtp_context *c, auto &x) {
-    rtp_tensor *like = rtp_new_tensor_1d(c, RTP_TYPE_F32, s[0]);
+    rtp_tensor *like = rtp_tensor_new_1d(c, RTP_TYPE_F32, s[0]);
     return rtp_repeat_back(c, x[0], like);
   });
   check_grad("repeat", {{{s[0]}}}, [s](rtp_context *c, auto &x) {
-    rtp_tensor *like = rtp_new_tensor(c, RTP_TYPE_F32, (int)s.size(), s.data());
+    rtp_tensor *like = rtp_tensor_new(c, RTP_TYPE_F32, (int)s.size(), s.data());
     return rtp_repeat(c, x[0], like);
   });
 }
@@ -164,7 +165,7 @@ TEST_P(OpGrad, Views) {
   });
   if (s[1] > 1)
     check_grad("view_rows", {{s}}, [](rtp_context *c, auto &x) {
-      int d = rtp_n_dims(x[0]) - 1;
+      int d = rtp_tensor_n_dims(x[0]) - 1;
       return rtp_view_rows(c, x[0], 1, x[0]->ne[d] - 1);
     });
   if (s[0] > 2)
@@ -239,10 +240,10 @@ TEST(OpGradMatMul, Addend) {
 
 TEST(OpForward, MulMatAddendPlacement) {
   rtp_init_params ip = {1 << 20, nullptr, false, nullptr, 0};
-  rtp_context *ctx = rtp_init(ip);
-  rtp_tensor *a = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 2, 2);
-  rtp_tensor *b = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 2, 1);
-  rtp_tensor *c = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 2, 1);
+  rtp_context *ctx = rtp_context_new(ip);
+  rtp_tensor *a = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, 2, 2);
+  rtp_tensor *b = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, 2, 1);
+  rtp_tensor *c = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, 2, 1);
   for (int i = 0; i < 4; i++) ((float *)a->data)[i] = (float)(i + 1);  // rows {1,2}, {3,4}
   ((float *)b->data)[0] = 1.0f, ((float *)b->data)[1] = 10.0f;
   ((float *)c->data)[0] = 100.0f, ((float *)c->data)[1] = 200.0f;
@@ -250,22 +251,22 @@ TEST(OpForward, MulMatAddendPlacement) {
   rtp_tensor *p = rtp__mul_mat_add(ctx, a, b, dying), *q = rtp__mul_mat_add(ctx, a, b, kept);
   rtp_tensor *f = rtp_add(ctx, rtp_add(ctx, p, q), kept);
   ASSERT_NE(f, nullptr);
-  rtp_set_output(p);  // read after compute: its memory is not reused
+  rtp_tensor_set_output(p);  // read after compute: its memory is not reused
   rtp_graph *g = rtp_graph_new(ctx, 64);
   ASSERT_EQ(rtp_graph_build(g, f), 0);
   ASSERT_EQ(rtp_graph_plan(ctx, g), 0);
   EXPECT_EQ(p->data, dying->data) << "an addend that dies at the product is summed in place";
   EXPECT_NE(q->data, kept->data) << "an addend read later keeps its memory";
   ASSERT_EQ(rtp_graph_compute(g, nullptr), 0);
-  EXPECT_FLOAT_EQ(rtp_get_f32_1d(p, 0), 121.0f);  // 1 + 20 + 100
-  EXPECT_FLOAT_EQ(rtp_get_f32_1d(p, 1), 243.0f);  // 3 + 40 + 200
-  EXPECT_FLOAT_EQ(rtp_get_f32_1d(f, 1), 243.0f * 2 + 200.0f);
+  EXPECT_FLOAT_EQ(rtptest::f32_at(p, 0), 121.0f);  // 1 + 20 + 100
+  EXPECT_FLOAT_EQ(rtptest::f32_at(p, 1), 243.0f);  // 3 + 40 + 200
+  EXPECT_FLOAT_EQ(rtptest::f32_at(f, 1), 243.0f * 2 + 200.0f);
   rtp_tensor *bad = rtp__mul_mat_add(ctx, a, b, a);
   EXPECT_EQ(bad, nullptr);
   const char *msg = nullptr;
   EXPECT_EQ(rtp_context_error(ctx, &msg), RTP_ESHAPE);
   EXPECT_NE(std::string(msg).find("addend"), std::string::npos) << msg;
-  rtp_free(ctx);
+  rtp_context_free(ctx);
 }
 
 TEST(OpGradIndex, GetRowsAndCrossEntropy) {
@@ -330,20 +331,20 @@ uint32_t bits_of_f32(float f) {
 void cast_roundtrip(const std::vector<uint32_t> &in, std::vector<uint16_t> &half,
                     std::vector<uint32_t> &back, int threads) {
   rtp_init_params ip = {16 << 20, nullptr, false, nullptr, 0};
-  rtp_context *ctx = rtp_init(ip);
+  rtp_context *ctx = rtp_context_new(ip);
   ASSERT_NE(ctx, nullptr);
   int64_t n = (int64_t)in.size();
-  rtp_tensor *x = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 7, (n + 6) / 7);  // several rows
+  rtp_tensor *x = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, 7, (n + 6) / 7);  // several rows
   ASSERT_NE(x, nullptr);
-  memset(x->data, 0, rtp_nbytes(x));
+  memset(x->data, 0, rtp_tensor_nbytes(x));
   memcpy(x->data, in.data(), in.size() * 4);
   rtp_tensor *h = rtp_cast(ctx, x, RTP_TYPE_BF16);
   rtp_tensor *f = rtp_cast(ctx, h, RTP_TYPE_F32);
   ASSERT_NE(f, nullptr);
   EXPECT_EQ(h->type, RTP_TYPE_BF16);
-  EXPECT_EQ(rtp_nbytes(h), (size_t)rtp_nelements(x) * 2);
-  rtp_set_output(h);
-  rtp_set_output(f);
+  EXPECT_EQ(rtp_tensor_nbytes(h), (size_t)rtp_tensor_nelements(x) * 2);
+  rtp_tensor_set_output(h);
+  rtp_tensor_set_output(f);
   rtp_graph *g = rtp_graph_new(ctx, 16);
   ASSERT_EQ(rtp_graph_build(g, f), 0);
   ASSERT_EQ(rtp_graph_plan(ctx, g), 0) << rtp_last_error();
@@ -352,7 +353,7 @@ void cast_roundtrip(const std::vector<uint32_t> &in, std::vector<uint16_t> &half
   half.assign((const uint16_t *)h->data, (const uint16_t *)h->data + n);
   back.assign((const uint32_t *)f->data, (const uint32_t *)f->data + n);
   rtp_threadpool_free(tp);
-  rtp_free(ctx);
+  rtp_context_free(ctx);
 }
 
 struct CastCase {
@@ -443,16 +444,16 @@ TEST(Cast, ExhaustiveAndRandom) {
 // tensor can be copied (dup), reshaped and read back as f32.
 TEST(Cast, StridedSourcesAndBf16Copies) {
   rtp_init_params ip = {1 << 20, nullptr, false, nullptr, 0};
-  rtp_context *ctx = rtp_init(ip);
-  rtp_tensor *x = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 5, 3);
+  rtp_context *ctx = rtp_context_new(ip);
+  rtp_tensor *x = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, 5, 3);
   for (int i = 0; i < 15; i++) ((float *)x->data)[i] = 1.0f + (float)i / 256.0f + 1e-3f;
   rtp_tensor *h = rtp_cast(ctx, rtp_transpose(ctx, x), RTP_TYPE_BF16);  // {3, 5}
   rtp_tensor *hd = rtp_cont(ctx, rtp_transpose(ctx, h));                // bf16 dup {5, 3}
   rtp_tensor *f = rtp_cast(ctx, rtp_transpose(ctx, hd), RTP_TYPE_F32);  // {3, 5}
   rtp_tensor *cat = rtp_concat(ctx, hd, hd, 1);                         // bf16 {5, 6}
   ASSERT_NE(cat, nullptr);
-  for (rtp_tensor *t : {h, hd, f, cat}) rtp_set_output(t);
-  EXPECT_TRUE(rtp_is_contiguous(h));
+  for (rtp_tensor *t : {h, hd, f, cat}) rtp_tensor_set_output(t);
+  EXPECT_TRUE(rtp_tensor_is_contiguous(h));
   EXPECT_EQ(hd->type, RTP_TYPE_BF16);
   rtp_graph *g = rtp_graph_new(ctx, 32);
   ASSERT_EQ(rtp_graph_build(g, f), 0);
@@ -466,29 +467,29 @@ TEST(Cast, StridedSourcesAndBf16Copies) {
       EXPECT_EQ(((uint16_t *)h->data)[c * 3 + r], want >> 16);   // h[c][r] = x[r][c]
       EXPECT_EQ(((uint16_t *)hd->data)[r * 5 + c], want >> 16);  // x's layout again
       EXPECT_EQ(bits_of_f32(((float *)f->data)[c * 3 + r]), want);
-      EXPECT_EQ(rtp_get_f32_1d(hd, r * 5 + c), f32_of_bits(want));
-      EXPECT_EQ(rtp_get_f32_1d(cat, (r + 3) * 5 + c), f32_of_bits(want));  // second copy
+      EXPECT_EQ(rtptest::f32_at(hd, r * 5 + c), f32_of_bits(want));
+      EXPECT_EQ(rtptest::f32_at(cat, (r + 3) * 5 + c), f32_of_bits(want));  // second copy
     }
-  rtp_free(ctx);
+  rtp_context_free(ctx);
 }
 
 TEST(Cast, RefusesOtherTypes) {
   rtp_init_params ip = {1 << 20, nullptr, false, nullptr, 0};
-  rtp_context *ctx = rtp_init(ip);
-  rtp_tensor *i = rtp_new_tensor_1d(ctx, RTP_TYPE_I32, 4);
+  rtp_context *ctx = rtp_context_new(ip);
+  rtp_tensor *i = rtp_tensor_new_1d(ctx, RTP_TYPE_I32, 4);
   EXPECT_EQ(rtp_cast(ctx, i, RTP_TYPE_F32), nullptr);
   const char *msg = nullptr;
   EXPECT_EQ(rtp_context_error(ctx, &msg), RTP_ESHAPE);
   EXPECT_NE(std::string(msg).find("cast"), std::string::npos) << msg;
-  rtp_free(ctx);
-  ctx = rtp_init(ip);
-  rtp_tensor *x = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 4);
+  rtp_context_free(ctx);
+  ctx = rtp_context_new(ip);
+  rtp_tensor *x = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 4);
   EXPECT_EQ(rtp_cast(ctx, x, RTP_TYPE_I32), nullptr);
   EXPECT_EQ(rtp_cast(ctx, x, RTP_TYPE_COUNT), nullptr);
   EXPECT_STREQ(rtp_type_name(RTP_TYPE_BF16), "bf16");
   EXPECT_EQ(rtp_type_size(RTP_TYPE_BF16), 2u);
   EXPECT_STREQ(rtp_op_name(RTP_OP_CAST), "cast");
-  rtp_free(ctx);
+  rtp_context_free(ctx);
 }
 
 // Finite differences: a cast to f32 is the identity; through bf16 and back the values
@@ -513,10 +514,10 @@ TEST_P(OpGrad, Cast) {
 // back the gradient would be w itself, which bf16 cannot hold: the values are chosen so.
 TEST(Cast, GradientIsCastBack) {
   rtp_init_params ip = {1 << 20, nullptr, false, nullptr, 0};
-  rtp_context *ctx = rtp_init(ip);
+  rtp_context *ctx = rtp_context_new(ip);
   const int n = 37;
-  rtp_tensor *x = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, n, 2);
-  rtp_tensor *w = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, n, 2);
+  rtp_tensor *x = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, n, 2);
+  rtp_tensor *w = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, n, 2);
   std::mt19937 rng(3);
   std::uniform_real_distribution<float> u(-2.0f, 2.0f);
   int inexact = 0;
@@ -527,12 +528,12 @@ TEST(Cast, GradientIsCastBack) {
     inexact += (bits_of_f32(v) & 0xffffu) != 0;
   }
   ASSERT_GT(inexact, n);
-  rtp_set_param(x);
+  rtp_tensor_set_param(x);
   rtp_tensor *y = rtp_cast(ctx, rtp_cast(ctx, x, RTP_TYPE_BF16), RTP_TYPE_F32);
   rtp_tensor *loss = rtp_sum(ctx, rtp_mul(ctx, y, w));
   rtp_graph *g = rtp_graph_new(ctx, 64);
   ASSERT_EQ(rtp_graph_build(g, loss), 0);
-  ASSERT_EQ(rtp_build_backward(ctx, g, loss), 0) << rtp_last_error();
+  ASSERT_EQ(rtp_graph_build_backward(ctx, g, loss), 0) << rtp_last_error();
   ASSERT_EQ(rtp_graph_plan(ctx, g), 0);
   rtp_threadpool *tp = rtp_threadpool_new(2);
   ASSERT_EQ(rtp_graph_compute(g, tp), 0);
@@ -543,23 +544,23 @@ TEST(Cast, GradientIsCastBack) {
     ASSERT_EQ(bits_of_f32(((float *)x->grad->data)[i]), want) << "element " << i;
   }
   rtp_threadpool_free(tp);
-  rtp_free(ctx);
+  rtp_context_free(ctx);
 }
 
 // A bf16 tensor read by two nodes would need its gradients summed in bf16: refused.
 TEST(Cast, Bf16GradientsAreNotSummed) {
   rtp_init_params ip = {1 << 20, nullptr, false, nullptr, 0};
-  rtp_context *ctx = rtp_init(ip);
-  rtp_tensor *x = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 4);
-  rtp_set_param(x);
+  rtp_context *ctx = rtp_context_new(ip);
+  rtp_tensor *x = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 4);
+  rtp_tensor_set_param(x);
   rtp_tensor *h = rtp_cast(ctx, x, RTP_TYPE_BF16);
   rtp_tensor *loss = rtp_sum(
       ctx, rtp_add(ctx, rtp_cast(ctx, h, RTP_TYPE_F32), rtp_cast(ctx, h, RTP_TYPE_F32)));
   rtp_graph *g = rtp_graph_new(ctx, 64);
   ASSERT_EQ(rtp_graph_build(g, loss), 0);
-  EXPECT_EQ(rtp_build_backward(ctx, g, loss), RTP_EINVAL);
+  EXPECT_EQ(rtp_graph_build_backward(ctx, g, loss), RTP_EINVAL);
   EXPECT_NE(std::string(rtp_last_error()).find("bf16"), std::string::npos) << rtp_last_error();
-  rtp_free(ctx);
+  rtp_context_free(ctx);
 }
 
 // ---- matrix products in bf16 precision ------------------------------------------------
@@ -608,8 +609,8 @@ rtp_tensor *rounded(rtp_context *c, rtp_tensor *x) {
 
 rtp_tensor *new_random(rtp_context *ctx, const Shape &ne, std::mt19937 &rng) {
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  rtp_tensor *x = rtp_new_tensor(ctx, RTP_TYPE_F32, (int)ne.size(), ne.data());
-  for (int64_t i = 0; i < rtp_nelements(x); i++) ((float *)x->data)[i] = u(rng);
+  rtp_tensor *x = rtp_tensor_new(ctx, RTP_TYPE_F32, (int)ne.size(), ne.data());
+  for (int64_t i = 0; i < rtp_tensor_nelements(x); i++) ((float *)x->data)[i] = u(rng);
   return x;
 }
 
@@ -629,7 +630,7 @@ std::vector<uint32_t> grad_through(const rtp_tensor *x, const rtp_tensor *v) {
 
 std::vector<uint32_t> bits(const rtp_tensor *t) {
   const uint32_t *p = (const uint32_t *)t->data;
-  return std::vector<uint32_t>(p, p + rtp_nelements(t));
+  return std::vector<uint32_t>(p, p + rtp_tensor_nelements(t));
 }
 
 // y = a'.b' in bf16 precision (a', b' views of leaves a, b) and loss = sum(y * R), with
@@ -641,11 +642,11 @@ std::vector<uint32_t> bits(const rtp_tensor *t) {
 void check_bf16_product(const MmCase &mc, int threads) {
   SCOPED_TRACE(std::string(mc.what) + ", threads " + std::to_string(threads));
   rtp_init_params ip = {16 << 20, nullptr, false, nullptr, 0};
-  rtp_context *ctx = rtp_init(ip);
+  rtp_context *ctx = rtp_context_new(ip);
   std::mt19937 rng(11);
   rtp_tensor *a = new_random(ctx, mc.a, rng), *b = new_random(ctx, mc.b, rng);
-  rtp_set_param(a);
-  rtp_set_param(b);
+  rtp_tensor_set_param(a);
+  rtp_tensor_set_param(b);
   rtp_tensor *av = mc.va(ctx, a), *bv = mc.vb(ctx, b);
   rtp_tensor *y = rtp_mul_mat(ctx, av, bv);
   ASSERT_NE(y, nullptr) << rtp_last_error();
@@ -653,10 +654,10 @@ void check_bf16_product(const MmCase &mc, int threads) {
   EXPECT_EQ(rtp_mul_mat_get_prec(y), RTP_TYPE_BF16);
   rtp_tensor *r = new_random(ctx, {y->ne[0], y->ne[1], y->ne[2], y->ne[3]}, rng);
   rtp_tensor *loss = rtp_sum(ctx, rtp_mul(ctx, y, r));
-  rtp_set_output(y);
+  rtp_tensor_set_output(y);
   rtp_graph *g = rtp_graph_new(ctx, 256);
   ASSERT_EQ(rtp_graph_build(g, loss), 0);
-  ASSERT_EQ(rtp_build_backward(ctx, g, loss), 0) << rtp_last_error();
+  ASSERT_EQ(rtp_graph_build_backward(ctx, g, loss), 0) << rtp_last_error();
   int products = 0;
   for (int i = 0; i < g->n_nodes; i++) {
     if (g->nodes[i]->op != RTP_OP_MUL_MAT) continue;
@@ -668,8 +669,8 @@ void check_bf16_product(const MmCase &mc, int threads) {
   bool a_2d = av->ne[2] == 1 && av->ne[3] == 1, batched = bv->ne[2] > 1 || bv->ne[3] > 1;
   rtp_tensor *b2 = bv, *r2 = r;
   if (a_2d && batched) {
-    b2 = rtp_reshape_2d(ctx, rtp_cont(ctx, bv), bv->ne[0], rtp_nrows(bv));
-    r2 = rtp_reshape_2d(ctx, r, r->ne[0], rtp_nrows(r));
+    b2 = rtp_reshape_2d(ctx, rtp_cont(ctx, bv), bv->ne[0], rtp_tensor_nrows(bv));
+    r2 = rtp_reshape_2d(ctx, r, r->ne[0], rtp_tensor_nrows(r));
   }
   rtp_tensor *want_y = rtp_mul_mat(ctx, rounded(ctx, av), rounded(ctx, bv));
   rtp_tensor *want_da = rtp_mul_mat(ctx, rounded(ctx, rtp_transpose(ctx, b2)),
@@ -680,7 +681,7 @@ void check_bf16_product(const MmCase &mc, int threads) {
   for (rtp_tensor *t : {want_y, want_da, want_db, exact}) {
     ASSERT_NE(t, nullptr) << rtp_last_error();
     EXPECT_EQ(rtp_mul_mat_get_prec(t), RTP_TYPE_F32);
-    rtp_set_output(t);
+    rtp_tensor_set_output(t);
     ASSERT_EQ(rtp_graph_build(ref, t), 0);
   }
   ASSERT_EQ(rtp_graph_plan(ctx, g), 0) << rtp_last_error();
@@ -693,7 +694,7 @@ void check_bf16_product(const MmCase &mc, int threads) {
   EXPECT_EQ(grad_through(a, av), bits(want_da)) << "gradient of a";
   EXPECT_EQ(grad_through(b, bv), bits(want_db)) << "gradient of b";
   rtp_threadpool_free(tp);
-  rtp_free(ctx);
+  rtp_context_free(ctx);
 }
 
 TEST(MulMatBf16, ProductOfRoundedOperandsAndItsBackward) {
@@ -708,14 +709,14 @@ TEST(MulMatBf16, RoundsAsTheCast) {
                            0x00008001u, 0x007fffffu, 0x7f800000u, 0x3fffffffu, 0x00000001u};
   const int n = (int)(sizeof(vals) / sizeof(vals[0]));
   rtp_init_params ip = {1 << 20, nullptr, false, nullptr, 0};
-  rtp_context *ctx = rtp_init(ip);
-  rtp_tensor *x = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 1, n);  // n rows of K = 1
-  rtp_tensor *one = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 1, 1);
+  rtp_context *ctx = rtp_context_new(ip);
+  rtp_tensor *x = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, 1, n);  // n rows of K = 1
+  rtp_tensor *one = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, 1, 1);
   memcpy(x->data, vals, sizeof(vals));
-  rtp_set_f32(one, 1.0f);
+  rtp_tensor_fill_f32(one, 1.0f);
   rtp_tensor *y = rtp_mul_mat(ctx, x, one);  // {n, 1}: y[m] = x[m] * 1
   ASSERT_EQ(rtp_mul_mat_set_prec(y, RTP_TYPE_BF16), RTP_OK);
-  rtp_set_output(y);
+  rtp_tensor_set_output(y);
   rtp_graph *g = rtp_graph_new(ctx, 16);
   ASSERT_EQ(rtp_graph_build(g, y), 0);
   ASSERT_EQ(rtp_graph_plan(ctx, g), 0);
@@ -723,42 +724,42 @@ TEST(MulMatBf16, RoundsAsTheCast) {
   for (int i = 0; i < n; i++)
     EXPECT_EQ(((const uint32_t *)y->data)[i], (uint32_t)bf16_reference(vals[i]) << 16)
         << std::hex << vals[i];
-  rtp_free(ctx);
+  rtp_context_free(ctx);
 }
 
 // ---- forward values against direct formulas ----------------------------------------
 
 TEST(OpForward, Example) {
   rtp_init_params ip = {1 << 20, nullptr, false, nullptr, 0};
-  rtp_context *ctx = rtp_init(ip);
-  rtp_tensor *x = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 1);
-  rtp_tensor *a = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 1);
-  rtp_tensor *b = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 1);
-  rtp_set_param(x);
+  rtp_context *ctx = rtp_context_new(ip);
+  rtp_tensor *x = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 1);
+  rtp_tensor *a = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 1);
+  rtp_tensor *b = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 1);
+  rtp_tensor_set_param(x);
   rtp_tensor *f = rtp_add(ctx, rtp_mul(ctx, a, rtp_mul(ctx, x, x)), b);
   rtp_graph *g = rtp_graph_new(ctx, 64);
   ASSERT_EQ(rtp_graph_build(g, f), 0);
-  ASSERT_EQ(rtp_build_backward(ctx, g, f), 0);
+  ASSERT_EQ(rtp_graph_build_backward(ctx, g, f), 0);
   ASSERT_EQ(rtp_graph_plan(ctx, g), 0);
-  rtp_set_f32(x, 2.0f);
-  rtp_set_f32(a, 3.0f);
-  rtp_set_f32(b, 4.0f);
+  rtp_tensor_fill_f32(x, 2.0f);
+  rtp_tensor_fill_f32(a, 3.0f);
+  rtp_tensor_fill_f32(b, 4.0f);
   ASSERT_EQ(rtp_graph_compute(g, nullptr), 0);
-  EXPECT_FLOAT_EQ(rtp_get_f32_1d(f, 0), 16.0f);
-  EXPECT_FLOAT_EQ(rtp_get_f32_1d(x->grad, 0), 12.0f);
-  rtp_free(ctx);
+  EXPECT_FLOAT_EQ(rtptest::f32_at(f, 0), 16.0f);
+  EXPECT_FLOAT_EQ(rtptest::f32_at(x->grad, 0), 12.0f);
+  rtp_context_free(ctx);
 }
 
 TEST(OpForward, SoftMaxCausalAndCrossEntropy) {
   rtp_init_params ip = {1 << 20, nullptr, false, nullptr, 0};
-  rtp_context *ctx = rtp_init(ip);
-  rtp_tensor *s = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 3, 3);
+  rtp_context *ctx = rtp_context_new(ip);
+  rtp_tensor *s = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, 3, 3);
   for (int i = 0; i < 9; i++) ((float *)s->data)[i] = (float)i;
   rtp_tensor *p = rtp_soft_max(ctx, s, 1.0f, true);
-  rtp_tensor *t = rtp_new_tensor_1d(ctx, RTP_TYPE_I32, 3);
+  rtp_tensor *t = rtp_tensor_new_1d(ctx, RTP_TYPE_I32, 3);
   ((int32_t *)t->data)[0] = 0, ((int32_t *)t->data)[1] = 2, ((int32_t *)t->data)[2] = 1;
   rtp_tensor *ce = rtp_cross_entropy(ctx, s, t);
-  rtp_set_output(p);
+  rtp_tensor_set_output(p);
   rtp_graph *g = rtp_graph_new(ctx, 16);
   rtp_graph_build(g, p);
   rtp_graph_build(g, ce);
@@ -775,8 +776,8 @@ TEST(OpForward, SoftMaxCausalAndCrossEntropy) {
     double lse = std::log(std::exp(x[0]) + std::exp(x[1]) + std::exp(x[2]));
     expect += lse - x[((int32_t *)t->data)[r]];
   }
-  EXPECT_NEAR(rtp_get_f32_1d(ce, 0), expect / 3, 1e-5);
-  rtp_free(ctx);
+  EXPECT_NEAR(rtptest::f32_at(ce, 0), expect / 3, 1e-5);
+  rtp_context_free(ctx);
 }
 
 }  // namespace

@@ -26,7 +26,7 @@ const int kBatch = 2, kSteps = 3;
 
 // Adam with gradient clipping low enough to act: the norm must be global over shards.
 rtp_adamw_params adam() {
-  rtp_adamw_params hp = rtp_adamw_default();
+  rtp_adamw_params hp = rtp_adamw_params_default();
   hp.clip_norm = 0.5f;
   return hp;
 }
@@ -49,7 +49,7 @@ struct Model {
   gpt m{};
   rtp_graph *g = nullptr;
   ~Model() {
-    rtp_free(ctx);
+    rtp_context_free(ctx);
   }
 };
 
@@ -86,9 +86,9 @@ void init_weights(gpt &m, bool moved_off) {
   gpt_init_weights(&m, 42);
   for (int i = 0; i < m.n_params && moved_off; i++) {
     rtp_tensor *p = m.params[i];
-    if (rtp_n_dims(p) != 1) continue;
+    if (rtp_tensor_n_dims(p) != 1) continue;
     float *d = (float *)p->data;
-    for (int64_t j = 0; j < rtp_nelements(p); j++)
+    for (int64_t j = 0; j < rtp_tensor_nelements(p); j++)
       d[j] = bf16_round(d[j] + 0.1f * std::sin(0.7f * j + i));
   }
 }
@@ -101,17 +101,17 @@ bool reference(int world, std::vector<float> &losses, std::vector<float> &norms,
                std::vector<std::vector<float>> &grad0, rtp_type prec = RTP_TYPE_F32,
                bool moved_off = true, int steps = kSteps, bool any_norm = false) {
   rtp_init_params ip = {gpt_arena_size(kCfg, world * kBatch), nullptr, false, nullptr, 0};
-  ref.ctx = rtp_init(ip);
+  ref.ctx = rtp_context_new(ip);
   if (gpt_build(ref.ctx, &ref.m, kCfg, world * kBatch)) return false;
   ref.g = rtp_graph_new(ref.ctx, 8192);
   if (rtp_graph_build(ref.g, ref.m.loss) || !set_prec(ref.g, prec, false) ||
-      rtp_build_backward(ref.ctx, ref.g, ref.m.loss) || !set_prec(ref.g, prec, true) ||
+      rtp_graph_build_backward(ref.ctx, ref.g, ref.m.loss) || !set_prec(ref.g, prec, true) ||
       rtp_graph_plan(ref.ctx, ref.g))
     return false;
   init_weights(ref.m, moved_off);
   for (int i = 0; i < ref.m.n_params; i++) {
     const float *d = (const float *)ref.m.params[i]->data;
-    init.emplace_back(d, d + rtp_nelements(ref.m.params[i]));
+    init.emplace_back(d, d + rtp_tensor_nelements(ref.m.params[i]));
   }
   for (int i = 0; i < world * kBatch; i++)
     fill_sequence(i, kCfg.seq_len, (int32_t *)ref.m.idx->data + i * kCfg.seq_len,
@@ -119,7 +119,7 @@ bool reference(int world, std::vector<float> &losses, std::vector<float> &norms,
   rtp_optimizer *opt = rtp_optimizer_new(ref.ctx, ref.g, adam());
   for (int s = 0; s < steps; s++) {
     if (rtp_graph_compute(ref.g, nullptr)) return false;
-    losses.push_back(rtp_get_f32_1d(ref.m.loss, 0));
+    losses.push_back(rtptest::f32_at(ref.m.loss, 0));
     // Adam divides by the gradient's own size, so where it is tiny beside the terms that
     // summed to it (zero, for the key bias) rounding decides the step: those elements
     // are left out of the comparison of parameters (gradients are compared in full).
@@ -127,13 +127,13 @@ bool reference(int world, std::vector<float> &losses, std::vector<float> &norms,
       for (int i = 0; i < ref.m.n_params; i++) {
         const rtp_tensor *gr = ref.m.params[i]->grad;
         float mx = 0;
-        for (int64_t j = 0; j < rtp_nelements(gr); j++)
+        for (int64_t j = 0; j < rtp_tensor_nelements(gr); j++)
           mx = std::fmax(mx, std::fabs(((float *)gr->data)[j]));
-        std::vector<float> mv(rtp_nelements(gr));
-        for (int64_t j = 0; j < rtp_nelements(gr); j++)
+        std::vector<float> mv(rtp_tensor_nelements(gr));
+        for (int64_t j = 0; j < rtp_tensor_nelements(gr); j++)
           mv[j] = std::fabs(((float *)gr->data)[j]) > 1e-3f * mx ? 1.0f : 0.0f;
         moving.push_back(mv);
-        grad0.emplace_back((float *)gr->data, (float *)gr->data + rtp_nelements(gr));
+        grad0.emplace_back((float *)gr->data, (float *)gr->data + rtp_tensor_nelements(gr));
       }
     if (rtp_optimizer_step(opt, nullptr)) return false;
     norms.push_back(rtp_optimizer_grad_norm(opt));
@@ -145,7 +145,7 @@ bool reference(int world, std::vector<float> &losses, std::vector<float> &norms,
 // This rank's part of a whole parameter's values (or gradient, or mask).
 std::vector<float> shard(rtp_parallel *par, const gpt &m, int i,
                          const std::vector<float> &full) {
-  std::vector<float> mine(rtp_nelements(rtp_parallel_tensor(par, m.params[i])));
+  std::vector<float> mine(rtp_tensor_nelements(rtp_parallel_tensor(par, m.params[i])));
   EXPECT_EQ(rtp_parallel_shard_copy(par, m.params[i], full.data(), mine.data()), RTP_OK);
   return mine;
 }
@@ -161,10 +161,10 @@ Distance param_distance(rtp_parallel *par, const gpt &m, int i, const Model &ref
   rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
   const float *fin = (const float *)ref.m.params[i]->data;
   std::vector<float> want_p =
-      shard(par, m, i, std::vector<float>(fin, fin + rtp_nelements(ref.m.params[i])));
+      shard(par, m, i, std::vector<float>(fin, fin + rtp_tensor_nelements(ref.m.params[i])));
   std::vector<float> mv = shard(par, m, i, moving), in = shard(par, m, i, init);
   double err = 0, moved = 0;
-  for (int64_t j = 0; j < rtp_nelements(mine); j++) {
+  for (int64_t j = 0; j < rtp_tensor_nelements(mine); j++) {
     if (mv[j] == 0.0f) continue;
     double d = ((float *)mine->data)[j] - want_p[j], t = (double)want_p[j] - in[j];
     err += d * d;
@@ -184,7 +184,7 @@ bool grads_match(rtp_parallel *par, const gpt &m, const std::vector<std::vector<
     const float *got = (const float *)mine->grad->data;
     double err = 0, scale = 0;  // scale: the whole gradient's, as a block can be all zeros
     for (float v : grad0[i]) scale = std::fmax(scale, std::fabs(v));
-    for (int64_t j = 0; j < rtp_nelements(mine); j++)
+    for (int64_t j = 0; j < rtp_tensor_nelements(mine); j++)
       err = std::fmax(err, std::fabs(got[j] - want[j]));
     if (err > 1e-5 * scale) {
       fprintf(stderr, "rank %d: gradient of %s differs by %g (scale %g)\n", rank,
@@ -212,7 +212,7 @@ bool tp_is_split(rtp_parallel *par, const gpt &m, rtp_graph *g, int world) {
 }
 
 // One rank of a job: joined to the others, the model built once for one device (its
-// parameters take no memory), and this rank's graph from rtp_parallelize. Leaving waits
+// parameters take no memory), and this rank's graph from rtp_parallel_new. Leaving waits
 // for every rank, since a rank that leaves early fails the others' transfers in flight.
 struct Rank {
   rtp_comm *comm = nullptr;
@@ -233,14 +233,14 @@ struct Rank {
     rtp_graph *fwd;
     if (!(meta = rtptest::gpt_forward(cfg, batch, &m, &fwd))) return code;
     for (int i = 0; units && i < m.n_params; i++)
-      if (rtp_set_fsdp_unit(m.params[i], units(i))) return code;
+      if (rtp_tensor_set_fsdp_unit(m.params[i], units(i))) return code;
     rtp_init_params ip = {gpt_arena_size(cfg, batch * std::max(1, micro_batches)), nullptr,
                           false, nullptr, 0};
-    ctx = rtp_init(ip);
+    ctx = rtp_context_new(ip);
     rtp_parallel_params pp = {strategy, comm, 0, 0, comm_type, compute_type, micro_batches};
-    par = rtp_parallelize(ctx, fwd, m.loss, &pp);
+    par = rtp_parallel_new(ctx, fwd, m.loss, &pp);
     if (par) return 0;
-    fprintf(stderr, "rtp_parallelize: %s\n", rtp_last_error());
+    fprintf(stderr, "rtp_parallel_new: %s\n", rtp_last_error());
     return code + 1;
   }
 
@@ -251,8 +251,8 @@ struct Rank {
   }
 
   ~Rank() {
-    rtp_free(ctx);
-    rtp_free(meta);
+    rtp_context_free(ctx);
+    rtp_context_free(meta);
     rtp_comm_free(comm);
   }
 };
@@ -318,7 +318,7 @@ int rank_main(rtp_strategy strategy, int rank, int world, int port,
       fprintf(stderr, "rank %d: %s\n", rank, rtp_last_error());
       return 28;
     }
-    float got = rtp_get_f32_1d(loss, 0);
+    float got = rtptest::f32_at(loss, 0);
     if (std::fabs(got - want[s]) > 1e-5f * std::fabs(want[s])) {
       fprintf(stderr, "rank %d step %d: loss %.8f, one process %.8f\n", rank, s, got, want[s]);
       return 29;
@@ -336,7 +336,7 @@ int rank_main(rtp_strategy strategy, int rank, int world, int port,
     rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
     const float *fin = (const float *)ref.m.params[i]->data;
     std::vector<float> want_p =
-        shard(par, m, i, std::vector<float>(fin, fin + rtp_nelements(ref.m.params[i])));
+        shard(par, m, i, std::vector<float>(fin, fin + rtp_tensor_nelements(ref.m.params[i])));
     std::vector<float> mv = shard(par, m, i, moving[i]);
     // Relative in the L2 norm of the block, with the weights' scale (init std 0.02) as the
     // floor: zero-initialised biases hold only a few Adam steps, below float rounding.
@@ -344,7 +344,7 @@ int rank_main(rtp_strategy strategy, int rank, int world, int port,
     // that summed to it (zero, for the key bias) rounding decides its step: those
     // elements are left out (gradients themselves are compared in full above).
     double err = 0, ref2 = 0, n = 0;
-    for (int64_t j = 0; j < rtp_nelements(mine); j++) {
+    for (int64_t j = 0; j < rtp_tensor_nelements(mine); j++) {
       if (mv[j] == 0.0f) continue;
       double d = ((float *)mine->data)[j] - want_p[j];
       err += d * d;
@@ -422,25 +422,25 @@ TEST(FsdpUnits, AnyGroupingMatchesOneProcess) {
 bool rounded_reference(int world, float *loss, std::vector<std::vector<float>> &grads) {
   Model ref;
   rtp_init_params ip = {gpt_arena_size(kCfg, world * kBatch), nullptr, false, nullptr, 0};
-  ref.ctx = rtp_init(ip);
+  ref.ctx = rtp_context_new(ip);
   if (gpt_build(ref.ctx, &ref.m, kCfg, world * kBatch)) return false;
   ref.g = rtp_graph_new(ref.ctx, 8192);
-  if (rtp_graph_build(ref.g, ref.m.loss) || rtp_build_backward(ref.ctx, ref.g, ref.m.loss) ||
-      rtp_graph_plan(ref.ctx, ref.g))
+  if (rtp_graph_build(ref.g, ref.m.loss) ||
+      rtp_graph_build_backward(ref.ctx, ref.g, ref.m.loss) || rtp_graph_plan(ref.ctx, ref.g))
     return false;
   init_weights(ref.m, false);
   for (int i = 0; i < ref.m.n_params; i++) {
     float *d = (float *)ref.m.params[i]->data;
-    for (int64_t j = 0; j < rtp_nelements(ref.m.params[i]); j++) d[j] = bf16_round(d[j]);
+    for (int64_t j = 0; j < rtp_tensor_nelements(ref.m.params[i]); j++) d[j] = bf16_round(d[j]);
   }
   for (int i = 0; i < world * kBatch; i++)
     fill_sequence(i, kCfg.seq_len, (int32_t *)ref.m.idx->data + i * kCfg.seq_len,
                   (int32_t *)ref.m.targets->data + i * kCfg.seq_len);
   if (rtp_graph_compute(ref.g, nullptr)) return false;
-  *loss = rtp_get_f32_1d(ref.m.loss, 0);
+  *loss = rtptest::f32_at(ref.m.loss, 0);
   for (int i = 0; i < ref.m.n_params; i++) {
     const rtp_tensor *gr = ref.m.params[i]->grad;
-    grads.emplace_back((float *)gr->data, (float *)gr->data + rtp_nelements(gr));
+    grads.emplace_back((float *)gr->data, (float *)gr->data + rtp_tensor_nelements(gr));
   }
   return true;
 }
@@ -455,7 +455,7 @@ double grad_error(rtp_parallel *par, const gpt &m,
     std::vector<float> w = shard(par, m, i, want[i]);
     double err = 0, scale = 0;
     for (float v : want[i]) scale = std::fmax(scale, std::fabs(v));
-    for (int64_t j = 0; j < rtp_nelements(mine); j++)
+    for (int64_t j = 0; j < rtp_tensor_nelements(mine); j++)
       err = std::fmax(err, std::fabs(((float *)mine->grad->data)[j] - w[j]));
     worst = std::fmax(worst, err / scale);
   }
@@ -518,7 +518,7 @@ int rank_main_bf16(int rank, int world, int port) {
       fprintf(stderr, "rank %d: %s\n", rank, rtp_last_error());
       return 28;
     }
-    float got = rtp_get_f32_1d(loss, 0);
+    float got = rtptest::f32_at(loss, 0);
     if (std::fabs(got - want[s]) > loss_tol * std::fabs(want[s])) {
       fprintf(stderr, "rank %d step %d: loss %.8f, one process in f32 %.8f (tolerance %.2g)\n",
               rank, s, got, want[s], loss_tol);
@@ -623,7 +623,7 @@ int rank_main_mixed(rtp_strategy strategy, rtp_type comm_type, int rank, int wor
       fprintf(stderr, "rank %d: %s\n", rank, rtp_last_error());
       return 28;
     }
-    float got = rtp_get_f32_1d(loss, 0);
+    float got = rtptest::f32_at(loss, 0);
     double err = std::fabs(got - want[s]) / std::fabs(want[s]);
     double err32 = std::fabs(got - want32[s]) / std::fabs(want32[s]);
     worst_loss = std::fmax(worst_loss, err), worst32 = std::fmax(worst32, err32);
@@ -709,7 +709,8 @@ std::vector<Transfer> transfers(const rtp_graph *g) {
   for (int i = 0; i < g->n_nodes; i++) {
     const rtp_tensor *t = g->nodes[i];
     if (t->op != RTP_OP_COMM) continue;
-    Transfer x = {t->op_params[0], t->op_params[1], t->op_params[2], rtp_nbytes(t->src[0]), 0};
+    Transfer x = {t->op_params[0], t->op_params[1], t->op_params[2],
+                  rtp_tensor_nbytes(t->src[0]), 0};
     for (int j = i + 1; j < g->n_nodes; j++) {
       const rtp_tensor *u = g->nodes[j];
       if (is_view(u->op)) continue;
@@ -849,7 +850,8 @@ int rank_hops_ahead(int rank, int world, int port) {
       fprintf(stderr,
               "rank %d: the hop at node %d (%zu bytes) is waited for at node %d (%s) "
               "with no product in between\n",
-              rank, i, rtp_nbytes(t), j, j < g->n_nodes ? rtp_op_name(g->nodes[j]->op) : "end");
+              rank, i, rtp_tensor_nbytes(t), j,
+              j < g->n_nodes ? rtp_op_name(g->nodes[j]->op) : "end");
       bad++;
     }
   }
@@ -910,13 +912,13 @@ int rank_fsdp_schedule(int rank, int world, int port) {
               runs[u].size());
       bad++;
     }
-  // The pool: slots as rtp_parallelize lays a unit out (each parameter after the one before,
+  // The pool: slots as rtp_parallel_new lays a unit out (each parameter after the one before,
   // at a multiple of 64 bytes), each allocation a multiple of 64 bytes.
   auto pad = [](size_t n, size_t to) { return (n + to - 1) / to * to; };
   size_t unit = 0, whole = 0, largest = 0;
   for (int i = 0; i < m.n_params; i++) {
     const rtp_tensor *p = m.params[i];
-    size_t n = (size_t)rtp_nelements(p), rows = (size_t)p->ne[rtp_n_dims(p) - 1];
+    size_t n = (size_t)rtp_tensor_nelements(p), rows = (size_t)p->ne[rtp_tensor_n_dims(p) - 1];
     if (p->op_params[2] == 1) unit = pad(unit, 16) + n;
     whole = std::max(whole, n);
     largest = std::max(largest, n / rows * ((rows + world - 1) / world));
@@ -954,16 +956,16 @@ TEST(RtpBf16, OtherStrategiesRefuse) {
       rtp_context *meta = rtptest::gpt_forward(kCfg, 1, &m, &fwd);
       ASSERT_NE(meta, nullptr) << rtp_last_error();
       rtp_init_params ip = {gpt_arena_size(kCfg, 1), nullptr, false, nullptr, 0};
-      rtp_context *ctx = rtp_init(ip);
+      rtp_context *ctx = rtp_context_new(ip);
       rtp_parallel_params pp = {s, nullptr, 0, 0, type, RTP_TYPE_F32, 0};
-      EXPECT_EQ(rtp_parallelize(ctx, fwd, m.loss, &pp), nullptr);
+      EXPECT_EQ(rtp_parallel_new(ctx, fwd, m.loss, &pp), nullptr);
       const char *msg = "";
       EXPECT_EQ(rtp_context_error(ctx, &msg), RTP_EINVAL);
       std::string want = type == RTP_TYPE_BF16 ? std::string("strategy ") + rtp_strategy_name(s)
                                                : std::string("comm_type i32");
       EXPECT_NE(std::string(msg).find(want), std::string::npos) << msg;
-      rtp_free(ctx);
-      rtp_free(meta);
+      rtp_context_free(ctx);
+      rtp_context_free(meta);
     }
 }
 
@@ -991,17 +993,17 @@ size_t model_states(const rtp_mem_report &r) {
 size_t one_process_states(gpt_config cfg, size_t *largest_block_of, int world) {
   Model ref;
   rtp_init_params ip = {gpt_arena_size(cfg, 1), nullptr, false, nullptr, 0};
-  ref.ctx = rtp_init(ip);
+  ref.ctx = rtp_context_new(ip);
   gpt_build(ref.ctx, &ref.m, cfg, 1);
   ref.g = rtp_graph_new(ref.ctx, 8192);
   rtp_graph_build(ref.g, ref.m.loss);
-  rtp_build_backward(ref.ctx, ref.g, ref.m.loss);
-  rtp_optimizer_new(ref.ctx, ref.g, rtp_adamw_default());
+  rtp_graph_build_backward(ref.ctx, ref.g, ref.m.loss);
+  rtp_optimizer_new(ref.ctx, ref.g, rtp_adamw_params_default());
   *largest_block_of = 0;
   for (int i = 0; i < ref.m.n_params; i++) {  // block 0 is a largest one (rtp_comm_block)
     const rtp_tensor *p = ref.m.params[i];
-    int64_t rows = p->ne[rtp_n_dims(p) - 1];
-    size_t block = (size_t)(rtp_nelements(p) / rows * ((rows + world - 1) / world));
+    int64_t rows = p->ne[rtp_tensor_n_dims(p) - 1];
+    size_t block = (size_t)(rtp_tensor_nelements(p) / rows * ((rows + world - 1) / world));
     *largest_block_of = std::max(*largest_block_of, block);
   }
   rtp_mem_report r;
@@ -1021,11 +1023,11 @@ int rtp_rank_memory(gpt_config cfg, int batch, int rank, int world, int port, in
   rtp_parallel *par = rk.par;
   const gpt &m = rk.m;
   if (rtp_graph_plan(rk.ctx, rtp_parallel_graph(par))) return 42;
-  rtp_optimizer *opt = rtp_parallel_optimizer(par, rtp_adamw_default());
+  rtp_optimizer *opt = rtp_parallel_optimizer(par, rtp_adamw_params_default());
   if (!opt) return 43;
   for (int i = 0; i < m.n_params; i++) {
     rtp_tensor *t = rtp_parallel_tensor(par, m.params[i]);
-    for (int64_t j = 0; j < rtp_nelements(t); j++)
+    for (int64_t j = 0; j < rtp_tensor_nelements(t); j++)
       ((float *)t->data)[j] = 0.01f * (float)(j % 7);
   }
   for (int s = 0; s < steps; s++)
@@ -1105,25 +1107,25 @@ TEST(ParallelErrors, TooFewRowsToSplit) {
     rtp_comm *comm = nullptr;
     if (rtp_comm_init(&cp, &comm)) return 50;
     rtp_init_params mip = {1 << 20, nullptr, true, nullptr, 0};
-    rtp_context *meta = rtp_init(mip);
-    rtp_tensor *w = rtp_set_name(rtp_new_tensor_2d(meta, RTP_TYPE_F32, 4, 2), "w");
-    rtp_tensor *x = rtp_new_tensor_2d(meta, RTP_TYPE_F32, 4, 5);
-    rtp_set_param(w);
+    rtp_context *meta = rtp_context_new(mip);
+    rtp_tensor *w = rtp_tensor_set_name(rtp_tensor_new_2d(meta, RTP_TYPE_F32, 4, 2), "w");
+    rtp_tensor *x = rtp_tensor_new_2d(meta, RTP_TYPE_F32, 4, 5);
+    rtp_tensor_set_param(w);
     rtp_tensor *loss = rtp_sum(meta, rtp_mul_mat(meta, w, x));
     rtp_graph *g = rtp_graph_new(meta, 64);
     rtp_graph_build(g, loss);
     rtp_init_params ip = {1 << 20, nullptr, false, nullptr, 0};
-    rtp_context *ctx = rtp_init(ip);
+    rtp_context *ctx = rtp_context_new(ip);
     int code = 0;
     for (rtp_strategy s : {RTP_STRATEGY_RTP, RTP_STRATEGY_FSDP}) {
       rtp_parallel_params pp = {s, comm, 0, 0, RTP_TYPE_F32, RTP_TYPE_F32, 0};
-      if (rtp_parallelize(ctx, g, loss, &pp) != nullptr) code = 51;
+      if (rtp_parallel_new(ctx, g, loss, &pp) != nullptr) code = 51;
       const char *msg = nullptr;
       rtp_context_error(ctx, &msg);
       if (!strstr(msg, "fewer rows") || !strstr(msg, "'w'")) code = 52;
     }
-    rtp_free(ctx);
-    rtp_free(meta);
+    rtp_context_free(ctx);
+    rtp_context_free(meta);
     rtp_comm_barrier(comm, nullptr);  // nobody leaves while a rank still talks to it
     rtp_comm_free(comm);
     return code;
@@ -1132,7 +1134,7 @@ TEST(ParallelErrors, TooFewRowsToSplit) {
 }
 
 // tp with heads that the ranks cannot share evenly (4 heads, 3 ranks, d = 48 so that every
-// weight itself would split): a clear error at rtp_parallelize, on every rank.
+// weight itself would split): a clear error at rtp_parallel_new, on every rank.
 TEST(ParallelErrors, TpHeadsNotDivisible) {
   const int world = 3;
   int port = rtptest::free_port();
@@ -1146,17 +1148,17 @@ TEST(ParallelErrors, TpHeadsNotDivisible) {
     rtp_context *meta = rtptest::gpt_forward(cfg, 2, &m, &g);
     if (!meta) return 61;
     rtp_init_params ip = {gpt_arena_size(cfg, 2), nullptr, false, nullptr, 0};
-    rtp_context *ctx = rtp_init(ip);
+    rtp_context *ctx = rtp_context_new(ip);
     rtp_parallel_params pp = {RTP_STRATEGY_TP, comm, 0, 0, RTP_TYPE_F32, RTP_TYPE_F32, 0};
-    int code = rtp_parallelize(ctx, g, m.loss, &pp) == nullptr ? 0 : 62;
+    int code = rtp_parallel_new(ctx, g, m.loss, &pp) == nullptr ? 0 : 62;
     const char *msg = "";
     if (!code && rtp_context_error(ctx, &msg) != RTP_EINVAL) code = 63;
     if (!code && (!strstr(msg, "heads") || !strstr(msg, "not divisible by the 3 ranks"))) {
       fprintf(stderr, "rank %d: unclear message: %s\n", r, msg);
       code = 64;
     }
-    rtp_free(ctx);
-    rtp_free(meta);
+    rtp_context_free(ctx);
+    rtp_context_free(meta);
     rtp_comm_barrier(comm, nullptr);  // nobody leaves while a rank still talks to it
     rtp_comm_free(comm);
     return code;
@@ -1183,12 +1185,12 @@ struct ManyModel {
 
 ManyModel many_build(rtp_context *ctx, int batch) {
   ManyModel mm;
-  mm.x = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 2, batch);
-  rtp_set_input(mm.x);
+  mm.x = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, 2, batch);
+  rtp_tensor_set_input(mm.x);
   rtp_tensor *z = mm.x;
   for (int i = 0; i < kManyParams; i++) {
-    rtp_tensor *w = rtp_set_name(rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 2), "w%d", i);
-    rtp_set_param(w);
+    rtp_tensor *w = rtp_tensor_set_name(rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 2), "w%d", i);
+    rtp_tensor_set_param(w);
     mm.w.push_back(w);
     z = rtp_mul(ctx, z, w);
   }
@@ -1208,11 +1210,12 @@ float many_x(int col, int j) {
 // The one-process gradients and loss on the global batch of `cols` columns.
 bool many_reference(int cols, std::vector<std::vector<float>> &grads, float *loss) {
   rtp_init_params ip = {64 << 20, nullptr, false, nullptr, 0};
-  rtp_context *ctx = rtp_init(ip);
+  rtp_context *ctx = rtp_context_new(ip);
   ManyModel mm = many_build(ctx, cols);
   rtp_graph *g = rtp_graph_new(ctx, 1 << 16);
   bool ok = rtp_graph_build(g, mm.loss) == RTP_OK &&
-            rtp_build_backward(ctx, g, mm.loss) == RTP_OK && rtp_graph_plan(ctx, g) == RTP_OK;
+            rtp_graph_build_backward(ctx, g, mm.loss) == RTP_OK &&
+            rtp_graph_plan(ctx, g) == RTP_OK;
   for (int i = 0; ok && i < kManyParams; i++)
     for (int j = 0; j < 2; j++) ((float *)mm.w[i]->data)[j] = many_w(i, j);
   for (int c = 0; ok && c < cols; c++)
@@ -1222,8 +1225,8 @@ bool many_reference(int cols, std::vector<std::vector<float>> &grads, float *los
     const float *d = (const float *)mm.w[i]->grad->data;
     grads.emplace_back(d, d + 2);
   }
-  if (ok) *loss = rtp_get_f32_1d(mm.loss, 0);
-  rtp_free(ctx);
+  if (ok) *loss = rtptest::f32_at(mm.loss, 0);
+  rtp_context_free(ctx);
   return ok;
 }
 
@@ -1234,15 +1237,15 @@ int many_rank(int rank, int world, int port) {
   Rank rk;
   if (int rc = rk.join(rank, world, port, 71)) return rc;
   rtp_init_params mip = {64 << 20, nullptr, true, nullptr, 0};
-  rk.meta = rtp_init(mip);
+  rk.meta = rtp_context_new(mip);
   ManyModel mm = many_build(rk.meta, kManyBatch);
   rtp_graph *fwd = rtp_graph_new(rk.meta, 1 << 15);
   if (rtp_graph_build(fwd, mm.loss)) return 72;
   rtp_init_params ip = {128 << 20, nullptr, false, nullptr, 0};
-  rk.ctx = rtp_init(ip);
+  rk.ctx = rtp_context_new(ip);
   rtp_parallel_params pp = {RTP_STRATEGY_DDP, rk.comm,      4096, 1 << 16,
                             RTP_TYPE_F32,     RTP_TYPE_F32, 0};
-  rk.par = rtp_parallelize(rk.ctx, fwd, mm.loss, &pp);
+  rk.par = rtp_parallel_new(rk.ctx, fwd, mm.loss, &pp);
   if (!rk.par) {
     fprintf(stderr, "rank %d: %s\n", rank, rtp_last_error());
     return 73;
@@ -1263,7 +1266,7 @@ int many_rank(int rank, int world, int port) {
   for (int c = 0; c < kManyBatch; c++)
     for (int j = 0; j < 2; j++) x[c * 2 + j] = many_x(rank * kManyBatch + c, j);
   if (rtp_graph_compute(g, nullptr)) return 76;
-  float loss = rtp_get_f32_1d(rtp_parallel_tensor(rk.par, mm.loss), 0);
+  float loss = rtptest::f32_at(rtp_parallel_tensor(rk.par, mm.loss), 0);
   if (std::fabs(loss - want_loss) > 1e-5f * std::fabs(want_loss)) {
     fprintf(stderr, "rank %d: loss %.8f, one process %.8f\n", rank, loss, want_loss);
     return 77;
@@ -1298,42 +1301,43 @@ struct TwoLosses {
   rtp_tensor *w = nullptr, *b = nullptr, *c = nullptr, *x[2] = {}, *loss[2] = {};
   rtp_graph *g = nullptr;
   ~TwoLosses() {
-    rtp_free(ctx);
+    rtp_context_free(ctx);
   }
 
   // Builds the losses in `which` (bit k: loss k), each followed by its backward.
   bool build(int which) {
     rtp_init_params ip = {16 << 20, nullptr, false, nullptr, 0};
-    ctx = rtp_init(ip);
-    w = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 4, 3);
-    b = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 3);
-    c = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 3);
-    for (rtp_tensor *p : {w, b, c}) rtp_set_param(p);
+    ctx = rtp_context_new(ip);
+    w = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, 4, 3);
+    b = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 3);
+    c = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 3);
+    for (rtp_tensor *p : {w, b, c}) rtp_tensor_set_param(p);
     g = rtp_graph_new(ctx, 1024);
     for (int k = 0; k < 2; k++) {
-      x[k] = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, 4, 5);
-      rtp_set_input(x[k]);
+      x[k] = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, 4, 5);
+      rtp_tensor_set_input(x[k]);
       rtp_tensor *y = rtp_gelu(ctx, rtp_add(ctx, rtp_mul_mat(ctx, w, x[k]), b));
       if (k == 1) y = rtp_mul(ctx, y, c);
       loss[k] = rtp_mean(ctx, rtp_mul(ctx, y, y));
       if (!(which >> k & 1)) continue;
-      if (rtp_graph_build(g, loss[k]) || rtp_build_backward(ctx, g, loss[k])) return false;
+      if (rtp_graph_build(g, loss[k]) || rtp_graph_build_backward(ctx, g, loss[k]))
+        return false;
     }
     if (rtp_graph_plan(ctx, g)) return false;
     std::vector<rtp_tensor *> all = {w, b, c, x[0], x[1]};
     for (size_t t = 0; t < all.size(); t++)
-      for (int64_t i = 0; i < rtp_nelements(all[t]); i++)
+      for (int64_t i = 0; i < rtp_tensor_nelements(all[t]); i++)
         ((float *)all[t]->data)[i] = std::sin(0.37f * (float)i + 1.3f * (float)t);
     return true;
   }
 
   std::vector<float> grad(const rtp_tensor *p) const {
     const float *d = (const float *)p->grad->data;
-    return std::vector<float>(d, d + rtp_nelements(p));
+    return std::vector<float>(d, d + rtp_tensor_nelements(p));
   }
 };
 
-// A second rtp_build_backward adds its loss's gradients into the memory the first one's
+// A second rtp_graph_build_backward adds its loss's gradients into the memory the first one's
 // claimed: after every compute (no zeroing between) each gradient is, bit for bit, the
 // first loss's alone plus the second's alone, and no GRAD memory was added for it. A
 // parameter that only the second loss reads gets memory of its own.
@@ -1414,7 +1418,7 @@ int rank_main_micro(rtp_strategy strategy, int rank, int world, int port) {
       fprintf(stderr, "rank %d: %s\n", rank, rtp_last_error());
       return 28;
     }
-    float got = rtp_get_f32_1d(loss, 0);
+    float got = rtptest::f32_at(loss, 0);
     if (std::fabs(got - want[s]) > 1e-6f * std::fabs(want[s])) {
       fprintf(stderr, "rank %d step %d: loss %.8f, one process %.8f\n", rank, s, got, want[s]);
       return 29;
@@ -1445,7 +1449,7 @@ int rank_main_micro(rtp_strategy strategy, int rank, int world, int port) {
   rtp_mem_report_get(rk.ctx, &rm);
   rtp_mem_report_get(one.ctx, &r1);
   size_t outputs =
-      (rtp_nbytes(rtp_parallel_micro_tensor(par, m.logits, 1)) + 63) / 64 * 64 + 64;
+      (rtp_tensor_nbytes(rtp_parallel_micro_tensor(par, m.logits, 1)) + 63) / 64 * 64 + 64;
   if (rm.bytes[RTP_ROLE_GRAD] != r1.bytes[RTP_ROLE_GRAD] ||
       rm.bytes[RTP_ROLE_COMM] != r1.bytes[RTP_ROLE_COMM] ||
       rm.bytes[RTP_ROLE_ACTIVATION] >

@@ -11,17 +11,18 @@
 
 #include "gpt.h"
 #include "rtp.h"
+#include "test-util.h"
 
 namespace {
 
 TEST(Train, MlpLearnsClassification) {
   const int in = 6, hidden = 32, classes = 4, n = 96;
   rtp_init_params ip = {16 << 20, nullptr, false, nullptr, 0};
-  rtp_context *ctx = rtp_init(ip);
+  rtp_context *ctx = rtp_context_new(ip);
   std::mt19937 rng(7);
   std::normal_distribution<float> nd(0.0f, 1.0f);
-  rtp_tensor *x = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, in, n);
-  rtp_tensor *y = rtp_new_tensor_1d(ctx, RTP_TYPE_I32, n);
+  rtp_tensor *x = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, in, n);
+  rtp_tensor *y = rtp_tensor_new_1d(ctx, RTP_TYPE_I32, n);
   // Labels: the largest of four fixed random projections of a nonlinear feature.
   float proj[classes][in];
   for (auto &row : proj)
@@ -38,34 +39,35 @@ TEST(Train, MlpLearnsClassification) {
     }
     ((int32_t *)y->data)[i] = best;
   }
-  rtp_tensor *w1 = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, in, hidden);
-  rtp_tensor *b1 = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, hidden);
-  rtp_tensor *w2 = rtp_new_tensor_2d(ctx, RTP_TYPE_F32, hidden, classes);
+  rtp_tensor *w1 = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, in, hidden);
+  rtp_tensor *b1 = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, hidden);
+  rtp_tensor *w2 = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, hidden, classes);
   for (rtp_tensor *w : {w1, b1, w2}) {
-    for (int64_t i = 0; i < rtp_nelements(w); i++) ((float *)w->data)[i] = 0.3f * nd(rng);
-    rtp_set_param(w);
+    for (int64_t i = 0; i < rtp_tensor_nelements(w); i++)
+      ((float *)w->data)[i] = 0.3f * nd(rng);
+    rtp_tensor_set_param(w);
   }
   rtp_tensor *h = rtp_gelu(ctx, rtp_add(ctx, rtp_mul_mat(ctx, w1, x), b1));
   rtp_tensor *loss = rtp_cross_entropy(ctx, rtp_mul_mat(ctx, w2, h), y);
   rtp_graph *g = rtp_graph_new(ctx, 256);
   ASSERT_EQ(rtp_graph_build(g, loss), 0) << rtp_last_error();
-  ASSERT_EQ(rtp_build_backward(ctx, g, loss), 0) << rtp_last_error();
+  ASSERT_EQ(rtp_graph_build_backward(ctx, g, loss), 0) << rtp_last_error();
   ASSERT_EQ(rtp_graph_plan(ctx, g), 0) << rtp_last_error();
-  rtp_adamw_params hp = rtp_adamw_default();
+  rtp_adamw_params hp = rtp_adamw_params_default();
   hp.lr = 1e-2f;
   rtp_optimizer *opt = rtp_optimizer_new(ctx, g, hp);
   ASSERT_NE(opt, nullptr);
   float first = 0, last = 0;
   for (int step = 0; step < 300; step++) {
     ASSERT_EQ(rtp_graph_compute(g, nullptr), 0);
-    last = rtp_get_f32_1d(loss, 0);
+    last = rtptest::f32_at(loss, 0);
     if (step == 0) first = last;
     ASSERT_EQ(rtp_optimizer_step(opt, nullptr), 0);
   }
   std::printf("mlp: loss %.3f -> %.3f\n", first, last);
   EXPECT_NEAR(first, std::log(4.0f), 0.8f);
   EXPECT_LT(last, 0.05f * first) << "first " << first << " last " << last;
-  rtp_free(ctx);
+  rtp_context_free(ctx);
 }
 
 // Windows of a fixed text: predicting the next byte needs the bytes before it.
@@ -84,16 +86,16 @@ void fill_text_batch(const std::string &text, std::mt19937 &rng, int T, int B, i
 void train_gpt(gpt_config cfg, int batch, int steps, float lr, int threads, float *first,
                float *last) {
   rtp_init_params ip = {gpt_arena_size(cfg, batch), nullptr, false, nullptr, 0};
-  rtp_context *ctx = rtp_init(ip);
+  rtp_context *ctx = rtp_context_new(ip);
   ASSERT_NE(ctx, nullptr);
   gpt m{};
   ASSERT_EQ(gpt_build(ctx, &m, cfg, batch), 0) << rtp_last_error();
   rtp_graph *g = rtp_graph_new(ctx, 8192);
   ASSERT_EQ(rtp_graph_build(g, m.loss), 0);
-  ASSERT_EQ(rtp_build_backward(ctx, g, m.loss), 0) << rtp_last_error();
+  ASSERT_EQ(rtp_graph_build_backward(ctx, g, m.loss), 0) << rtp_last_error();
   ASSERT_EQ(rtp_graph_plan(ctx, g), 0) << rtp_last_error();
   gpt_init_weights(&m, 1234);
-  rtp_adamw_params hp = rtp_adamw_default();
+  rtp_adamw_params hp = rtp_adamw_params_default();
   hp.lr = lr;
   rtp_optimizer *opt = rtp_optimizer_new(ctx, g, hp);
   ASSERT_NE(opt, nullptr);
@@ -106,7 +108,7 @@ void train_gpt(gpt_config cfg, int batch, int steps, float lr, int threads, floa
     fill_text_batch(text, rng, cfg.seq_len, batch, (int32_t *)m.idx->data,
                     (int32_t *)m.targets->data);
     ASSERT_EQ(rtp_graph_compute(g, tp), 0) << rtp_last_error();
-    *last = rtp_get_f32_1d(m.loss, 0);
+    *last = rtptest::f32_at(m.loss, 0);
     if (step == 0) *first = *last;
     ASSERT_TRUE(std::isfinite(*last));
     ASSERT_EQ(rtp_optimizer_step(opt, tp), 0);
@@ -114,7 +116,7 @@ void train_gpt(gpt_config cfg, int batch, int steps, float lr, int threads, floa
   std::printf("gpt d=%d L=%d: loss %.3f -> %.3f in %d steps\n", cfg.d_model, cfg.n_layer,
               *first, *last, steps);
   rtp_threadpool_free(tp);
-  rtp_free(ctx);
+  rtp_context_free(ctx);
 }
 
 TEST(Train, TinyGptLearnsText) {

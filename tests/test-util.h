@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -47,6 +48,13 @@ extern "C" void __lsan_do_leak_check(void) __attribute__((weak));
   } while (0)
 
 namespace rtptest {
+
+// Element i of t as f32 (rtp_tensor_get_f32); NaN where it cannot be read, which fails
+// every comparison.
+inline float f32_at(const rtp_tensor *t, int64_t i) {
+  float v;
+  return rtp_tensor_get_f32(t, i, &v) == RTP_OK ? v : std::nanf("");
+}
 
 // A TCP port that was free a moment ago (the kernel's choice for port 0).
 inline int free_port() {

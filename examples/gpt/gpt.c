@@ -57,11 +57,11 @@ double gpt_step_flops(struct gpt_config c, int batch) {
 
 static struct rtp_tensor *param(struct rtp_context *ctx, struct gpt *m, int64_t ne0,
                                 int64_t ne1, const char *fmt, int layer) {
-  struct rtp_tensor *t = ne1 > 0 ? rtp_new_tensor_2d(ctx, RTP_TYPE_F32, ne0, ne1)
-                                 : rtp_new_tensor_1d(ctx, RTP_TYPE_F32, ne0);
+  struct rtp_tensor *t = ne1 > 0 ? rtp_tensor_new_2d(ctx, RTP_TYPE_F32, ne0, ne1)
+                                 : rtp_tensor_new_1d(ctx, RTP_TYPE_F32, ne0);
   if (!t) return NULL;
-  rtp_set_param(t);
-  rtp_set_name(t, fmt, layer);
+  rtp_tensor_set_param(t);
+  rtp_tensor_set_name(t, fmt, layer);
   m->params[m->n_params++] = t;
   return t;
 }
@@ -102,12 +102,12 @@ static void mark_tp(const struct gpt_block *b) {
   if (!b->c_attn_w || !b->c_attn_b || !b->c_fc_w || !b->c_fc_b || !b->attn_proj_w ||
       !b->mlp_proj_w)
     return; /* the context is full: gpt_build reports it */
-  rtp_set_tp(b->c_attn_w, RTP_TP_COLUMN, 3);
-  rtp_set_tp(b->c_attn_b, RTP_TP_COLUMN, 3);
-  rtp_set_tp(b->c_fc_w, RTP_TP_COLUMN, 1);
-  rtp_set_tp(b->c_fc_b, RTP_TP_COLUMN, 1);
-  rtp_set_tp(b->attn_proj_w, RTP_TP_ROW, 1);
-  rtp_set_tp(b->mlp_proj_w, RTP_TP_ROW, 1);
+  rtp_tensor_set_tp(b->c_attn_w, RTP_TP_COLUMN, 3);
+  rtp_tensor_set_tp(b->c_attn_b, RTP_TP_COLUMN, 3);
+  rtp_tensor_set_tp(b->c_fc_w, RTP_TP_COLUMN, 1);
+  rtp_tensor_set_tp(b->c_fc_b, RTP_TP_COLUMN, 1);
+  rtp_tensor_set_tp(b->attn_proj_w, RTP_TP_ROW, 1);
+  rtp_tensor_set_tp(b->mlp_proj_w, RTP_TP_ROW, 1);
 }
 
 static void make_params(struct rtp_context *ctx, struct gpt *m) {
@@ -131,7 +131,7 @@ static void make_params(struct rtp_context *ctx, struct gpt *m) {
     b->mlp_proj_b = param(ctx, m, d, 0, "transformer.h.%d.mlp.c_proj.bias", l);
     mark_tp(b);
     for (int i = first; i < m->n_params; i++) /* fsdp gathers a block at a time */
-      rtp_set_fsdp_unit(m->params[i], l + 1);
+      rtp_tensor_set_fsdp_unit(m->params[i], l + 1);
   }
   m->ln_f_w = param(ctx, m, d, 0, "transformer.ln_f.weight", 0);
   m->ln_f_b = param(ctx, m, d, 0, "transformer.ln_f.bias", 0);
@@ -149,10 +149,11 @@ int gpt_build(struct rtp_context *ctx, struct gpt *m, struct gpt_config cfg, int
   m->batch = batch;
   int64_t d = cfg.d_model, T = cfg.seq_len;
   make_params(ctx, m);
-  m->idx = rtp_set_name(rtp_new_tensor_2d(ctx, RTP_TYPE_I32, T, batch), "input.idx");
-  m->targets = rtp_set_name(rtp_new_tensor_2d(ctx, RTP_TYPE_I32, T, batch), "input.targets");
-  rtp_set_input(m->idx);
-  rtp_set_input(m->targets);
+  m->idx = rtp_tensor_set_name(rtp_tensor_new_2d(ctx, RTP_TYPE_I32, T, batch), "input.idx");
+  m->targets =
+      rtp_tensor_set_name(rtp_tensor_new_2d(ctx, RTP_TYPE_I32, T, batch), "input.targets");
+  rtp_tensor_set_input(m->idx);
+  rtp_tensor_set_input(m->targets);
 
   struct rtp_tensor *x = rtp_get_rows(ctx, m->wte, m->idx); /* {d, T, B} */
   x = rtp_add(ctx, x, m->wpe);
@@ -167,8 +168,8 @@ int gpt_build(struct rtp_context *ctx, struct gpt *m, struct gpt_config cfg, int
   }
   x = rtp_layer_norm(ctx, x, m->ln_f_w, m->ln_f_b, 1e-5f);
   m->logits = linear(ctx, rtp_reshape_2d(ctx, x, d, T * batch), m->lm_head, NULL);
-  rtp_set_output(rtp_set_name(m->logits, "logits"));
-  m->loss = rtp_set_name(rtp_cross_entropy(ctx, m->logits, m->targets), "loss");
+  rtp_tensor_set_output(rtp_tensor_set_name(m->logits, "logits"));
+  m->loss = rtp_tensor_set_name(rtp_cross_entropy(ctx, m->logits, m->targets), "loss");
   return rtp_context_error(ctx, NULL);
 }
 
@@ -198,7 +199,7 @@ void gpt_init_tensor(const struct gpt *m, int i, uint64_t seed, float *data) {
   float std = bias || ln ? 0.0f : strstr(n, "c_proj") ? resid : 0.02f;
   float constant = ln && !bias ? 1.0f : 0.0f;
   uint64_t key = (uint64_t)i, s = seed ^ next_u64(&key);
-  for (int64_t j = 0; j < rtp_nelements(m->params[i]); j++)
+  for (int64_t j = 0; j < rtp_tensor_nelements(m->params[i]); j++)
     data[j] = std > 0 ? std * normal(&s) : constant;
 }
 

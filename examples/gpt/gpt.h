@@ -61,7 +61,7 @@ int gpt_build(struct rtp_context *ctx, struct gpt *m, struct gpt_config cfg, int
 void gpt_init_weights(struct gpt *m, uint64_t seed);
 /* The initial values of the whole parameter m->params[i] into data (its element count):
  * what gpt_init_weights puts there, for models whose parameters have no memory of their
- * own (built with no_alloc and sharded by rtp_parallelize). */
+ * own (built with no_alloc and sharded by rtp_parallel_new). */
 void gpt_init_tensor(const struct gpt *m, int i, uint64_t seed, float *data);
 /* Model FLOPs of one training step (forward + backward): 6 x params x tokens + attention. */
 double gpt_step_flops(struct gpt_config cfg, int batch);

@@ -38,7 +38,7 @@ void train(int steps, const char *out) {
 
   rtp::graph g(ctx, 2048);
   g.build(m.loss).backward(m.loss).plan();
-  rtp_adamw_params hp = rtp_adamw_default();
+  rtp_adamw_params hp = rtp_adamw_params_default();
   hp.lr = 3e-3f;
   rtp::optimizer opt(ctx, g, hp);
   rtp::threadpool tp(2);
@@ -50,7 +50,7 @@ void train(int steps, const char *out) {
     g.compute(tp);
     opt.step(tp);
     if (step % 10 == 0 || step == steps - 1)
-      std::printf("step %3d  loss %.4f\n", step + 1, rtp_get_f32_1d(m.loss, 0));
+      std::printf("step %3d  loss %.4f\n", step + 1, rtp::get_f32(m.loss, 0));
   }
   rtp::safetensors::save(out, {m.params, m.params + m.n_params}, {"format", "pt"});
   std::printf("saved %s\n", out);

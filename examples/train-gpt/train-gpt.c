@@ -10,7 +10,7 @@
  *     rtp-run -n 2 -- train-gpt --config tiny --strategy tp --batch 8
  *
  * One process or N ranks (rtp-run, Slurm or MPI environment variables), one code path:
- * the model is built once for one device in a no_alloc context, and rtp_parallelize turns
+ * the model is built once for one device in a no_alloc context, and rtp_parallel_new turns
  * it into this rank's training graph (strategy none for one process). Data: sample_batch
  * defines the global batch of world x B windows and the rank's share of it, so N ranks
  * with batch B train exactly like one process with batch N x B. tp splits the model, not
@@ -493,8 +493,9 @@ static int join_job(struct trainer *tr) {
 /* The model once, as for one device, then this rank's training graph for the strategy. */
 static int parallelize(struct trainer *tr, struct gpt_config c, const struct options *o) {
   size_t meta_bytes = (size_t)graph_size(c) * 2048 + (8u << 20);
-  tr->meta = rtp_init((struct rtp_init_params){.mem_size = meta_bytes, .no_alloc = true});
-  tr->ctx = rtp_init(
+  tr->meta =
+      rtp_context_new((struct rtp_init_params){.mem_size = meta_bytes, .no_alloc = true});
+  tr->ctx = rtp_context_new(
       (struct rtp_init_params){.mem_size = arena_size(c, o->batch, tr->world, o->bf16)});
   if (!tr->meta || !tr->ctx) return fail(RTP_ENOMEM, "creating the arena");
   struct rtp_graph *fwd = rtp_graph_new(tr->meta, graph_size(c));
@@ -519,7 +520,7 @@ static int parallelize(struct trainer *tr, struct gpt_config c, const struct opt
                                    .graph_size = parallel_graph_size(c, tr->world),
                                    .comm_type = bf16_rotation ? RTP_TYPE_BF16 : RTP_TYPE_F32,
                                    .compute_type = o->bf16 ? RTP_TYPE_BF16 : RTP_TYPE_F32};
-  tr->par = rtp_parallelize(tr->ctx, fwd, tr->m.loss, &pp);
+  tr->par = rtp_parallel_new(tr->ctx, fwd, tr->m.loss, &pp);
   int rc = tr->par ? RTP_OK : rtp_context_error(tr->ctx, NULL);
   if (rc == RTP_ENOSYS) {
     fprintf(stderr, "train-gpt: --strategy %s on %d ranks is not yet supported\n", o->strategy,
@@ -564,7 +565,7 @@ static int trainer_init(struct trainer *tr, struct gpt_config c, const struct op
   tr->tp = rtp_threadpool_new(thread_count(o));
   if (!tr->tp) return fail(RTP_ENOMEM, "starting %d threads", thread_count(o));
   if (o->eval_only) return RTP_OK;
-  struct rtp_adamw_params hp = rtp_adamw_default();
+  struct rtp_adamw_params hp = rtp_adamw_params_default();
   hp.lr = o->lr;
   tr->opt = rtp_parallel_optimizer(tr->par, hp);
   return tr->opt ? RTP_OK : fail(RTP_ENOMEM, "creating the optimizer");
@@ -572,8 +573,8 @@ static int trainer_init(struct trainer *tr, struct gpt_config c, const struct op
 
 static void trainer_free(struct trainer *tr) {
   rtp_threadpool_free(tr->tp);
-  rtp_free(tr->ctx);
-  rtp_free(tr->meta);
+  rtp_context_free(tr->ctx);
+  rtp_context_free(tr->meta);
   rtp_comm_free(tr->comm);
 }
 
@@ -584,13 +585,14 @@ static void param_block(const struct trainer *tr, int i, int64_t *first, int64_t
   int64_t len;
   int dim;
   rtp_parallel_block(tr->par, p, first, &len, &dim);
-  *row = rtp_nelements(p) / p->ne[dim];
+  *row = rtp_tensor_nelements(p) / p->ne[dim];
 }
 
 static size_t largest_param_bytes(const struct gpt *m) {
   size_t n = 0;
   for (int i = 0; i < m->n_params; i++)
-    if ((size_t)rtp_nelements(m->params[i]) > n) n = (size_t)rtp_nelements(m->params[i]);
+    if ((size_t)rtp_tensor_nelements(m->params[i]) > n)
+      n = (size_t)rtp_tensor_nelements(m->params[i]);
   return n * sizeof(float);
 }
 
@@ -619,7 +621,8 @@ static int train_step(struct trainer *tr, const struct dataset *d, uint64_t seed
                tr->targets->data);
   int rc = rtp_graph_compute(tr->train, tr->tp);
   if (rc) return fail(rc, "step %" PRId64 ": forward and backward", step + 1);
-  *loss = rtp_get_f32_1d(tr->loss, 0);
+  if ((rc = rtp_tensor_get_f32(tr->loss, 0, loss)))
+    return fail(rc, "step %" PRId64 ": reading the loss", step + 1);
   rc = rtp_optimizer_step(tr->opt, tr->tp);
   return rc ? fail(rc, "step %" PRId64 ": optimizer", step + 1) : RTP_OK;
 }
@@ -742,7 +745,7 @@ static int solve_batch(struct trainer *tr, const struct problem *p, int n, int *
       live[b] = !(len[b] && got[b][len[b] - 1] == '\n') && pos < T;
       if (live[b]) idx[b * T + pos] = pick_byte(tr, b, pos - 1, 0, NULL);
     }
-    if ((rc = share_picks(tr, idx, rtp_nbytes(tr->idx)))) return rc;
+    if ((rc = share_picks(tr, idx, rtp_tensor_nbytes(tr->idx)))) return rc;
     for (int b = 0; b < n; b++)
       if (live[b]) {
         got[b][len[b]] = (char)idx[b * T + p[b].prompt_len + len[b]];
@@ -844,7 +847,8 @@ static int load_init(struct trainer *tr, struct rtp_safetensors *st, const char 
   bool tp = tr->strategy == RTP_STRATEGY_TP;
   size_t hdr_bytes = (size_t)tr->m.n_params * 1024 + (64u << 10);
   struct rtp_context *hdr =
-      tp ? rtp_init((struct rtp_init_params){.mem_size = hdr_bytes, .no_alloc = true}) : NULL;
+      tp ? rtp_context_new((struct rtp_init_params){.mem_size = hdr_bytes, .no_alloc = true})
+         : NULL;
   float *full = tp ? malloc(largest_param_bytes(&tr->m)) : NULL;
   int rc = tp && (!hdr || !full) ? RTP_ENOMEM : RTP_OK;
   for (int i = 0; i < tr->m.n_params && !rc; i++) {
@@ -856,7 +860,7 @@ static int load_init(struct trainer *tr, struct rtp_safetensors *st, const char 
       rc = rtp_safetensors_read_rows(st, p->name, first, mine);
       continue;
     }
-    struct rtp_tensor *whole = rtp_new_tensor(hdr, RTP_TYPE_F32, rtp_n_dims(p), p->ne);
+    struct rtp_tensor *whole = rtp_tensor_new(hdr, RTP_TYPE_F32, rtp_tensor_n_dims(p), p->ne);
     if (!whole) {
       rc = RTP_ENOMEM;
       break;
@@ -865,7 +869,7 @@ static int load_init(struct trainer *tr, struct rtp_safetensors *st, const char 
     rc = rtp_safetensors_read(st, p->name, whole);
     if (!rc) rc = rtp_parallel_shard_copy(tr->par, p, full, mine->data);
   }
-  rtp_free(hdr);
+  rtp_context_free(hdr);
   free(full);
   return rc ? fail(rc, "--init %s", path) : RTP_OK;
 }
@@ -876,7 +880,7 @@ static int load_init(struct trainer *tr, struct rtp_safetensors *st, const char 
  * (they travel as the bits of floats, which the copy and the gather only move). */
 static int gather_tp_param(struct trainer *tr, int i, float *full) {
   const struct rtp_tensor *p = tr->m.params[i], *mine = rtp_parallel_tensor(tr->par, p);
-  size_t n = (size_t)rtp_nelements(p), local = (size_t)rtp_nelements(mine);
+  size_t n = (size_t)rtp_tensor_nelements(p), local = (size_t)rtp_tensor_nelements(mine);
   if (local == n) {
     memcpy(full, mine->data, n * sizeof(float));
     return RTP_OK;
@@ -909,9 +913,9 @@ static int gather_param(struct trainer *tr, int i, float *full) {
   const struct rtp_tensor *p = tr->m.params[i], *mine = rtp_parallel_tensor(tr->par, p);
   int64_t first, row;
   param_block(tr, i, &first, &row);
-  memcpy(full + first * row, mine->data, rtp_nbytes(mine));
+  memcpy(full + first * row, mine->data, rtp_tensor_nbytes(mine));
   if (tr->world == 1 || tr->strategy == RTP_STRATEGY_DDP) return RTP_OK;
-  int rc = rtp_comm_allgather(tr->comm, full, (size_t)(rtp_nelements(p) / row),
+  int rc = rtp_comm_allgather(tr->comm, full, (size_t)(rtp_tensor_nelements(p) / row),
                               (size_t)row * sizeof(float), NULL);
   return rc ? fail(rc, "gathering %s", p->name) : RTP_OK;
 }
@@ -949,15 +953,15 @@ static int export_model(struct trainer *tr, const char *path, int64_t steps) {
   size_t bytes = (size_t)gpt_n_params(tr->m.cfg) * sizeof(float) +
                  (size_t)tr->m.n_params * 1024 + (1u << 20);
   struct rtp_context *ctx =
-      tr->rank == 0 ? rtp_init((struct rtp_init_params){.mem_size = bytes}) : NULL;
+      tr->rank == 0 ? rtp_context_new((struct rtp_init_params){.mem_size = bytes}) : NULL;
   float *scratch = tr->rank == 0 ? NULL : malloc(largest_param_bytes(&tr->m));
   int rc = ctx || scratch ? RTP_OK : fail(RTP_ENOMEM, "--export %s", path);
   for (int i = 0; i < tr->m.n_params && !rc; i++) {
     const struct rtp_tensor *p = tr->m.params[i];
     float *dst = scratch;
     if (ctx) {
-      full[i] =
-          rtp_set_name(rtp_new_tensor(ctx, RTP_TYPE_F32, rtp_n_dims(p), p->ne), "%s", p->name);
+      full[i] = rtp_tensor_set_name(
+          rtp_tensor_new(ctx, RTP_TYPE_F32, rtp_tensor_n_dims(p), p->ne), "%s", p->name);
       if (!full[i]) {
         rc = fail(RTP_ENOMEM, "--export %s", path);
         break;
@@ -968,7 +972,7 @@ static int export_model(struct trainer *tr, const char *path, int64_t steps) {
   }
   if (!rc && ctx) rc = save_model(path, tr->m.cfg, full, tr->m.n_params, steps);
   rc = export_verdict(tr, rc, path);
-  rtp_free(ctx);
+  rtp_context_free(ctx);
   free(scratch);
   return rc;
 }

@@ -5,8 +5,8 @@
 
 int main() {
   rtp::context ctx(1 << 20);
-  rtp_tensor *a = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 3);
-  rtp_tensor *b = rtp_new_tensor_1d(ctx, RTP_TYPE_F32, 4);
+  rtp_tensor *a = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 3);
+  rtp_tensor *b = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 4);
   try {
     ctx.check(rtp_add(ctx, a, b));
   } catch (const rtp::error &e) {
