@@ -220,10 +220,19 @@ struct Rank {
   gpt m{};
   rtp_parallel *par = nullptr;
 
+  rtp_comm *job = nullptr, *col = nullptr; /* join_row: the whole job and this column */
+
   // 0, or `code` after a failure.
   int join(int rank, int world, int port, int code) {
     rtp_comm_params cp = rtptest::params(rank, world, port);
     return rtp_comm_init(&cp, &comm) ? code : 0;
+  }
+
+  // Joins a job of rows x cols ranks as world rank `rank`; comm is this rank's row.
+  int join_row(int rank, int rows, int cols, int port, int code) {
+    rtp_comm_params cp = rtptest::params(rank, rows * cols, port);
+    if (rtp_comm_init(&cp, &job) || rtp_comm_mesh_2d(job, rows, cols, &comm, &col)) return code;
+    return 0;
   }
 
   // units: fsdp's units for the model's parameters (by index), instead of its blocks.
@@ -245,7 +254,7 @@ struct Rank {
   }
 
   void leave() {
-    rtp_comm_barrier(comm, nullptr);
+    rtp_comm_barrier(job ? job : comm, nullptr);
     rtp_comm_free(comm);
     comm = nullptr;
   }
@@ -254,6 +263,8 @@ struct Rank {
     rtp_context_free(ctx);
     rtp_context_free(meta);
     rtp_comm_free(comm);
+    rtp_comm_free(col);
+    rtp_comm_free(job);
   }
 };
 
@@ -292,8 +303,11 @@ int prepare_training(Rank &rk, const std::vector<std::vector<float>> &init, int 
   return *opt && *loss ? 0 : 27;
 }
 
+// rows > 0: this process is rank `rank` of a job of rows x world ranks, and trains on its
+// row of a rows x world mesh (a group of world ranks, as a pipeline stage would), as rank
+// `rank % world` of a world-rank job.
 int rank_main(rtp_strategy strategy, int rank, int world, int port,
-              int (*units)(int param) = nullptr) {
+              int (*units)(int param) = nullptr, int rows = 0) {
   std::vector<float> want, want_norm;
   Model ref;
   std::vector<std::vector<float>> moving;
@@ -301,7 +315,12 @@ int rank_main(rtp_strategy strategy, int rank, int world, int port,
   if (!reference(world, want, want_norm, ref, moving, init, grad0)) return 20;
 
   Rank rk;
-  if (int rc = rk.join(rank, world, port, 21)) return rc;
+  if (rows > 0) {
+    if (int rc = rk.join_row(rank, rows, world, port, 21)) return rc;
+    rank = rtp_comm_rank(rk.comm);
+  } else if (int rc = rk.join(rank, world, port, 21)) {
+    return rc;
+  }
   Share sh = share_of(strategy, rank, world);
   if (int rc = rk.build(strategy, kCfg, sh.batch, 22, RTP_TYPE_F32, RTP_TYPE_F32, units))
     return rc;
@@ -396,6 +415,20 @@ TEST_P(Equivalence, NRanksMatchOneProcess) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Strategies, Equivalence, kStrategies, strategy_name);
+
+// A strategy runs on whatever communicator it is given: on each row of a 2 x 2 mesh (two
+// groups training at once over the job's connections, as two pipeline stages' groups
+// would), every rank trains exactly as the same rank of a 2-rank job.
+class OnGroups : public ::testing::TestWithParam<rtp_strategy> {};
+
+TEST_P(OnGroups, EachRowMatchesOneProcess) {
+  rtp_strategy s = GetParam();
+  expect_ranks_pass(
+      4, [&](int r, int port) { return rank_main(s, r, 2, port, nullptr, 2); },
+      std::string(rtp_strategy_name(s)) + " on rows ", 120);
+}
+
+INSTANTIATE_TEST_SUITE_P(Strategies, OnGroups, kStrategies, strategy_name);
 
 // fsdp gathers whatever units the model marks, not only blocks (Equivalence's): every
 // parameter alone, the whole model as one unit, and three units whose parameters
