@@ -175,13 +175,10 @@ const struct rtp_comm_params *rtp__comm_world_params(const struct rtp_comm_world
   return &w->params;
 }
 
-void rtp__comm_fail(struct rtp_comm *c, int status, const char *msg) {
+void rtp_comm_abort(struct rtp_comm *c, int status, const char *msg) {
+  if (!c || status >= 0) return;
   struct rtp_transport *host = c->w->host;
   if (world_fail_first(c->w, status, msg) && host->i->fail) host->i->fail(host);
-}
-
-int rtp__comm_timeout_ms(const struct rtp_comm *c) {
-  return c->w->params.timeout_ms;
 }
 
 int rtp_comm_status(struct rtp_comm *c, const char **msg) {
@@ -625,9 +622,9 @@ int rtp_comm_init(const struct rtp_comm_params *pin, struct rtp_comm **out) {
   if (nccl) {
     st = dev_st;
     if (st < 0)
-      rtp__comm_fail(c, st, why);
+      rtp_comm_abort(c, st, why);
     else
-      st = rtp__nccl_new(c, p.device, &c->device);
+      st = rtp__nccl_new(c, p.device, p.timeout_ms, &c->device);
     if (st < 0) {
       char msg[RTP_COMM_MSG];
       snprintf(msg, sizeof(msg), "%s", dev_st < 0 ? why : rtp_last_error());
@@ -743,7 +740,7 @@ int rtp_comm_split(struct rtp_comm *c, int color, int key, struct rtp_comm **out
   free(members);
 #ifdef RTP_HAVE_NCCL
   if (!st && *out && c->device) {
-    st = rtp__nccl_new(*out, c->w->params.device, &(*out)->device);
+    st = rtp__nccl_new(*out, c->w->params.device, c->w->params.timeout_ms, &(*out)->device);
     if (st) {
       rtp_comm_free(*out);
       *out = NULL;

@@ -112,12 +112,6 @@ int rtp__comm_world_fail(struct rtp_comm_world *w, int status, const char *msg,
                          const char **first_msg);
 const struct rtp_comm_params *rtp__comm_world_params(const struct rtp_comm_world *w);
 
-/* Fails c's job from any thread, for good, as a failure a transport detected itself
- * would: rtp_comm_status returns it at once, every pending and later request fails with
- * it, and every peer is told, so its communicators fail too. Nothing happens if the job
- * failed already. */
-void rtp__comm_fail(struct rtp_comm *c, int status, const char *msg);
-int rtp__comm_timeout_ms(const struct rtp_comm *c);
 /* Posts op (group ranks) on c's host transport, as every rtp_comm_* operation does:
  * checks it, numbers it and returns a request (or waits for it when req is NULL). */
 int rtp__comm_post(struct rtp_comm *c, struct rtp_comm_op *op, struct rtp_comm_req **req);
@@ -157,7 +151,7 @@ struct rtp_transport {
 struct rtp_transport *rtp__local_transport(void);
 int rtp__tcp_new(struct rtp_comm_world *w, struct rtp_transport **out);
 #ifdef RTP_HAVE_NCCL
-int rtp__nccl_new(struct rtp_comm *c, int device, struct rtp_transport **out);
+int rtp__nccl_new(struct rtp_comm *c, int device, int timeout_ms, struct rtp_transport **out);
 #endif
 
 #ifdef __cplusplus

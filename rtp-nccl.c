@@ -11,7 +11,7 @@
  * ncclUniqueId, it travels over TCP (broadcast, then a check that every rank holds the same
  * bytes), every rank joins with a non-blocking ncclCommInitRankConfig polled against timeout_ms
  * and the TCP communicator's status, and a TCP barrier ends it. A failure on one rank fails its
- * TCP communicator (rtp__comm_fail: ABORT to every peer), so no other rank waits for it.
+ * TCP communicator (rtp_comm_abort: ABORT to every peer), so no other rank waits for it.
  *
  * Never hanging. NCCL kernels wait for their peers without a deadline: a peer that died or
  * never posts the operation leaves them spinning for ever. A watcher thread per
@@ -157,7 +157,7 @@ static int fail_locked(struct rtp_nccl *n, int status, const char *msg) {
   if (!n->failed) {
     n->failed = status;
     snprintf(n->msg, sizeof(n->msg), "%s", msg);
-    rtp__comm_fail(n->c, status, n->msg); /* nothing if the failure came from TCP */
+    rtp_comm_abort(n->c, status, n->msg); /* nothing if the failure came from TCP */
   }
   abort_locked(n);
   return rtp__error(n->failed, "%s", n->msg);
@@ -444,20 +444,20 @@ static void destroy(struct rtp_nccl *n) {
   free(n);
 }
 
-static int nccl_init(struct rtp_comm *c, int device, struct rtp_nccl **out) {
+static int nccl_init(struct rtp_comm *c, int device, int timeout_ms, struct rtp_nccl **out) {
   *out = NULL;
   struct rtp_nccl *n = calloc(1, sizeof(*n));
   int st;
   if (!n) {
     st = rtp__error(RTP_ENOMEM, "NCCL rank %d: out of memory", rtp_comm_rank(c));
-    rtp__comm_fail(c, st, rtp_last_error());
+    rtp_comm_abort(c, st, rtp_last_error());
     return st;
   }
   n->c = c;
   n->rank = rtp_comm_rank(c);
   n->size = rtp_comm_size(c);
   n->device = -1;
-  n->timeout_ms = rtp__comm_timeout_ms(c);
+  n->timeout_ms = timeout_ms;
   pthread_mutex_init(&n->mu, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
@@ -468,7 +468,7 @@ static int nccl_init(struct rtp_comm *c, int device, struct rtp_nccl **out) {
   if (st) {
     char msg[NC_MSG];
     snprintf(msg, sizeof(msg), "%s", rtp_last_error());
-    rtp__comm_fail(c, st, msg); /* every peer stops waiting for this rank */
+    rtp_comm_abort(c, st, msg); /* every peer stops waiting for this rank */
     destroy(n);
     return rtp__error(st, "%s", msg);
   }
@@ -653,14 +653,14 @@ static void nccl_free(struct rtp_transport *t) {
 static const struct rtp_transport_i nccl_i = {
     .name = "nccl", .post_stream = nccl_post_stream, .free = nccl_free};
 
-int rtp__nccl_new(struct rtp_comm *c, int device, struct rtp_transport **out) {
+int rtp__nccl_new(struct rtp_comm *c, int device, int timeout_ms, struct rtp_transport **out) {
   *out = NULL;
   struct rtp_transport *t = malloc(sizeof(*t));
   struct rtp_nccl *n = NULL;
-  int st = t ? nccl_init(c, device, &n)
+  int st = t ? nccl_init(c, device, timeout_ms, &n)
              : rtp__error(RTP_ENOMEM, "NCCL rank %d: out of memory", rtp_comm_rank(c));
   if (st) {
-    if (!t) rtp__comm_fail(c, st, rtp_last_error()); /* every peer stops waiting */
+    if (!t) rtp_comm_abort(c, st, rtp_last_error()); /* every peer stops waiting */
     free(t);
     return st;
   }

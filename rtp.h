@@ -585,6 +585,13 @@ RTP_API int rtp_comm_mesh_2d(struct rtp_comm *c, int rows, int cols, struct rtp_
 RTP_API int rtp_comm_world_rank(const struct rtp_comm *c, int rank);
 /* RTP_OK, or the status that failed the communicator (message in *msg if msg). */
 RTP_API int rtp_comm_status(struct rtp_comm *c, const char **msg);
+/* Fails c's job from any thread, for good, with status (< 0) and msg, as a failure the
+ * transport detected itself would: rtp_comm_status returns it at once, every pending and
+ * later operation of every group fails with it, and every peer is told (so its
+ * communicators fail too, naming this rank). For a failure of the caller's own (a device
+ * that died) that the other ranks must not wait for. Nothing happens if the job failed
+ * already. */
+RTP_API void rtp_comm_abort(struct rtp_comm *c, int status, const char *msg);
 
 /*
  * Block i of n of count elements: the first count % n blocks have one element more.

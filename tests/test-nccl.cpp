@@ -2,7 +2,7 @@
 //
 // Every build: backend "nccl" fails every rank cleanly and at once where it cannot work
 // (a build without CUDA; in a CUDA build, a host without a CUDA device), and a TCP
-// communicator failed from outside (rtp__comm_fail, how an NCCL failure reaches the
+// communicator failed from outside (rtp_comm_abort, how an NCCL failure reaches the
 // peers) fails every rank with its message. CUDA builds, without a GPU: the exchange of
 // the NCCL unique id over TCP (1-4 ranks, synthetic ids and real ones from
 // ncclGetUniqueId) and the mapping of NCCL and CUDA errors to statuses and messages.
@@ -81,8 +81,8 @@ TEST(Nccl, FailFromOutside) {
       std::vector<float> v(1000, 1.0f);
       if (rank == 1) {
         usleep(100000);  // the others are waiting in the all-reduce
-        rtp__comm_fail(c, RTP_ECOMM, "device 0 fell off the bus");
-        rtp__comm_fail(c, RTP_EIO, "a second failure is ignored");
+        rtp_comm_abort(c, RTP_ECOMM, "device 0 fell off the bus");
+        rtp_comm_abort(c, RTP_EIO, "a second failure is ignored");
         if (!free_at_once) {
           const char *msg;
           CHECK(rtp_comm_status(c, &msg) == RTP_ECOMM, "status");
@@ -112,7 +112,7 @@ TEST(Nccl, FailFromOutside) {
   rtp_comm_params p = rtp_comm_params_default();
   rtp_comm *c;
   ASSERT_EQ(rtp_comm_init(&p, &c), RTP_OK);
-  rtp__comm_fail(c, RTP_ECOMM, "gone");
+  rtp_comm_abort(c, RTP_ECOMM, "gone");
   float x = 1;
   EXPECT_EQ(rtp_comm_allreduce(c, &x, 1, nullptr), RTP_ECOMM);
   EXPECT_STREQ(rtp_last_error(), "gone");

@@ -488,7 +488,7 @@ ncclResult_t ncclCommAbort(ncclComm_t c) {
     c->aborted = true;
     c->cv.notify_all();
   }
-  rtp__comm_fail(c->wire, RTP_ECOMM, "fake NCCL communicator aborted");
+  rtp_comm_abort(c->wire, RTP_ECOMM, "fake NCCL communicator aborted");
   release(c);
   return ncclSuccess;
 }
