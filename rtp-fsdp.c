@@ -155,7 +155,7 @@ static size_t fsdp_units(struct rtp_parallel *p, struct fsdp *f) {
   size_t largest = 0;
   for (int q = 0; q < src->n_leafs; q++) {
     const struct rtp_tensor *t = src->leafs[q];
-    if (!(t->flags & RTP_FLAG_PARAM)) continue;
+    if (!(t->flags & RTP_FLAG_PARAM) || !rtp__parallel_leaf_here(p, q)) continue;
     size_t offs = 0; /* after the parameter before it in its unit */
     for (int e = q - 1; e >= 0 && !offs; e--)
       if ((src->leafs[e]->flags & RTP_FLAG_PARAM) &&

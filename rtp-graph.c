@@ -313,12 +313,71 @@ static void mark_needs_grad(struct graph_obj *go) {
   }
   for (int i = 0; i < g->n_nodes; i++) {
     struct rtp_tensor *t = g->nodes[i];
-    uint8_t need = 0;
+    uint8_t need = t->flags & RTP__FLAG_GRAD_STOP ? MARK_NEEDS_GRAD : 0;
     for (int s = 0; s < RTP_MAX_SRC; s++)
       if (t->src[s] && (*mark_of(go, t->src[s]) & MARK_NEEDS_GRAD)) need = MARK_NEEDS_GRAD;
     *mark_of(go, t) = need;
     t->grad = NULL;
   }
+}
+
+/* Backward from outs[i] with gradient seeds[i] (already set as outs[i]->grad). */
+static int backward_from(struct rtp_context *ctx, struct graph_obj *go, const char *what) {
+  struct rtp_graph *g = &go->g;
+  struct backward bw = {ctx, go};
+  int n_fwd = g->n_nodes, n_leafs = g->n_leafs, rc = RTP_OK;
+  /* Gradients an earlier call claimed: this call sums its own contributions apart, then
+   * adds them in. */
+  struct rtp_tensor **old = calloc((size_t)n_leafs + 1, sizeof(*old));
+  if (!old) return rtp__ctx_error(ctx, RTP_ENOMEM, "%s: out of memory", what);
+  for (int i = 0; i < n_leafs; i++)
+    if (g->leafs[i]->flags & RTP_FLAG_PARAM) {
+      old[i] = g->leafs[i]->grad;
+      g->leafs[i]->grad = NULL;
+    }
+  /* A node that stops gradients keeps its own (for the caller) and passes none on. */
+  for (int i = n_fwd - 1; i >= 0 && !rc; i--) {
+    struct rtp_tensor *t = g->nodes[i];
+    if (t->grad && (*mark_of(go, t) & MARK_NEEDS_GRAD) && !(t->flags & RTP__FLAG_GRAD_STOP))
+      backward_node(&bw, t);
+    rc = rtp_context_error(ctx, NULL);
+  }
+  /* The last parameters used are the first whose gradients are ready. */
+  for (int i = n_leafs - 1; i >= 0 && !rc; i--) {
+    struct rtp_tensor *p = g->leafs[i];
+    if (!(p->flags & RTP_FLAG_PARAM)) continue;
+    if (!p->grad) /* no contribution from this loss */
+      p->grad = old[i];
+    else if (!(old[i] ? accumulate_grad(&bw, p, old[i]) : claim_grad(&bw, p)))
+      rc = rtp_context_error(ctx, NULL);
+  }
+  free(old);
+  return rc ? rc : rtp_context_error(ctx, NULL);
+}
+
+int rtp__graph_build_backward_seeded(struct rtp_context *ctx, struct rtp_graph *g, int n,
+                                     struct rtp_tensor *const *outs,
+                                     struct rtp_tensor *const *seeds) {
+  const char *what = "rtp__graph_build_backward_seeded";
+  if (!ctx || !g || n < 0 || (n && (!outs || !seeds)))
+    return rtp__error(RTP_EINVAL, "%s: NULL argument", what);
+  struct graph_obj *go = (struct graph_obj *)g;
+  if (g->plan) return rtp__error(RTP_ESTATE, "%s: the graph is already planned", what);
+  for (int i = 0; i < n; i++) {
+    if (!outs[i] || !seeds[i] || !graph_has(go, outs[i]) || !graph_has(go, seeds[i]))
+      return rtp__ctx_error(ctx, RTP_EINVAL, "%s: output %d or its seed is not in g", what, i);
+    if (!rtp_tensor_same_shape(outs[i], seeds[i]) || seeds[i]->type != RTP_TYPE_F32)
+      return rtp__ctx_error(ctx, RTP_ESHAPE, "%s: seed %d is not an f32 tensor of '%s''s shape",
+                            what, i, outs[i]->name);
+  }
+  mark_needs_grad(go);
+  bool any = false;
+  for (int i = 0; i < n; i++) {
+    any |= (*mark_of(go, outs[i]) & MARK_NEEDS_GRAD) != 0;
+    outs[i]->grad = outs[i]->grad ? rtp_add(ctx, outs[i]->grad, seeds[i]) : seeds[i];
+  }
+  if (!any) return RTP_OK; /* nothing here depends on a parameter or a stopped input */
+  return backward_from(ctx, go, what);
 }
 
 int rtp_graph_build_backward(struct rtp_context *ctx, struct rtp_graph *g,
@@ -346,32 +405,5 @@ int rtp_graph_build_backward(struct rtp_context *ctx, struct rtp_graph *g,
   int rc = rtp_tensor_fill_f32(rtp_tensor_set_name(seed, "loss.seed"), 1.0f);
   if (rc) return rtp__ctx_error(ctx, rc, "rtp_graph_build_backward: %s", rtp_last_error());
   loss->grad = seed;
-
-  struct backward bw = {ctx, go};
-  int n_fwd = g->n_nodes, n_leafs = g->n_leafs;
-  /* Gradients an earlier call claimed: this call sums its own contributions apart, then
-   * adds them in. */
-  struct rtp_tensor **old = calloc((size_t)n_leafs + 1, sizeof(*old));
-  if (!old) return rtp__ctx_error(ctx, RTP_ENOMEM, "rtp_graph_build_backward: out of memory");
-  for (int i = 0; i < n_leafs; i++)
-    if (g->leafs[i]->flags & RTP_FLAG_PARAM) {
-      old[i] = g->leafs[i]->grad;
-      g->leafs[i]->grad = NULL;
-    }
-  for (int i = n_fwd - 1; i >= 0 && !rc; i--) {
-    struct rtp_tensor *t = g->nodes[i];
-    if (t->grad && (*mark_of(go, t) & MARK_NEEDS_GRAD)) backward_node(&bw, t);
-    rc = rtp_context_error(ctx, NULL);
-  }
-  /* The last parameters used are the first whose gradients are ready. */
-  for (int i = n_leafs - 1; i >= 0 && !rc; i--) {
-    struct rtp_tensor *p = g->leafs[i];
-    if (!(p->flags & RTP_FLAG_PARAM)) continue;
-    if (!p->grad) /* no contribution from this loss */
-      p->grad = old[i];
-    else if (!(old[i] ? accumulate_grad(&bw, p, old[i]) : claim_grad(&bw, p)))
-      rc = rtp_context_error(ctx, NULL);
-  }
-  free(old);
-  return rc ? rc : rtp_context_error(ctx, NULL);
+  return backward_from(ctx, go, "rtp_graph_build_backward");
 }

@@ -21,6 +21,11 @@
  * rtp forward's blocks name the result they write into there). */
 #define RTP__FLAG_ADDEND (1 << 28)
 
+/* Autodiff computes this tensor's gradient (t->grad, after it) even if it depends on no
+ * parameter, and passes none on to its sources: where a pipeline stage's graph begins, the
+ * received activations whose gradients go back to the stage before. */
+#define RTP__FLAG_GRAD_STOP (1 << 27)
+
 /* The addend of a mul_mat made by rtp__mul_mat_add, else NULL. */
 static inline struct rtp_tensor *rtp__addend(const struct rtp_tensor *t) {
   return t->flags & RTP__FLAG_ADDEND ? t->src[2] : NULL;
@@ -168,6 +173,9 @@ struct rtp_tensor *rtp__get_rows_back_block(struct rtp_context *ctx, struct rtp_
 
 /* ---- rtp-opt.c ---- */
 void rtp__optimizer_set_comm(struct rtp_optimizer *opt, struct rtp_comm *comm);
+/* A second group whose ranks hold other shares (a pipeline's stages): the norm sums over
+ * it after the first. */
+void rtp__optimizer_add_comm(struct rtp_optimizer *opt, struct rtp_comm *comm);
 /* param's weight in the all-reduced sum of squares (default 1): 1/N for a gradient that
  * every rank holds whole (tp's replicated parameters), so it is counted once. */
 void rtp__optimizer_set_norm_weight(struct rtp_optimizer *opt, const struct rtp_tensor *param,
@@ -209,6 +217,14 @@ void rtp__gemm_init(void);
 void rtp__compute_forward(const struct rtp_compute_params *p, struct rtp_tensor *t);
 size_t rtp__op_work_size(const struct rtp_tensor *t);
 #define RTP_MAX_THREADS 256
+
+/* ---- rtp-graph.c ---- */
+/* Backward from several outputs at once, outs[i] with gradient seeds[i] (nodes of g, f32,
+ * outs[i]'s shape): the gradients of the parameters (added into those an earlier call
+ * claimed, as rtp_graph_build_backward does) and of the RTP__FLAG_GRAD_STOP nodes. */
+int rtp__graph_build_backward_seeded(struct rtp_context *ctx, struct rtp_graph *g, int n,
+                                     struct rtp_tensor *const *outs,
+                                     struct rtp_tensor *const *seeds);
 
 /* ---- rtp-exec.c ---- */
 /* One run of g's transfers without its compute: posted and waited for where the executor

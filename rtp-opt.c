@@ -9,11 +9,13 @@ struct rtp_optimizer {
   int64_t t; /* steps taken */
   int n;
   struct rtp_tensor **params, **m, **v;
-  float lr_t, bc1, bc2;  /* this step's factors, set before the threads run */
-  float gscale;          /* clipping factor for this step's gradients */
-  float norm;            /* the last global gradient norm */
-  struct rtp_comm *comm; /* set when each rank holds a different share of the gradients */
-  float *norm_w;         /* per parameter: its share of the global norm (1/N if replicated) */
+  float lr_t, bc1, bc2; /* this step's factors, set before the threads run */
+  float gscale;         /* clipping factor for this step's gradients */
+  float norm;           /* the last global gradient norm */
+  /* Where each rank holds a different share of the gradients: the groups whose shares
+   * make the whole (a stage's ranks, then the pipe's stages). */
+  struct rtp_comm *comm[2];
+  float *norm_w; /* per parameter: its share of the global norm (1/N if replicated) */
   struct rtp_backend *backend; /* NULL: the CPU */
   double partial[RTP_MAX_THREADS];
 };
@@ -159,9 +161,10 @@ static int grad_norm(struct rtp_optimizer *opt, struct rtp_threadpool *tp) {
     rtp__threadpool_run(tp, sumsq_job, opt);
     for (int i = 0; i < rtp_threadpool_size(tp); i++) s += opt->partial[i];
   }
-  if (opt->comm) { /* the shares of all ranks make the whole */
+  for (int c = 0; c < 2; c++) { /* the shares of all ranks make the whole */
+    if (!opt->comm[c]) continue;
     float f = (float)s;
-    int rc = rtp_comm_allreduce(opt->comm, &f, 1, NULL);
+    int rc = rtp_comm_allreduce(opt->comm[c], &f, 1, NULL);
     if (rc) return rc;
     s = f;
   }
@@ -170,7 +173,11 @@ static int grad_norm(struct rtp_optimizer *opt, struct rtp_threadpool *tp) {
 }
 
 void rtp__optimizer_set_comm(struct rtp_optimizer *opt, struct rtp_comm *comm) {
-  opt->comm = comm;
+  opt->comm[0] = comm;
+}
+
+void rtp__optimizer_add_comm(struct rtp_optimizer *opt, struct rtp_comm *comm) {
+  opt->comm[1] = comm;
 }
 
 void rtp__optimizer_set_norm_weight(struct rtp_optimizer *opt, const struct rtp_tensor *param,

@@ -151,6 +151,8 @@ struct rtp_optimizer *rtp_parallel_optimizer(const struct rtp_parallel *p,
   }
   struct rtp_optimizer *opt = rtp_optimizer_new(p->ctx, p->graph, params);
   if (opt && p->iface->optimizer) p->iface->optimizer(p, opt);
+  /* each stage holds other parameters: the norm sums over the pipe too */
+  if (opt && rtp__pipeline_comm(p)) rtp__optimizer_add_comm(opt, rtp__pipeline_comm(p));
   return opt;
 }
 
@@ -202,28 +204,43 @@ static struct rtp_tensor *clone_node(struct rtp_parallel *p, const struct rtp_te
   return c;
 }
 
-/* Micro-batch m's forward: its own inputs, the parameters and constants of the first. */
-static int clone_forward(struct rtp_parallel *p, int m) {
+int rtp__graph_index(const struct rtp_graph *g, const struct rtp_tensor *t) {
+  for (int i = 0; i < g->n_nodes; i++)
+    if (g->nodes[i] == t) return i;
+  return -1;
+}
+
+int rtp__parallel_clone_leaves(struct rtp_parallel *p, int m, const int *leaf_stage,
+                               int stage) {
   const struct rtp_graph *src = p->src;
   p->map = p->maps + (size_t)m * map_rows(src);
   for (int i = 0; i < src->n_leafs; i++) {
     const struct rtp_tensor *t = src->leafs[i];
-    p->map[src->n_nodes + i] =
-        m > 0 && !(t->flags & RTP_FLAG_INPUT) ? p->maps[src->n_nodes + i] : clone_leaf(p, t);
-    if (!p->map[src->n_nodes + i]) return rtp_context_error(p->ctx, NULL);
-  }
-  for (int i = 0; i < src->n_nodes; i++) {
-    const struct rtp_tensor *t = src->nodes[i];
-    p->map[i] = p->iface->node ? p->iface->node(p, i, t) : NULL;
-    if (!p->map[i] && !rtp_context_error(p->ctx, NULL)) p->map[i] = clone_node(p, t);
-    if (!p->map[i]) {
-      int err = rtp_context_error(p->ctx, NULL);
-      return err ? err
-                 : rtp__ctx_error(p->ctx, RTP_EINVAL, "rtp_parallel_new: cannot clone %s",
-                                  rtp_op_name(t->op));
-    }
+    struct rtp_tensor **c = &p->map[src->n_nodes + i];
+    bool input = t->flags & RTP_FLAG_INPUT;
+    if (!input && leaf_stage && leaf_stage[i] != stage) continue; /* another stage's */
+    *c = m > 0 && !input ? p->maps[src->n_nodes + i] : clone_leaf(p, t);
+    if (!*c) return rtp_context_error(p->ctx, NULL);
   }
   return RTP_OK;
+}
+
+int rtp__parallel_clone_node(struct rtp_parallel *p, int i) {
+  const struct rtp_tensor *t = p->src->nodes[i];
+  p->map[i] = p->iface->node ? p->iface->node(p, i, t) : NULL;
+  if (!p->map[i] && !rtp_context_error(p->ctx, NULL)) p->map[i] = clone_node(p, t);
+  if (p->map[i]) return RTP_OK;
+  int err = rtp_context_error(p->ctx, NULL);
+  return err ? err
+             : rtp__ctx_error(p->ctx, RTP_EINVAL, "rtp_parallel_new: cannot clone %s",
+                              rtp_op_name(t->op));
+}
+
+/* Micro-batch m's forward: its own inputs, the parameters and constants of the first. */
+static int clone_forward(struct rtp_parallel *p, int m) {
+  int rc = rtp__parallel_clone_leaves(p, m, NULL, 0);
+  for (int i = 0; i < p->src->n_nodes && !rc; i++) rc = rtp__parallel_clone_node(p, i);
+  return rc;
 }
 
 /* ---- what every strategy shares ------------------------------------------------- */
@@ -277,7 +294,8 @@ static int global_loss(struct rtp_parallel *p) {
 
 /* Ranks must have built the same model: rank 0's fingerprint of names and shapes is
  * broadcast and compared. */
-static int check_same_model(struct rtp_parallel *p) {
+static int check_same_model(struct rtp_parallel *p, struct rtp_comm *pipe,
+                            enum rtp_schedule sched) {
   uint64_t h = 1469598103934665603ull;
   for (int i = 0; i < p->src->n_leafs; i++) {
     const struct rtp_tensor *t = p->src->leafs[i];
@@ -293,15 +311,22 @@ static int check_same_model(struct rtp_parallel *p) {
     h = (h ^ ((uint64_t)p->compute_type << 8)) * 1099511628211ull;
   if (p->micro_batches > 1) /* every micro-batch's transfers must meet the others' */
     h = (h ^ ((uint64_t)p->micro_batches << 16)) * 1099511628211ull;
-  uint64_t root = h;
-  int rc = rtp_comm_broadcast(p->comm, &root, sizeof(root), 0, NULL);
-  if (rc) return rc;
-  if (root != h)
-    return rtp__error(RTP_EPEER,
-                      "rtp_parallel_new: rank %d built a different model than "
-                      "rank 0 (parameter names, shapes or tp/fsdp marks, comm_type, "
-                      "compute_type or micro_batches differ)",
-                      rtp_comm_rank(p->comm));
+  if (pipe) /* stages and their order of work must agree */
+    h = (h ^ ((uint64_t)rtp_comm_size(pipe) << 24 | (uint64_t)sched << 40)) * 1099511628211ull;
+  /* over the stage group, then the pipe: every rank against every other */
+  struct rtp_comm *comms[2] = {p->comm, pipe};
+  for (int c = 0; c < 2; c++) {
+    if (!comms[c] || rtp_comm_size(comms[c]) == 1) continue;
+    uint64_t root = h;
+    int rc = rtp_comm_broadcast(comms[c], &root, sizeof(root), 0, NULL);
+    if (rc) return rc;
+    if (root != h)
+      return rtp__error(RTP_EPEER,
+                        "rtp_parallel_new: rank %d of its %s built a different model than "
+                        "rank 0 (parameter names, shapes or tp/fsdp marks, comm_type, "
+                        "compute_type, micro_batches, stages or schedule differ)",
+                        rtp_comm_rank(comms[c]), c ? "pipe" : "group");
+  }
   return RTP_OK;
 }
 
@@ -393,6 +418,12 @@ struct rtp_parallel *rtp_parallel_new(struct rtp_context *ctx, const struct rtp_
     return NULL;
   }
   if (check_compute_type(ctx, fwd, pp->compute_type)) return NULL;
+  if (pp->pipe_comm && rtp_comm_size(pp->pipe_comm) > 1 && pp->strategy == RTP_STRATEGY_TP) {
+    rtp__ctx_error(ctx, RTP_EINVAL,
+                   "rtp_parallel_new: pipelines run rtp, fsdp or ddp inside their stages, "
+                   "not tp");
+    return NULL;
+  }
   struct rtp_parallel *p = rtp__ctx_alloc(ctx, sizeof(*p), "the parallel plan");
   struct rtp_tensor **map =
       rtp__ctx_alloc(ctx, sizeof(*map) * (map_rows(fwd) * (size_t)M + 1), "the parallel map");
@@ -406,6 +437,7 @@ struct rtp_parallel *rtp_parallel_new(struct rtp_context *ctx, const struct rtp_
       .compute_type = pp->compute_type,
       .bucket_bytes = pp->bucket_bytes ? pp->bucket_bytes : (size_t)4 << 20,
       .micro_batches = M,
+      .phases = M,
       .src = fwd,
       .map = map,
       .maps = map,
@@ -415,13 +447,20 @@ struct rtp_parallel *rtp_parallel_new(struct rtp_context *ctx, const struct rtp_
     rtp__ctx_error(ctx, RTP_EINVAL, "rtp_parallel_new: the loss is not a node of the graph");
     return NULL;
   }
-  int rc = world > 1 ? check_same_model(p) : RTP_OK;
-  if (!rc && p->iface->prepare) rc = p->iface->prepare(p);
-  for (int m = 0; m < M && !rc; m++)
-    rc = micro_batch(p, m, pp->graph_size > 0 ? pp->graph_size : 16384 * M);
-  p->map = p->maps;
-  if (!rc && p->iface->finish) rc = p->iface->finish(p);
-  if (!rc) rc = global_loss(p);
+  struct rtp_comm *pipe =
+      pp->pipe_comm && rtp_comm_size(pp->pipe_comm) > 1 ? pp->pipe_comm : NULL;
+  int graph_size = pp->graph_size > 0 ? pp->graph_size : 16384 * M;
+  int rc = world > 1 || pipe ? check_same_model(p, pipe, pp->schedule) : RTP_OK;
+  if (!rc && pipe) {
+    p->phases = 2 * M;
+    rc = rtp__pipeline_build(p, pipe, pp->schedule, pp->stage_blocks, graph_size);
+  } else if (!rc) {
+    if (p->iface->prepare) rc = p->iface->prepare(p);
+    for (int m = 0; m < M && !rc; m++) rc = micro_batch(p, m, graph_size);
+    p->map = p->maps;
+    if (!rc && p->iface->finish) rc = p->iface->finish(p);
+    if (!rc) rc = global_loss(p);
+  }
   if (!rc) set_compute_type(p);
   if (rc) {
     if (!rtp_context_error(ctx, NULL)) rtp__ctx_error(ctx, rc, "%s", rtp_last_error());

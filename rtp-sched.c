@@ -134,7 +134,7 @@ int rtp__sched_init(struct rtp_parallel *p, struct rtp_sched *s, size_t w_elems)
   size_t largest = 0;
   for (int i = 0; i < p->src->n_leafs; i++) {
     const struct rtp_tensor *t = p->src->leafs[i];
-    if (!(t->flags & RTP_FLAG_PARAM)) continue;
+    if (!(t->flags & RTP_FLAG_PARAM) || !rtp__parallel_leaf_here(p, i)) continue;
     if (t->ne[rtp__param_split_dim(t)] < world) {
       char str[128];
       rtp__shape_str(t, str, sizeof(str));
@@ -147,10 +147,10 @@ int rtp__sched_init(struct rtp_parallel *p, struct rtp_sched *s, size_t w_elems)
     if (n > largest) largest = n;
   }
   s->pool_elems = largest;
-  s->sink = rtp__ctx_alloc(
-      p->ctx, sizeof(*s->sink) * (size_t)(p->src->n_nodes + 1) * (size_t)p->micro_batches,
-      "the rtp plan's late sums");
-  s->n_micro = p->micro_batches;
+  s->sink = rtp__ctx_alloc(p->ctx,
+                           sizeof(*s->sink) * (size_t)(p->src->n_nodes + 1) * (size_t)p->phases,
+                           "the rtp plan's late sums");
+  s->n_micro = p->phases;
   s->micro_sink = rtp__ctx_alloc(p->ctx, sizeof(int) * 2 * (size_t)s->n_micro, "micro-batches");
   if (!s->sink || !s->micro_sink) return rtp_context_error(p->ctx, NULL);
   s->micro_start = s->micro_sink + s->n_micro;

@@ -68,7 +68,33 @@ struct rtp_parallel {
   struct rtp_graph *graph;
   struct rtp_tensor *loss, *global_loss;
   struct rtp_rot_hook hook; /* what autodiff calls for the plan's ROT nodes */
+  /* Pipelines (rtp-pipeline.c): the pipeline, and which leaves this rank's graph uses
+   * (leaf_here[l] == here; NULL: all of them). */
+  struct rtp_pipe *pipe;
+  const int *leaf_here;
+  int here;
+  int phases; /* how many times the strategy's `micro` is called: M, or 2M in a pipeline */
 };
+
+/* Whether this rank's graph uses leaf l of the one-device graph. */
+static inline bool rtp__parallel_leaf_here(const struct rtp_parallel *p, int l) {
+  return !p->leaf_here || p->leaf_here[l] == p->here;
+}
+
+/* Micro-batch m's leaves: its inputs, and (for m = 0) the parameters and constants this
+ * rank uses (leaf_stage[l] == stage; leaf_stage NULL: all). */
+int rtp__parallel_clone_leaves(struct rtp_parallel *p, int m, const int *leaf_stage, int stage);
+/* Node i of the one-device graph into p->map: the strategy's, or a clone. */
+int rtp__parallel_clone_node(struct rtp_parallel *p, int i);
+/* Index of node t in g's nodes, or -1. */
+int rtp__graph_index(const struct rtp_graph *g, const struct rtp_tensor *t);
+
+/* ---- rtp-pipeline.c ---- */
+/* The rank's graph of a pipeline on the pipe group `pipe` (rtp_parallel_new with a
+ * pipe_comm): its stage's nodes for every micro-batch, in the schedule's order. */
+int rtp__pipeline_build(struct rtp_parallel *p, struct rtp_comm *pipe, enum rtp_schedule sched,
+                        const int *stage_blocks, int graph_size);
+struct rtp_comm *rtp__pipeline_comm(const struct rtp_parallel *p);
 
 /* Index of t among src's nodes, then leaves; -1 if it is neither. */
 int rtp__parallel_index(const struct rtp_parallel *p, const struct rtp_tensor *t);

@@ -744,6 +744,24 @@ RTP_API int rtp_tensor_set_tp(struct rtp_tensor *param, enum rtp_tp_role role, i
  */
 RTP_API int rtp_tensor_set_fsdp_unit(struct rtp_tensor *param, int unit);
 
+/*
+ * Pipeline schedules: the order in which each stage runs its micro-batches' forwards (F)
+ * and backwards (B). GPipe: every F, then every B (M micro-batches of activations on every
+ * stage). 1F1B: S - s - 1 forwards first, then one F, one B, so stage s holds at most
+ * S - s micro-batches of activations. Eager 1F1B (Alpa): twice the warm-up forwards, so a
+ * stage's sends overlap its next forward. ZeroPP: 1F1B in scheduling units of
+ * rtp_parallel_params.unit micro-batches (not built yet: RTP_ENOSYS).
+ */
+enum rtp_schedule {
+  RTP_SCHEDULE_1F1B = 0,
+  RTP_SCHEDULE_GPIPE,
+  RTP_SCHEDULE_EAGER_1F1B,
+  RTP_SCHEDULE_ZEROPP,
+  RTP_SCHEDULE_COUNT,
+};
+RTP_API const char *rtp_schedule_name(enum rtp_schedule s);
+RTP_API int rtp_schedule_parse(const char *name, enum rtp_schedule *out);
+
 struct rtp_parallel_params {
   enum rtp_strategy strategy;
   struct rtp_comm *comm;   /* NULL for one process */
@@ -767,6 +785,21 @@ struct rtp_parallel_params {
    * micro-batches of batch B train exactly like one process on batch N x M x B (tp: M
    * micro-batches of the whole batch). See docs/parallel.md, "Micro-batches". */
   int micro_batches;
+  /*
+   * Pipelines: pipe_comm joins this rank with one rank of each stage, ranked by stage (a
+   * stages x ranks-per-stage mesh's column: rtp_comm_mesh_2d), and comm is this rank's
+   * stage group (the mesh's row), on which the strategy (rtp, fsdp or ddp; one rank: none)
+   * runs. NULL or one rank: no pipeline. The model's blocks (rtp_tensor_set_fsdp_unit) are
+   * cut into as many stages as pipe_comm has ranks, balanced by compute or as stage_blocks
+   * says (blocks per stage); embeddings go with the first stage, the head and the loss
+   * with the last. This rank's graph holds only its stage's nodes and parameters
+   * (rtp_parallel_tensor gives NULL for another stage's) for micro_batches micro-batches in
+   * the schedule's order, activations and their gradients crossing stages as rtp_send /
+   * rtp_recv. The loss of every rank is the global one. docs/pipeline.md.
+   */
+  struct rtp_comm *pipe_comm;
+  enum rtp_schedule schedule;
+  const int *stage_blocks; /* NULL: balanced by compute */
 };
 
 struct rtp_parallel;
@@ -778,6 +811,9 @@ RTP_API struct rtp_parallel *rtp_parallel_new(struct rtp_context *ctx,
                                               struct rtp_tensor *loss,
                                               const struct rtp_parallel_params *params);
 RTP_API struct rtp_graph *rtp_parallel_graph(const struct rtp_parallel *p);
+/* This rank's pipeline stage (0 without a pipeline), and the number of stages (1). */
+RTP_API int rtp_parallel_stage(const struct rtp_parallel *p);
+RTP_API int rtp_parallel_stages(const struct rtp_parallel *p);
 /* This rank's tensor for a tensor of the one-device graph (inputs to fill, parameters
  * to initialise); for the loss, the mean over all ranks (and micro-batches). With
  * micro-batches, micro-batch 0's. */

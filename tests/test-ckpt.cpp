@@ -76,7 +76,9 @@ struct Plan {
     }
     rtp_graph *g = rtp_graph_new(meta, 64);
     if (!loss || rtp_graph_build(g, loss)) return false;
-    rtp_parallel_params pp = {s, c, 0, 0, RTP_TYPE_F32, RTP_TYPE_F32, 0};
+    rtp_parallel_params pp{};
+    pp.strategy = s;
+    pp.comm = c;
     par = rtp_parallel_new(ctx, g, loss, &pp);
     if (!par || rtp_graph_plan(ctx, rtp_parallel_graph(par))) return false;
     opt = rtp_parallel_optimizer(par, rtp_adamw_params_default());

@@ -217,7 +217,9 @@ TEST(Errors, ParallelComputeType) {
       ASSERT_EQ(rtp_mul_mat_set_prec(m.logits, RTP_TYPE_BF16), 0);
     }
     rtp_context *ctx = new_ctx(gpt_arena_size(cfg, 1));
-    rtp_parallel_params pp = {RTP_STRATEGY_NONE, nullptr, 0, 0, RTP_TYPE_F32, compute, 0};
+    rtp_parallel_params pp{};
+    pp.strategy = RTP_STRATEGY_NONE;
+    pp.compute_type = compute;
     EXPECT_EQ(rtp_parallel_new(ctx, fwd, m.loss, &pp), nullptr);
     EXPECT_EQ(rtp_context_error(ctx, nullptr), RTP_EINVAL);
     std::string want = c == 0   ? "compute_type i32 (1): f32 or bf16 only"

@@ -49,7 +49,9 @@ inline int train_gpt_rank(const rtp_comm_params &cp, rtp_strategy strategy, rtp_
   size_t bytes = gpt_arena_size(kRanksCfg, kRanksBatch) + (16 << 20);
   rtp_init_params ip = {bytes, nullptr, false, b, b ? bytes : 0};
   rtp_context *ctx = rtp_context_new(ip);
-  rtp_parallel_params pp = {strategy, comm, 0, 0, RTP_TYPE_F32, RTP_TYPE_F32, 0};
+  rtp_parallel_params pp{};
+  pp.strategy = strategy;
+  pp.comm = comm;
   rtp_parallel *par = ctx ? rtp_parallel_new(ctx, fwd, m.loss, &pp) : nullptr;
   if (!par) return fail(32);
   rtp_graph *g = rtp_parallel_graph(par);

@@ -246,7 +246,12 @@ struct Rank {
     rtp_init_params ip = {gpt_arena_size(cfg, batch * std::max(1, micro_batches)), nullptr,
                           false, nullptr, 0};
     ctx = rtp_context_new(ip);
-    rtp_parallel_params pp = {strategy, comm, 0, 0, comm_type, compute_type, micro_batches};
+    rtp_parallel_params pp{};
+    pp.strategy = strategy;
+    pp.comm = comm;
+    pp.comm_type = comm_type;
+    pp.compute_type = compute_type;
+    pp.micro_batches = micro_batches;
     par = rtp_parallel_new(ctx, fwd, m.loss, &pp);
     if (par) return 0;
     fprintf(stderr, "rtp_parallel_new: %s\n", rtp_last_error());
@@ -990,7 +995,9 @@ TEST(RtpBf16, OtherStrategiesRefuse) {
       ASSERT_NE(meta, nullptr) << rtp_last_error();
       rtp_init_params ip = {gpt_arena_size(kCfg, 1), nullptr, false, nullptr, 0};
       rtp_context *ctx = rtp_context_new(ip);
-      rtp_parallel_params pp = {s, nullptr, 0, 0, type, RTP_TYPE_F32, 0};
+      rtp_parallel_params pp{};
+      pp.strategy = s;
+      pp.comm_type = type;
       EXPECT_EQ(rtp_parallel_new(ctx, fwd, m.loss, &pp), nullptr);
       const char *msg = "";
       EXPECT_EQ(rtp_context_error(ctx, &msg), RTP_EINVAL);
@@ -1151,7 +1158,9 @@ TEST(ParallelErrors, TooFewRowsToSplit) {
     rtp_context *ctx = rtp_context_new(ip);
     int code = 0;
     for (rtp_strategy s : {RTP_STRATEGY_RTP, RTP_STRATEGY_FSDP}) {
-      rtp_parallel_params pp = {s, comm, 0, 0, RTP_TYPE_F32, RTP_TYPE_F32, 0};
+      rtp_parallel_params pp{};
+      pp.strategy = s;
+      pp.comm = comm;
       if (rtp_parallel_new(ctx, g, loss, &pp) != nullptr) code = 51;
       const char *msg = nullptr;
       rtp_context_error(ctx, &msg);
@@ -1182,7 +1191,9 @@ TEST(ParallelErrors, TpHeadsNotDivisible) {
     if (!meta) return 61;
     rtp_init_params ip = {gpt_arena_size(cfg, 2), nullptr, false, nullptr, 0};
     rtp_context *ctx = rtp_context_new(ip);
-    rtp_parallel_params pp = {RTP_STRATEGY_TP, comm, 0, 0, RTP_TYPE_F32, RTP_TYPE_F32, 0};
+    rtp_parallel_params pp{};
+    pp.strategy = RTP_STRATEGY_TP;
+    pp.comm = comm;
     int code = rtp_parallel_new(ctx, g, m.loss, &pp) == nullptr ? 0 : 62;
     const char *msg = "";
     if (!code && rtp_context_error(ctx, &msg) != RTP_EINVAL) code = 63;
@@ -1276,8 +1287,11 @@ int many_rank(int rank, int world, int port) {
   if (rtp_graph_build(fwd, mm.loss)) return 72;
   rtp_init_params ip = {128 << 20, nullptr, false, nullptr, 0};
   rk.ctx = rtp_context_new(ip);
-  rtp_parallel_params pp = {RTP_STRATEGY_DDP, rk.comm,      4096, 1 << 16,
-                            RTP_TYPE_F32,     RTP_TYPE_F32, 0};
+  rtp_parallel_params pp{};
+  pp.strategy = RTP_STRATEGY_DDP;
+  pp.comm = rk.comm;
+  pp.bucket_bytes = 4096;
+  pp.graph_size = 1 << 16;
   rk.par = rtp_parallel_new(rk.ctx, fwd, mm.loss, &pp);
   if (!rk.par) {
     fprintf(stderr, "rank %d: %s\n", rank, rtp_last_error());

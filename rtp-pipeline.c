@@ -1,0 +1,477 @@
+/*
+ * rtp-pipeline.c - pipeline stages with a strategy inside each (ZeroPP's layout): the
+ * model's blocks are cut into S stages; this rank builds only its stage's graph, for M
+ * micro-batches in the order its schedule says, and runs the in-stage strategy (rtp, fsdp,
+ * ddp) on its stage group. Activations and their gradients cross stages as send and recv
+ * nodes on the pipe group (one rank per stage). docs/pipeline.md.
+ *
+ * Which stage a node belongs to follows the data: each node sits at the latest block
+ * (rtp_tensor_set_fsdp_unit marks) that any of its sources depends on, so the embeddings,
+ * which depend on no block, go with the first stage, and the head and the loss, which
+ * depend on the last block, with the last. A stage's graph starts with a recv of every
+ * tensor it reads from an earlier stage, marked so that autodiff keeps its gradient
+ * (RTP__FLAG_GRAD_STOP), which a send returns to that stage; its backward starts from the
+ * gradients the later stages send back (rtp__graph_build_backward_seeded).
+ */
+#include "rtp-strategy.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct rtp_pipe {
+  struct rtp_comm *comm; /* the pipe group: one rank per stage, ranked by stage */
+  int S, s, M;
+  enum rtp_schedule schedule;
+  int *node_stage; /* per node of the one-device graph */
+  int *leaf_stage; /* per leaf: the stage that reads it; -1: none */
+  /* Tensors this stage receives (nodes of earlier stages that its nodes read) and sends
+   * (its nodes read by later stages, with the stages that read them, a bit each). */
+  int n_in, n_out, *in, *out;
+  uint64_t *out_to;
+  /* Per micro-batch: the recv of each input, the send of each output to each stage. */
+  struct rtp_tensor **in_recv, **out_send;
+  struct rtp_tensor **losses; /* the last stage's, per micro-batch */
+};
+
+const char *rtp_schedule_name(enum rtp_schedule s) {
+  static const char *const names[RTP_SCHEDULE_COUNT] = {"1f1b", "gpipe", "eager-1f1b",
+                                                        "zeropp"};
+  return (unsigned)s < RTP_SCHEDULE_COUNT ? names[s] : "?";
+}
+
+int rtp_schedule_parse(const char *name, enum rtp_schedule *out) {
+  for (int s = 0; s < RTP_SCHEDULE_COUNT; s++)
+    if (name && strcmp(name, rtp_schedule_name((enum rtp_schedule)s)) == 0) {
+      *out = (enum rtp_schedule)s;
+      return RTP_OK;
+    }
+  return rtp__error(RTP_EINVAL, "unknown schedule '%s' (1f1b, gpipe, eager-1f1b or zeropp)",
+                    name ? name : "(null)");
+}
+
+/* ---- cutting the model into stages ---------------------------------------------- */
+
+/* What a node costs, for balancing: a product's multiply-adds, else its elements. */
+static double node_cost(const struct rtp_tensor *t) {
+  if (t->op == RTP_OP_MUL_MAT)
+    return 2.0 * (double)t->src[0]->ne[0] * (double)rtp_tensor_nelements(t);
+  return rtp__is_view_op(t->op) ? 0.0 : (double)rtp_tensor_nelements(t);
+}
+
+/* The blocks in the order the forward first reads them: block b is unit units[b]. */
+static int block_of_unit(const int *units, int n, int unit) {
+  for (int b = 0; b < n; b++)
+    if (units[b] == unit) return b;
+  return -1;
+}
+
+/* pos[i]: the latest block node i depends on (-1: none); returns the number of blocks. */
+static int node_positions(const struct rtp_graph *src, int *pos, int *units) {
+  int K = 0;
+  for (int i = 0; i < src->n_nodes; i++) {
+    const struct rtp_tensor *t = src->nodes[i];
+    int at = -1;
+    for (int k = 0; k < RTP_MAX_SRC; k++) {
+      const struct rtp_tensor *u = t->src[k];
+      if (!u) continue;
+      if (rtp__param_leaf(u) && u->op_params[2] > 0) {
+        int b = block_of_unit(units, K, u->op_params[2]);
+        if (b < 0) units[b = K++] = u->op_params[2];
+        if (b > at) at = b;
+      } else if (u->op != RTP_OP_NONE) {
+        int j = rtp__graph_index(src, u);
+        if (j >= 0 && pos[j] > at) at = pos[j];
+      }
+    }
+    pos[i] = at;
+  }
+  return K;
+}
+
+/* Stage of each block: contiguous runs of blocks, as the caller says (blocks[s] each) or
+ * balanced: the largest stage's cost as small as it can be (the embeddings, cost `pre`,
+ * count with the first stage). */
+static int cut_stages(struct rtp_parallel *p, const double *cost, int K, double pre, int S,
+                      const int *blocks, int *stage_of_block) {
+  if (blocks) {
+    int b = 0;
+    for (int s = 0; s < S; s++) {
+      if (blocks[s] < 1 || b + blocks[s] > K)
+        return rtp__ctx_error(p->ctx, RTP_EINVAL,
+                              "pipeline: stage_blocks[%d] = %d: each of the %d stages needs at "
+                              "least one block, %d in all",
+                              s, blocks[s], S, K);
+      for (int k = 0; k < blocks[s]; k++) stage_of_block[b++] = s;
+    }
+    if (b != K)
+      return rtp__ctx_error(p->ctx, RTP_EINVAL,
+                            "pipeline: stage_blocks add up to %d blocks, the model has %d", b,
+                            K);
+    return RTP_OK;
+  }
+  /* best[j][k]: the least largest cost of blocks [0, k) cut into j stages. */
+  double *best = malloc(sizeof(double) * (size_t)(S + 1) * (size_t)(K + 1));
+  int *from = malloc(sizeof(int) * (size_t)(S + 1) * (size_t)(K + 1));
+  double *sum = malloc(sizeof(double) * (size_t)(K + 1));
+  if (!best || !from || !sum) {
+    free(best);
+    free(from);
+    free(sum);
+    return rtp__ctx_error(p->ctx, RTP_ENOMEM, "pipeline: out of memory");
+  }
+  sum[0] = pre;
+  for (int k = 0; k < K; k++) sum[k + 1] = sum[k] + cost[k];
+#define AT(j, k) ((size_t)(j) * (size_t)(K + 1) + (size_t)(k))
+  for (int j = 0; j <= S; j++)
+    for (int k = 0; k <= K; k++) best[AT(j, k)] = 1e300;
+  best[AT(0, 0)] = 0;
+  for (int j = 1; j <= S; j++)
+    for (int k = j; k <= K; k++)
+      for (int i = j - 1; i < k; i++) {
+        double c = best[AT(j - 1, i)], part = sum[k] - sum[i];
+        double v = c > part ? c : part;
+        if (v < best[AT(j, k)]) {
+          best[AT(j, k)] = v;
+          from[AT(j, k)] = i;
+        }
+      }
+  for (int j = S, k = K; j > 0; j--) {
+    int i = from[AT(j, k)];
+    for (int b = i; b < k; b++) stage_of_block[b] = j - 1;
+    k = i;
+  }
+#undef AT
+  free(best);
+  free(from);
+  free(sum);
+  return RTP_OK;
+}
+
+/* Each node's stage, each parameter's, and what crosses between stages. */
+static int assign_stages(struct rtp_parallel *p, struct rtp_pipe *pp, const int *blocks) {
+  const struct rtp_graph *src = p->src;
+  int n = src->n_nodes, rc = RTP_OK;
+  int *pos = calloc((size_t)n + 1, sizeof(int)), *units = calloc((size_t)n + 1, sizeof(int));
+  double *cost = calloc((size_t)n + 1, sizeof(double)), pre = 0;
+  int *stage_of_block = calloc((size_t)n + 1, sizeof(int));
+  if (!pos || !units || !cost || !stage_of_block) {
+    rc = rtp__ctx_error(p->ctx, RTP_ENOMEM, "pipeline: out of memory");
+    goto done;
+  }
+  int K = node_positions(src, pos, units);
+  if (K < pp->S) {
+    rc = rtp__ctx_error(p->ctx, RTP_EINVAL,
+                        "pipeline: %d stages but the model marks %d blocks "
+                        "(rtp_tensor_set_fsdp_unit): at most one stage per block",
+                        pp->S, K);
+    goto done;
+  }
+  for (int i = 0; i < n; i++) {
+    if (pos[i] < 0)
+      pre += node_cost(src->nodes[i]);
+    else
+      cost[pos[i]] += node_cost(src->nodes[i]);
+  }
+  if ((rc = cut_stages(p, cost, K, pre, pp->S, blocks, stage_of_block))) goto done;
+  for (int i = 0; i < n; i++) pp->node_stage[i] = pos[i] < 0 ? 0 : stage_of_block[pos[i]];
+  for (int l = 0; l < src->n_leafs; l++) pp->leaf_stage[l] = -1;
+  for (int i = 0; i < n && !rc; i++) {
+    const struct rtp_tensor *t = src->nodes[i];
+    for (int k = 0; k < RTP_MAX_SRC && !rc; k++) {
+      const struct rtp_tensor *u = t->src[k];
+      int l = u && u->op == RTP_OP_NONE ? rtp__parallel_index(p, u) - n : -1;
+      if (l < 0) continue;
+      int *ls = &pp->leaf_stage[l];
+      if (*ls >= 0 && *ls != pp->node_stage[i] && rtp__param_leaf(u))
+        rc = rtp__ctx_error(p->ctx, RTP_EINVAL,
+                            "pipeline: parameter '%s' is read on stages %d and %d (each "
+                            "parameter must live on one stage: tied weights cannot be split)",
+                            u->name, *ls, pp->node_stage[i]);
+      if (*ls < 0 || pp->node_stage[i] == pp->s) *ls = pp->node_stage[i];
+    }
+  }
+  int loss_stage = pp->node_stage[rtp__parallel_index(p, p->loss)];
+  if (!rc && loss_stage != pp->S - 1)
+    rc = rtp__ctx_error(p->ctx, RTP_EINVAL,
+                        "pipeline: the loss is computed on stage %d of %d, not on the last",
+                        loss_stage, pp->S);
+done:
+  free(pos);
+  free(units);
+  free(cost);
+  free(stage_of_block);
+  return rc;
+}
+
+/* The tensors that cross into and out of this rank's stage. A tensor crosses whole and
+ * contiguous, so the views the next stage takes of it read it as they would here. */
+static int find_boundaries(struct rtp_parallel *p, struct rtp_pipe *pp) {
+  const struct rtp_graph *src = p->src;
+  int n = src->n_nodes;
+  uint64_t *to = calloc((size_t)n + 1, sizeof(uint64_t));
+  bool *in = calloc((size_t)n + 1, sizeof(bool));
+  if (!to || !in) {
+    free(to);
+    free(in);
+    return rtp__ctx_error(p->ctx, RTP_ENOMEM, "pipeline: out of memory");
+  }
+  for (int i = 0; i < n; i++) {
+    const struct rtp_tensor *t = src->nodes[i];
+    for (int k = 0; k < RTP_MAX_SRC; k++) {
+      int j = t->src[k] && t->src[k]->op != RTP_OP_NONE ? rtp__graph_index(src, t->src[k]) : -1;
+      if (j < 0 || pp->node_stage[j] == pp->node_stage[i]) continue;
+      to[j] |= (uint64_t)1 << pp->node_stage[i];
+      if (pp->node_stage[i] == pp->s) in[j] = true;
+    }
+  }
+  pp->in = rtp__ctx_alloc(p->ctx, sizeof(int) * (size_t)n + 1, "pipeline inputs");
+  pp->out = rtp__ctx_alloc(p->ctx, sizeof(int) * (size_t)n + 1, "pipeline outputs");
+  pp->out_to = rtp__ctx_alloc(p->ctx, sizeof(uint64_t) * (size_t)n + 1, "pipeline outputs");
+  int rc = pp->in && pp->out && pp->out_to ? RTP_OK : rtp_context_error(p->ctx, NULL);
+  for (int i = 0; i < n && !rc; i++) {
+    const struct rtp_tensor *t = src->nodes[i];
+    bool crosses = in[i] || (pp->node_stage[i] == pp->s && to[i]);
+    if (crosses && (!rtp_tensor_is_contiguous(t) || t->type != RTP_TYPE_F32)) {
+      char s[128];
+      rtp__shape_str(t, s, sizeof(s));
+      rc = rtp__ctx_error(p->ctx, RTP_EINVAL,
+                          "pipeline: %s '%s' %s crosses from stage %d to a later one: tensors "
+                          "that cross stages must be contiguous f32",
+                          rtp_op_name(t->op), t->name, s, pp->node_stage[i]);
+    }
+    if (in[i]) pp->in[pp->n_in++] = i;
+    if (pp->node_stage[i] == pp->s && to[i]) {
+      pp->out_to[pp->n_out] = to[i];
+      pp->out[pp->n_out++] = i;
+    }
+  }
+  free(to);
+  free(in);
+  return rc;
+}
+
+/* ---- schedules --------------------------------------------------------------------- */
+
+/* The order of this stage's work: acts[k] = m + 1 for micro-batch m's forward, -(m + 1)
+ * for its backward. 1F1B keeps at most S - s micro-batches in flight on stage s, GPipe
+ * all M. */
+static void schedule(const struct rtp_pipe *pp, int *acts) {
+  int M = pp->M, k = 0;
+  if (pp->schedule == RTP_SCHEDULE_GPIPE) {
+    for (int m = 0; m < M; m++) acts[k++] = m + 1;
+    for (int m = 0; m < M; m++) acts[k++] = -(m + 1);
+    return;
+  }
+  int warm = pp->S - pp->s - 1;
+  if (pp->schedule == RTP_SCHEDULE_EAGER_1F1B) warm = 2 * (pp->S - pp->s - 1);
+  if (warm > M) warm = M;
+  for (int m = 0; m < warm; m++) acts[k++] = m + 1;
+  for (int m = 0; m < M - warm; m++) {
+    acts[k++] = warm + m + 1;
+    acts[k++] = -(m + 1);
+  }
+  for (int m = M - warm; m < M; m++) acts[k++] = -(m + 1);
+}
+
+/* ---- building a stage's graph ------------------------------------------------------ */
+
+/* Memory the size of one-device node t, planned by liveness, that a transfer fills. */
+static struct rtp_tensor *buffer_like(struct rtp_parallel *p, const struct rtp_tensor *t,
+                                      const char *what, int m) {
+  struct rtp_tensor *b = rtp__new_node(p->ctx, RTP_OP_EMPTY, t->type, t->ne, NULL, NULL);
+  return b ? rtp_tensor_set_name(b, "%s.%d.%.40s", what, m, t->name) : NULL;
+}
+
+/* Micro-batch m's forward: the tensors from earlier stages received, the stage's nodes
+ * cloned (through the strategy), its outputs sent on. */
+static int forward(struct rtp_parallel *p, struct rtp_pipe *pp, int m) {
+  const struct rtp_graph *src = p->src;
+  struct rtp_context *ctx = p->ctx;
+  int rc = rtp__parallel_clone_leaves(p, m, pp->leaf_stage, pp->s);
+  for (int k = 0; k < pp->n_in && !rc; k++) {
+    int i = pp->in[k];
+    struct rtp_tensor *buf = buffer_like(p, src->nodes[i], "pipe.in", m);
+    struct rtp_tensor *r = buf ? rtp_recv(ctx, pp->comm, buf, pp->node_stage[i], NULL) : NULL;
+    if (!r) return rtp_context_error(ctx, NULL);
+    r->flags |= RTP__FLAG_GRAD_STOP;
+    p->map[i] = pp->in_recv[(size_t)m * (size_t)pp->n_in + (size_t)k] = r;
+  }
+  for (int i = 0; i < src->n_nodes && !rc; i++)
+    if (pp->node_stage[i] == pp->s) rc = rtp__parallel_clone_node(p, i);
+  for (int k = 0; k < pp->n_out && !rc; k++) {
+    struct rtp_tensor *y = rtp_cont(ctx, p->map[pp->out[k]]);
+    for (int c = 0; c < pp->S && !rc; c++) {
+      if (!(pp->out_to[k] >> c & 1)) continue;
+      struct rtp_tensor *snd = rtp_send(ctx, pp->comm, y, c, NULL);
+      pp->out_send[((size_t)m * (size_t)pp->n_out + (size_t)k) * (size_t)pp->S + (size_t)c] =
+          snd;
+      rc = snd ? rtp_graph_build(p->graph, snd) : rtp_context_error(ctx, NULL);
+    }
+  }
+  if (!rc && pp->s == pp->S - 1) {
+    struct rtp_tensor *l = p->map[rtp__parallel_index(p, p->loss)];
+    pp->losses[m] = l;
+    l->flags |= RTP_FLAG_LOSS | RTP_FLAG_OUTPUT;
+    rc = rtp_graph_build(p->graph, l);
+  }
+  return rc;
+}
+
+/* Node t (last in g) moved to just after the last node it reads: a send posted as soon
+ * as what it sends is computed. */
+static void post_early(struct rtp_graph *g, struct rtp_tensor *t) {
+  int at = g->n_nodes - 2;
+  for (; at >= 0; at--) {
+    bool read = false;
+    for (int k = 0; k < RTP_MAX_SRC; k++) read |= t->src[k] == g->nodes[at];
+    struct rtp_tensor *u = g->nodes[at];
+    if (read || (t->src[0] && t->src[0]->view_src == u)) break;
+  }
+  if (at < g->n_nodes - 2) rtp__graph_move_after(g, at, t);
+}
+
+/* Micro-batch m's backward: from the gradients of its outputs that the later stages send
+ * back (the last stage: from its loss), to the gradients of what it received, sent back. */
+static int backward(struct rtp_parallel *p, struct rtp_pipe *pp, int m) {
+  const struct rtp_graph *src = p->src;
+  struct rtp_context *ctx = p->ctx;
+  size_t rows = (size_t)(src->n_nodes + src->n_leafs);
+  struct rtp_tensor **map = p->maps + (size_t)m * rows;
+  int n = 0, rc = RTP_OK, cap = pp->n_out + 1;
+  struct rtp_tensor **outs = calloc((size_t)cap, sizeof(*outs));
+  struct rtp_tensor **seeds = calloc((size_t)cap, sizeof(*seeds));
+  if (!outs || !seeds) rc = rtp__ctx_error(ctx, RTP_ENOMEM, "pipeline: out of memory");
+  for (int k = 0; k < pp->n_out && !rc; k++) {
+    struct rtp_tensor *sum = NULL;
+    for (int c = 0; c < pp->S && !rc; c++) {
+      if (!(pp->out_to[k] >> c & 1)) continue;
+      struct rtp_tensor *after =
+          pp->out_send[((size_t)m * (size_t)pp->n_out + (size_t)k) * (size_t)pp->S + (size_t)c];
+      struct rtp_tensor *buf = buffer_like(p, src->nodes[pp->out[k]], "pipe.grad", m);
+      struct rtp_tensor *g = buf ? rtp_recv(ctx, pp->comm, buf, c, after) : NULL;
+      sum = !g ? NULL : sum ? rtp_add(ctx, sum, g) : g;
+      if (!sum) rc = rtp_context_error(ctx, NULL);
+    }
+    if (!rc) {
+      outs[n] = map[pp->out[k]];
+      seeds[n++] = sum;
+      rc = rtp_graph_build(p->graph, sum);
+    }
+  }
+  if (!rc && pp->s == pp->S - 1) { /* each micro-batch's mean over its own batch */
+    struct rtp_tensor *seed = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 1);
+    if (!seed || (!seed->data && !rtp__tensor_alloc(ctx, seed, RTP_ROLE_INPUT)))
+      rc = rtp_context_error(ctx, NULL);
+    int D = p->comm ? rtp_comm_size(p->comm) : 1;
+    if (!rc)
+      rc = rtp_tensor_fill_f32(rtp_tensor_set_name(seed, "loss.seed.%d", m),
+                               1.0f / (float)(D * pp->M));
+    if (!rc) rc = rtp_graph_build(p->graph, seed);
+    outs[n] = pp->losses[m];
+    seeds[n++] = seed;
+  }
+  if (!rc) rc = rtp__graph_build_backward_seeded(ctx, p->graph, n, outs, seeds);
+  for (int k = 0; k < pp->n_in && !rc; k++) {
+    struct rtp_tensor *r = pp->in_recv[(size_t)m * (size_t)pp->n_in + (size_t)k];
+    struct rtp_tensor *d = r->grad ? rtp_cont(ctx, r->grad) : rtp_scale(ctx, r, 0.0f);
+    struct rtp_tensor *snd =
+        d ? rtp_send(ctx, pp->comm, d, pp->node_stage[pp->in[k]], NULL) : NULL;
+    rc = snd ? rtp_graph_build(p->graph, snd) : rtp_context_error(ctx, NULL);
+    if (!rc) post_early(p->graph, snd);
+  }
+  free(outs);
+  free(seeds);
+  return rc;
+}
+
+/* Every stage ends with the loss over the global batch: the last stage's mean over its
+ * micro-batches and its group, summed over the pipe (the other stages add zero). */
+static int pipe_loss(struct rtp_parallel *p, struct rtp_pipe *pp) {
+  struct rtp_context *ctx = p->ctx;
+  struct rtp_tensor *mine;
+  if (pp->s == pp->S - 1) {
+    struct rtp_tensor *sum = pp->losses[0];
+    for (int m = 1; m < pp->M; m++) sum = rtp_add(ctx, sum, pp->losses[m]);
+    if (p->comm) sum = rtp_allreduce(ctx, p->comm, rtp_dup(ctx, sum), NULL);
+    int D = p->comm ? rtp_comm_size(p->comm) : 1;
+    mine = rtp_scale(ctx, sum, 1.0f / (float)(D * pp->M));
+  } else {
+    struct rtp_tensor *zero = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 1);
+    if (zero && !zero->data && !rtp__tensor_alloc(ctx, zero, RTP_ROLE_INPUT)) zero = NULL;
+    if (zero && rtp_tensor_set_zero(zero))
+      return rtp__ctx_error(ctx, RTP_EIO, "pipeline: %s", rtp_last_error());
+    mine = zero ? rtp_dup(ctx, zero) : NULL;
+  }
+  struct rtp_tensor *all = mine ? rtp_allreduce(ctx, pp->comm, mine, NULL) : NULL;
+  p->global_loss = all ? rtp_tensor_set_name(rtp_scale(ctx, all, 1.0f), "loss.global") : NULL;
+  if (!p->global_loss) return rtp_context_error(ctx, NULL);
+  rtp_tensor_set_output(p->global_loss);
+  return rtp_graph_build(p->graph, p->global_loss);
+}
+
+int rtp__pipeline_build(struct rtp_parallel *p, struct rtp_comm *pipe, enum rtp_schedule sched,
+                        const int *stage_blocks, int graph_size) {
+  struct rtp_context *ctx = p->ctx;
+  const struct rtp_graph *src = p->src;
+  struct rtp_pipe *pp = rtp__ctx_alloc(ctx, sizeof(*pp), "the pipeline");
+  if (!pp) return rtp_context_error(ctx, NULL);
+  int M = p->micro_batches;
+  *pp = (struct rtp_pipe){.comm = pipe,
+                          .S = rtp_comm_size(pipe),
+                          .s = rtp_comm_rank(pipe),
+                          .M = M,
+                          .schedule = sched};
+  p->pipe = pp;
+  if (sched == RTP_SCHEDULE_ZEROPP)
+    return rtp__ctx_error(ctx, RTP_ENOSYS,
+                          "pipeline: the zeropp schedule is not built yet (gpipe, 1f1b or "
+                          "eager-1f1b)");
+  if ((unsigned)sched >= RTP_SCHEDULE_COUNT)
+    return rtp__ctx_error(ctx, RTP_EINVAL, "pipeline: schedule %d", (int)sched);
+  if (pp->S > 64)
+    return rtp__ctx_error(ctx, RTP_EINVAL, "pipeline: %d stages (at most 64)", pp->S);
+  pp->node_stage = rtp__ctx_alloc(ctx, sizeof(int) * (size_t)src->n_nodes + 1, "stages");
+  pp->leaf_stage = rtp__ctx_alloc(ctx, sizeof(int) * (size_t)src->n_leafs + 1, "stages");
+  pp->losses = rtp__ctx_alloc(ctx, sizeof(*pp->losses) * (size_t)M, "micro-batch losses");
+  if (!pp->node_stage || !pp->leaf_stage || !pp->losses) return rtp_context_error(ctx, NULL);
+  int rc = assign_stages(p, pp, stage_blocks);
+  if (!rc) rc = find_boundaries(p, pp);
+  if (rc) return rc;
+  pp->in_recv = rtp__ctx_alloc(ctx, sizeof(*pp->in_recv) * (size_t)(M * pp->n_in) + 1,
+                               "pipeline receives");
+  pp->out_send = rtp__ctx_alloc(
+      ctx, sizeof(*pp->out_send) * (size_t)(M * pp->n_out) * (size_t)pp->S + 1, "sends");
+  int *acts = malloc(sizeof(int) * 2 * (size_t)M);
+  if (!pp->in_recv || !pp->out_send || !acts) {
+    free(acts);
+    return rtp__ctx_error(ctx, RTP_ENOMEM, "pipeline: out of memory");
+  }
+  p->leaf_here = pp->leaf_stage;
+  p->here = pp->s;
+  if (p->iface->prepare) rc = p->iface->prepare(p);
+  if (!rc && !(p->graph = rtp_graph_new(ctx, graph_size))) rc = rtp_context_error(ctx, NULL);
+  schedule(pp, acts);
+  for (int k = 0; k < 2 * M && !rc; k++) {
+    int m = acts[k] > 0 ? acts[k] - 1 : -acts[k] - 1;
+    if (p->iface->micro) p->iface->micro(p, k);
+    rc = acts[k] > 0 ? forward(p, pp, m) : backward(p, pp, m);
+  }
+  free(acts);
+  p->map = p->maps;
+  if (!rc && p->iface->finish) rc = p->iface->finish(p);
+  if (!rc) rc = pipe_loss(p, pp);
+  return rc;
+}
+
+int rtp_parallel_stage(const struct rtp_parallel *p) {
+  return p && p->pipe ? p->pipe->s : 0;
+}
+
+int rtp_parallel_stages(const struct rtp_parallel *p) {
+  return p && p->pipe ? p->pipe->S : 1;
+}
+
+struct rtp_comm *rtp__pipeline_comm(const struct rtp_parallel *p) {
+  return p && p->pipe ? p->pipe->comm : NULL;
+}

@@ -1,0 +1,227 @@
+// test-pipeline.cpp - pipelines train exactly like one process: S stages x D ranks per
+// stage (processes over TCP on 127.0.0.1), each schedule, each in-stage strategy, M
+// micro-batches per data-parallel rank: losses, global gradient norms and parameters
+// after three Adam steps equal one process on the global batch.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "gpt.h"
+#include "rtp.h"
+#include "test-gpt-ranks.h"
+#include "test-util.h"
+
+namespace {
+
+const gpt_config kCfg = {256, 16, 32, 4, 4};  // 4 blocks: up to 4 stages
+const int kBatch = 4, kSteps = 3;             // sequences per data-parallel rank and step
+
+rtp_adamw_params adam() {
+  rtp_adamw_params hp = rtp_adamw_params_default();
+  hp.clip_norm = 0.5f;  // acts: the norm must be global over stages and shards
+  return hp;
+}
+
+void fill_sequence(int i, int T, int32_t *idx, int32_t *tgt) {
+  uint32_t s = 777u + 7919u * (uint32_t)i;
+  int32_t prev = (int32_t)(s % 256);
+  for (int t = 0; t < T; t++) {
+    s = s * 1664525u + 1013904223u;
+    int32_t next = (int32_t)((s >> 13) % 256);
+    idx[t] = prev;
+    tgt[t] = next;
+    prev = next;
+  }
+}
+
+struct Reference {
+  std::vector<float> losses, norms;
+  std::vector<std::vector<float>> init, final_params;
+  // Elements whose first gradient is not tiny beside the largest of its parameter: where
+  // it is (zero, for the key bias), Adam's step is rounding's, so only these are compared.
+  std::vector<std::vector<float>> moving;
+};
+
+// One process on the global batch of D x kBatch sequences.
+bool reference(int D, Reference *ref) {
+  rtp_init_params ip = {gpt_arena_size(kCfg, D * kBatch), nullptr, false, nullptr, 0};
+  rtp_context *ctx = rtp_context_new(ip);
+  gpt m{};
+  if (!ctx || gpt_build(ctx, &m, kCfg, D * kBatch)) return false;
+  rtp_graph *g = rtp_graph_new(ctx, 8192);
+  if (rtp_graph_build(g, m.loss) || rtp_graph_build_backward(ctx, g, m.loss) ||
+      rtp_graph_plan(ctx, g))
+    return false;
+  gpt_init_weights(&m, 42);
+  for (int i = 0; i < m.n_params; i++) {
+    const float *d = (const float *)m.params[i]->data;
+    ref->init.emplace_back(d, d + rtp_tensor_nelements(m.params[i]));
+  }
+  for (int i = 0; i < D * kBatch; i++)
+    fill_sequence(i, kCfg.seq_len, (int32_t *)m.idx->data + i * kCfg.seq_len,
+                  (int32_t *)m.targets->data + i * kCfg.seq_len);
+  rtp_optimizer *opt = rtp_optimizer_new(ctx, g, adam());
+  for (int s = 0; s < kSteps; s++) {
+    if (rtp_graph_compute(g, nullptr)) return false;
+    for (int i = 0; i < m.n_params && s == 0; i++) {
+      const rtp_tensor *gr = m.params[i]->grad;
+      const float *v = (const float *)gr->data;
+      float mx = 0;
+      for (int64_t j = 0; j < rtp_tensor_nelements(gr); j++)
+        mx = std::fmax(mx, std::fabs(v[j]));
+      ref->moving.emplace_back(rtp_tensor_nelements(gr));
+      for (int64_t j = 0; j < rtp_tensor_nelements(gr); j++)
+        ref->moving[i][j] = std::fabs(v[j]) > 1e-3f * mx ? 1.0f : 0.0f;
+    }
+    if (rtp_optimizer_step(opt, nullptr)) return false;
+    ref->losses.push_back(rtptest::f32_at(m.loss, 0));
+    ref->norms.push_back(rtp_optimizer_grad_norm(opt));
+  }
+  for (int i = 0; i < m.n_params; i++) {
+    const float *d = (const float *)m.params[i]->data;
+    ref->final_params.emplace_back(d, d + rtp_tensor_nelements(m.params[i]));
+  }
+  rtp_context_free(ctx);
+  return ref->norms[0] > adam().clip_norm;
+}
+
+struct Case {
+  int S, D, M;
+  rtp_schedule schedule;
+  rtp_strategy strategy;
+};
+
+std::string name(const Case &c) {
+  return std::to_string(c.S) + "x" + std::to_string(c.D) + " M=" + std::to_string(c.M) + " " +
+         rtp_schedule_name(c.schedule) + " " + rtp_strategy_name(c.strategy);
+}
+
+// Rank `rank` of an S x D job (stage rank / D): trains kSteps on its data-parallel rank's
+// sequences, split into M micro-batches, and checks everything against the reference.
+int pipeline_rank(const Case &c, int rank, int port, const Reference &ref) {
+  rtp_comm_params cp = rtptest::params(rank, c.S * c.D, port);
+  rtp_comm *job = nullptr, *stage = nullptr, *pipe = nullptr;
+  CHECK_OK(rtp_comm_init(&cp, &job));
+  CHECK_OK(rtp_comm_mesh_2d(job, c.S, c.D, &stage, &pipe));
+  int d = rank % c.D, mb = kBatch / c.M;
+  gpt m{};
+  rtp_graph *fwd = nullptr;
+  rtp_context *meta = rtptest::gpt_forward(kCfg, mb, &m, &fwd);
+  CHECK(meta, "model: %s", rtp_last_error());
+  for (int i = 0; i < kCfg.n_layer; i++)  // the blocks a pipeline cuts at
+    for (rtp_tensor **p = &m.blocks[i].ln_1_w; p <= &m.blocks[i].mlp_proj_b; p++)
+      CHECK_OK(rtp_tensor_set_fsdp_unit(*p, i + 1));
+  rtp_init_params ip = {gpt_arena_size(kCfg, kBatch) * 2, nullptr, false, nullptr, 0};
+  rtp_context *ctx = rtp_context_new(ip);
+  rtp_parallel_params pp{};
+  pp.strategy = c.D > 1 ? c.strategy : RTP_STRATEGY_NONE;
+  pp.comm = c.D > 1 ? stage : nullptr;
+  pp.micro_batches = c.M;
+  pp.pipe_comm = pipe;
+  pp.schedule = c.schedule;
+  rtp_parallel *par = rtp_parallel_new(ctx, fwd, m.loss, &pp);
+  CHECK(par, "rtp_parallel_new: %s", rtp_last_error());
+  CHECK(rtp_parallel_stage(par) == rank / c.D, "stage %d", rtp_parallel_stage(par));
+  rtp_graph *g = rtp_parallel_graph(par);
+  CHECK_OK(rtp_graph_plan(ctx, g));
+  int held = 0;
+  for (int i = 0; i < m.n_params; i++) {
+    rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
+    if (!mine) continue;  // another stage's
+    held++;
+    CHECK_OK(
+        rtp_parallel_shard_copy(par, m.params[i], ref.init[i].data(), (float *)mine->data));
+  }
+  CHECK(held > 0 && (held < m.n_params || c.S == 1), "holds %d of %d parameters", held,
+        m.n_params);
+  for (int k = 0; k < c.M; k++) {
+    rtp_tensor *idx = rtp_parallel_micro_tensor(par, m.idx, k);
+    rtp_tensor *tgt = rtp_parallel_micro_tensor(par, m.targets, k);
+    CHECK(idx && tgt, "inputs of micro-batch %d", k);
+    for (int b = 0; b < mb; b++)
+      fill_sequence(d * kBatch + k * mb + b, kCfg.seq_len,
+                    (int32_t *)idx->data + b * kCfg.seq_len,
+                    (int32_t *)tgt->data + b * kCfg.seq_len);
+  }
+  rtp_optimizer *opt = rtp_parallel_optimizer(par, adam());
+  rtp_tensor *loss = rtp_parallel_tensor(par, m.loss);
+  CHECK(opt && loss, "optimizer or loss");
+  for (int s = 0; s < kSteps; s++) {
+    CHECK_OK(rtp_graph_compute(g, nullptr));
+    CHECK_OK(rtp_optimizer_step(opt, nullptr));
+    float l = rtptest::f32_at(loss, 0), nrm = rtp_optimizer_grad_norm(opt);
+    CHECK(std::fabs(l - ref.losses[s]) <= 1e-5f * std::fabs(ref.losses[s]),
+          "step %d: loss %.8f, one process %.8f", s, l, ref.losses[s]);
+    CHECK(std::fabs(nrm - ref.norms[s]) <= 1e-5f * ref.norms[s],
+          "step %d: gradient norm %.8f, one process %.8f", s, nrm, ref.norms[s]);
+  }
+  for (int i = 0; i < m.n_params; i++) {
+    rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
+    if (!mine) continue;
+    std::vector<float> want(rtp_tensor_nelements(mine)), mv(want.size());
+    CHECK_OK(
+        rtp_parallel_shard_copy(par, m.params[i], ref.final_params[i].data(), want.data()));
+    CHECK_OK(rtp_parallel_shard_copy(par, m.params[i], ref.moving[i].data(), mv.data()));
+    double err = 0, norm = 0;
+    for (size_t j = 0; j < want.size(); j++) {
+      if (mv[j] == 0.0f) continue;
+      double e = ((float *)mine->data)[j] - want[j];
+      err += e * e;
+      norm += (double)want[j] * want[j];
+    }
+    double scale = std::fmax(std::sqrt(norm), 0.02 * std::sqrt((double)want.size()));
+    CHECK(std::sqrt(err) <= 1e-5 * scale, "%s differs by %g (scale %g)", m.params[i]->name,
+          std::sqrt(err), scale);
+  }
+  rtp_context_free(ctx);
+  rtp_context_free(meta);
+  rtp_comm_barrier(job, nullptr);
+  rtp_comm_free(stage);
+  rtp_comm_free(pipe);
+  rtp_comm_free(job);
+  return 0;
+}
+
+void run_case(const Case &c) {
+  Reference ref;
+  ASSERT_TRUE(reference(c.D, &ref));
+  int port = rtptest::free_port();
+  auto res = rtptest::run_procs(
+      c.S * c.D, [&](int r) { return pipeline_rank(c, r, port, ref); }, 120);
+  for (int r = 0; r < c.S * c.D; r++) EXPECT_EQ(res[r].code, 0) << name(c) << ": rank " << r;
+}
+
+class Schedules : public ::testing::TestWithParam<rtp_schedule> {};
+
+TEST_P(Schedules, TwoStagesMatchOneProcess) {
+  run_case({2, 1, 4, GetParam(), RTP_STRATEGY_NONE});
+}
+
+TEST_P(Schedules, FourStagesMatchOneProcess) {
+  run_case({4, 1, 4, GetParam(), RTP_STRATEGY_NONE});
+}
+
+TEST_P(Schedules, TwoByTwoMatchOneProcess) {
+  for (rtp_strategy st : {RTP_STRATEGY_RTP, RTP_STRATEGY_FSDP, RTP_STRATEGY_DDP})
+    run_case({2, 2, 2, GetParam(), st});
+}
+
+// A pipe of one stage is no pipeline: the strategy alone, with its micro-batches.
+TEST(Pipeline, OneStageOfTwoRanks) {
+  for (rtp_strategy st : {RTP_STRATEGY_RTP, RTP_STRATEGY_FSDP, RTP_STRATEGY_DDP})
+    run_case({1, 2, 2, RTP_SCHEDULE_1F1B, st});
+}
+
+INSTANTIATE_TEST_SUITE_P(Pipeline, Schedules,
+                         ::testing::Values(RTP_SCHEDULE_GPIPE, RTP_SCHEDULE_1F1B,
+                                           RTP_SCHEDULE_EAGER_1F1B),
+                         [](const ::testing::TestParamInfo<rtp_schedule> &info) {
+                           std::string s = rtp_schedule_name(info.param);
+                           for (char &ch : s)
+                             if (ch == '-') ch = '_';
+                           return s;
+                         });
+
+}  // namespace
