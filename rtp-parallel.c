@@ -451,9 +451,10 @@ struct rtp_parallel *rtp_parallel_new(struct rtp_context *ctx, const struct rtp_
       pp->pipe_comm && rtp_comm_size(pp->pipe_comm) > 1 ? pp->pipe_comm : NULL;
   int graph_size = pp->graph_size > 0 ? pp->graph_size : 16384 * M;
   int rc = world > 1 || pipe ? check_same_model(p, pipe, pp->schedule) : RTP_OK;
-  if (!rc && pipe) {
+  if (!rc && (pipe || pp->recompute)) {
     p->phases = 2 * M;
-    rc = rtp__pipeline_build(p, pipe, pp->schedule, pp->stage_blocks, graph_size);
+    rc = rtp__pipeline_build(p, pipe, pp->schedule, pp->unit, pp->recompute, pp->stage_blocks,
+                             graph_size);
   } else if (!rc) {
     if (p->iface->prepare) rc = p->iface->prepare(p);
     for (int m = 0; m < M && !rc; m++) rc = micro_batch(p, m, graph_size);

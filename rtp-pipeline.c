@@ -15,24 +15,10 @@
  */
 #include "rtp-strategy.h"
 
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-struct rtp_pipe {
-  struct rtp_comm *comm; /* the pipe group: one rank per stage, ranked by stage */
-  int S, s, M;
-  enum rtp_schedule schedule;
-  int *node_stage; /* per node of the one-device graph */
-  int *leaf_stage; /* per leaf: the stage that reads it; -1: none */
-  /* Tensors this stage receives (nodes of earlier stages that its nodes read) and sends
-   * (its nodes read by later stages, with the stages that read them, a bit each). */
-  int n_in, n_out, *in, *out;
-  uint64_t *out_to;
-  /* Per micro-batch: the recv of each input, the send of each output to each stage. */
-  struct rtp_tensor **in_recv, **out_send;
-  struct rtp_tensor **losses; /* the last stage's, per micro-batch */
-};
 
 const char *rtp_schedule_name(enum rtp_schedule s) {
   static const char *const names[RTP_SCHEDULE_COUNT] = {"1f1b", "gpipe", "eager-1f1b",
@@ -86,6 +72,25 @@ static int node_positions(const struct rtp_graph *src, int *pos, int *units) {
     }
     pos[i] = at;
   }
+  /* A node that reads no parameter moves to its earliest reader's block (the norm of a
+   * LayerNorm goes with the block whose weights scale it): less crosses between stages,
+   * and a recomputed block recomputes it. Readers come after it, so one backward pass. */
+  int *first = malloc(sizeof(int) * (size_t)src->n_nodes + 1);
+  if (!first) return -1;
+  for (int i = 0; i < src->n_nodes; i++) first[i] = INT_MAX;
+  for (int i = src->n_nodes - 1; i >= 0; i--) {
+    const struct rtp_tensor *t = src->nodes[i];
+    bool reads_param = false;
+    for (int k = 0; k < RTP_MAX_SRC; k++) reads_param |= rtp__param_leaf(t->src[k]);
+    if (!reads_param && !(t->flags & (RTP_FLAG_OUTPUT | RTP_FLAG_LOSS)) &&
+        first[i] != INT_MAX && first[i] > pos[i])
+      pos[i] = first[i];
+    for (int k = 0; k < RTP_MAX_SRC; k++) {
+      int j = t->src[k] && t->src[k]->op != RTP_OP_NONE ? rtp__graph_index(src, t->src[k]) : -1;
+      if (j >= 0 && pos[i] < first[j]) first[j] = pos[i];
+    }
+  }
+  free(first);
   return K;
 }
 
@@ -94,6 +99,7 @@ static int node_positions(const struct rtp_graph *src, int *pos, int *units) {
  * count with the first stage). */
 static int cut_stages(struct rtp_parallel *p, const double *cost, int K, double pre, int S,
                       const int *blocks, int *stage_of_block) {
+  if (K == 0) return RTP_OK; /* one stage of no blocks: nothing to cut */
   if (blocks) {
     int b = 0;
     for (int s = 0; s < S; s++) {
@@ -160,7 +166,11 @@ static int assign_stages(struct rtp_parallel *p, struct rtp_pipe *pp, const int 
     goto done;
   }
   int K = node_positions(src, pos, units);
-  if (K < pp->S) {
+  if (K < 0) {
+    rc = rtp__ctx_error(p->ctx, RTP_ENOMEM, "pipeline: out of memory");
+    goto done;
+  }
+  if (K < pp->S && pp->S > 1) {
     rc = rtp__ctx_error(p->ctx, RTP_EINVAL,
                         "pipeline: %d stages but the model marks %d blocks "
                         "(rtp_tensor_set_fsdp_unit): at most one stage per block",
@@ -174,7 +184,14 @@ static int assign_stages(struct rtp_parallel *p, struct rtp_pipe *pp, const int 
       cost[pos[i]] += node_cost(src->nodes[i]);
   }
   if ((rc = cut_stages(p, cost, K, pre, pp->S, blocks, stage_of_block))) goto done;
-  for (int i = 0; i < n; i++) pp->node_stage[i] = pos[i] < 0 ? 0 : stage_of_block[pos[i]];
+  pp->seg_lo = n;
+  pp->seg_hi = -1;
+  for (int i = 0; i < n; i++) {
+    pp->node_stage[i] = pos[i] < 0 ? 0 : stage_of_block[pos[i]];
+    pp->node_seg[i] = pos[i];
+    if (pp->node_stage[i] == pp->s && pos[i] < pp->seg_lo) pp->seg_lo = pos[i];
+    if (pp->node_stage[i] == pp->s && pos[i] > pp->seg_hi) pp->seg_hi = pos[i];
+  }
   for (int l = 0; l < src->n_leafs; l++) pp->leaf_stage[l] = -1;
   for (int i = 0; i < n && !rc; i++) {
     const struct rtp_tensor *t = src->nodes[i];
@@ -253,135 +270,46 @@ static int find_boundaries(struct rtp_parallel *p, struct rtp_pipe *pp) {
 
 /* ---- schedules --------------------------------------------------------------------- */
 
-/* The order of this stage's work: acts[k] = m + 1 for micro-batch m's forward, -(m + 1)
- * for its backward. 1F1B keeps at most S - s micro-batches in flight on stage s, GPipe
- * all M. */
-static void schedule(const struct rtp_pipe *pp, int *acts) {
-  int M = pp->M, k = 0;
+/* The order of this stage's work, in units of U micro-batches (1 but under ZeroPP):
+ * acts[k] = u + 1 for unit u's forward, -(u + 1) for its backward. 1F1B keeps at most
+ * S - s units in flight on stage s, eager 1F1B twice the warm-up forwards (so each send
+ * overlaps the next forward), GPipe every unit. */
+static int schedule(const struct rtp_pipe *pp, int *acts) {
+  int n = pp->M / pp->U, k = 0;
   if (pp->schedule == RTP_SCHEDULE_GPIPE) {
-    for (int m = 0; m < M; m++) acts[k++] = m + 1;
-    for (int m = 0; m < M; m++) acts[k++] = -(m + 1);
-    return;
+    for (int u = 0; u < n; u++) acts[k++] = u + 1;
+    for (int u = 0; u < n; u++) acts[k++] = -(u + 1);
+    return k;
   }
   int warm = pp->S - pp->s - 1;
   if (pp->schedule == RTP_SCHEDULE_EAGER_1F1B) warm = 2 * (pp->S - pp->s - 1);
-  if (warm > M) warm = M;
-  for (int m = 0; m < warm; m++) acts[k++] = m + 1;
-  for (int m = 0; m < M - warm; m++) {
-    acts[k++] = warm + m + 1;
-    acts[k++] = -(m + 1);
+  if (warm > n) warm = n;
+  for (int u = 0; u < warm; u++) acts[k++] = u + 1;
+  for (int u = 0; u < n - warm; u++) {
+    acts[k++] = warm + u + 1;
+    acts[k++] = -(u + 1);
   }
-  for (int m = M - warm; m < M; m++) acts[k++] = -(m + 1);
+  for (int u = n - warm; u < n; u++) acts[k++] = -(u + 1);
+  return k;
 }
 
-/* ---- building a stage's graph ------------------------------------------------------ */
-
-/* Memory the size of one-device node t, planned by liveness, that a transfer fills. */
-static struct rtp_tensor *buffer_like(struct rtp_parallel *p, const struct rtp_tensor *t,
-                                      const char *what, int m) {
-  struct rtp_tensor *b = rtp__new_node(p->ctx, RTP_OP_EMPTY, t->type, t->ne, NULL, NULL);
-  return b ? rtp_tensor_set_name(b, "%s.%d.%.40s", what, m, t->name) : NULL;
-}
-
-/* Micro-batch m's forward: the tensors from earlier stages received, the stage's nodes
- * cloned (through the strategy), its outputs sent on. */
-static int forward(struct rtp_parallel *p, struct rtp_pipe *pp, int m) {
-  const struct rtp_graph *src = p->src;
-  struct rtp_context *ctx = p->ctx;
-  int rc = rtp__parallel_clone_leaves(p, m, pp->leaf_stage, pp->s);
-  for (int k = 0; k < pp->n_in && !rc; k++) {
-    int i = pp->in[k];
-    struct rtp_tensor *buf = buffer_like(p, src->nodes[i], "pipe.in", m);
-    struct rtp_tensor *r = buf ? rtp_recv(ctx, pp->comm, buf, pp->node_stage[i], NULL) : NULL;
-    if (!r) return rtp_context_error(ctx, NULL);
-    r->flags |= RTP__FLAG_GRAD_STOP;
-    p->map[i] = pp->in_recv[(size_t)m * (size_t)pp->n_in + (size_t)k] = r;
-  }
-  for (int i = 0; i < src->n_nodes && !rc; i++)
-    if (pp->node_stage[i] == pp->s) rc = rtp__parallel_clone_node(p, i);
-  for (int k = 0; k < pp->n_out && !rc; k++) {
-    struct rtp_tensor *y = rtp_cont(ctx, p->map[pp->out[k]]);
-    for (int c = 0; c < pp->S && !rc; c++) {
-      if (!(pp->out_to[k] >> c & 1)) continue;
-      struct rtp_tensor *snd = rtp_send(ctx, pp->comm, y, c, NULL);
-      pp->out_send[((size_t)m * (size_t)pp->n_out + (size_t)k) * (size_t)pp->S + (size_t)c] =
-          snd;
-      rc = snd ? rtp_graph_build(p->graph, snd) : rtp_context_error(ctx, NULL);
-    }
-  }
-  if (!rc && pp->s == pp->S - 1) {
-    struct rtp_tensor *l = p->map[rtp__parallel_index(p, p->loss)];
-    pp->losses[m] = l;
-    l->flags |= RTP_FLAG_LOSS | RTP_FLAG_OUTPUT;
-    rc = rtp_graph_build(p->graph, l);
-  }
+/* Unit u's forward: each segment for every micro-batch of the unit before the next
+ * segment, so a strategy that gathers a block does it once for them all. */
+static int unit_forward(struct rtp_parallel *p, struct rtp_pipe *pp, int u) {
+  int m0 = u * pp->U, m1 = m0 + pp->U, rc = RTP_OK;
+  for (int m = m0; m < m1 && !rc; m++) rc = rtp__stage_forward_begin(p, pp, m);
+  for (int q = pp->seg_lo; q <= pp->seg_hi && !rc; q++)
+    for (int m = m0; m < m1 && !rc; m++) rc = rtp__stage_forward_segment(p, pp, m, q);
+  for (int m = m0; m < m1 && !rc; m++) rc = rtp__stage_forward_end(p, pp, m);
   return rc;
 }
 
-/* Node t (last in g) moved to just after the last node it reads: a send posted as soon
- * as what it sends is computed. */
-static void post_early(struct rtp_graph *g, struct rtp_tensor *t) {
-  int at = g->n_nodes - 2;
-  for (; at >= 0; at--) {
-    bool read = false;
-    for (int k = 0; k < RTP_MAX_SRC; k++) read |= t->src[k] == g->nodes[at];
-    struct rtp_tensor *u = g->nodes[at];
-    if (read || (t->src[0] && t->src[0]->view_src == u)) break;
-  }
-  if (at < g->n_nodes - 2) rtp__graph_move_after(g, at, t);
-}
-
-/* Micro-batch m's backward: from the gradients of its outputs that the later stages send
- * back (the last stage: from its loss), to the gradients of what it received, sent back. */
-static int backward(struct rtp_parallel *p, struct rtp_pipe *pp, int m) {
-  const struct rtp_graph *src = p->src;
-  struct rtp_context *ctx = p->ctx;
-  size_t rows = (size_t)(src->n_nodes + src->n_leafs);
-  struct rtp_tensor **map = p->maps + (size_t)m * rows;
-  int n = 0, rc = RTP_OK, cap = pp->n_out + 1;
-  struct rtp_tensor **outs = calloc((size_t)cap, sizeof(*outs));
-  struct rtp_tensor **seeds = calloc((size_t)cap, sizeof(*seeds));
-  if (!outs || !seeds) rc = rtp__ctx_error(ctx, RTP_ENOMEM, "pipeline: out of memory");
-  for (int k = 0; k < pp->n_out && !rc; k++) {
-    struct rtp_tensor *sum = NULL;
-    for (int c = 0; c < pp->S && !rc; c++) {
-      if (!(pp->out_to[k] >> c & 1)) continue;
-      struct rtp_tensor *after =
-          pp->out_send[((size_t)m * (size_t)pp->n_out + (size_t)k) * (size_t)pp->S + (size_t)c];
-      struct rtp_tensor *buf = buffer_like(p, src->nodes[pp->out[k]], "pipe.grad", m);
-      struct rtp_tensor *g = buf ? rtp_recv(ctx, pp->comm, buf, c, after) : NULL;
-      sum = !g ? NULL : sum ? rtp_add(ctx, sum, g) : g;
-      if (!sum) rc = rtp_context_error(ctx, NULL);
-    }
-    if (!rc) {
-      outs[n] = map[pp->out[k]];
-      seeds[n++] = sum;
-      rc = rtp_graph_build(p->graph, sum);
-    }
-  }
-  if (!rc && pp->s == pp->S - 1) { /* each micro-batch's mean over its own batch */
-    struct rtp_tensor *seed = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 1);
-    if (!seed || (!seed->data && !rtp__tensor_alloc(ctx, seed, RTP_ROLE_INPUT)))
-      rc = rtp_context_error(ctx, NULL);
-    int D = p->comm ? rtp_comm_size(p->comm) : 1;
-    if (!rc)
-      rc = rtp_tensor_fill_f32(rtp_tensor_set_name(seed, "loss.seed.%d", m),
-                               1.0f / (float)(D * pp->M));
-    if (!rc) rc = rtp_graph_build(p->graph, seed);
-    outs[n] = pp->losses[m];
-    seeds[n++] = seed;
-  }
-  if (!rc) rc = rtp__graph_build_backward_seeded(ctx, p->graph, n, outs, seeds);
-  for (int k = 0; k < pp->n_in && !rc; k++) {
-    struct rtp_tensor *r = pp->in_recv[(size_t)m * (size_t)pp->n_in + (size_t)k];
-    struct rtp_tensor *d = r->grad ? rtp_cont(ctx, r->grad) : rtp_scale(ctx, r, 0.0f);
-    struct rtp_tensor *snd =
-        d ? rtp_send(ctx, pp->comm, d, pp->node_stage[pp->in[k]], NULL) : NULL;
-    rc = snd ? rtp_graph_build(p->graph, snd) : rtp_context_error(ctx, NULL);
-    if (!rc) post_early(p->graph, snd);
-  }
-  free(outs);
-  free(seeds);
+static int unit_backward(struct rtp_parallel *p, struct rtp_pipe *pp, int u) {
+  int m0 = u * pp->U, m1 = m0 + pp->U, rc = RTP_OK;
+  for (int m = m0; m < m1 && !rc; m++) rc = rtp__stage_backward_begin(p, pp, m);
+  for (int q = pp->seg_hi; q >= pp->seg_lo && !rc; q--)
+    for (int m = m0; m < m1 && !rc; m++) rc = rtp__stage_backward_segment(p, pp, m, q);
+  for (int m = m0; m < m1 && !rc; m++) rc = rtp__stage_backward_end(p, pp, m);
   return rc;
 }
 
@@ -403,7 +331,7 @@ static int pipe_loss(struct rtp_parallel *p, struct rtp_pipe *pp) {
       return rtp__ctx_error(ctx, RTP_EIO, "pipeline: %s", rtp_last_error());
     mine = zero ? rtp_dup(ctx, zero) : NULL;
   }
-  struct rtp_tensor *all = mine ? rtp_allreduce(ctx, pp->comm, mine, NULL) : NULL;
+  struct rtp_tensor *all = mine && pp->comm ? rtp_allreduce(ctx, pp->comm, mine, NULL) : mine;
   p->global_loss = all ? rtp_tensor_set_name(rtp_scale(ctx, all, 1.0f), "loss.global") : NULL;
   if (!p->global_loss) return rtp_context_error(ctx, NULL);
   rtp_tensor_set_output(p->global_loss);
@@ -411,30 +339,34 @@ static int pipe_loss(struct rtp_parallel *p, struct rtp_pipe *pp) {
 }
 
 int rtp__pipeline_build(struct rtp_parallel *p, struct rtp_comm *pipe, enum rtp_schedule sched,
-                        const int *stage_blocks, int graph_size) {
+                        int unit, bool recompute, const int *stage_blocks, int graph_size) {
   struct rtp_context *ctx = p->ctx;
   const struct rtp_graph *src = p->src;
   struct rtp_pipe *pp = rtp__ctx_alloc(ctx, sizeof(*pp), "the pipeline");
   if (!pp) return rtp_context_error(ctx, NULL);
-  int M = p->micro_batches;
+  int M = p->micro_batches, U = sched == RTP_SCHEDULE_ZEROPP && unit > 1 ? unit : 1;
   *pp = (struct rtp_pipe){.comm = pipe,
-                          .S = rtp_comm_size(pipe),
-                          .s = rtp_comm_rank(pipe),
+                          .S = pipe ? rtp_comm_size(pipe) : 1,
+                          .s = pipe ? rtp_comm_rank(pipe) : 0,
                           .M = M,
-                          .schedule = sched};
+                          .U = U,
+                          .schedule = sched,
+                          .recompute = recompute};
   p->pipe = pp;
-  if (sched == RTP_SCHEDULE_ZEROPP)
-    return rtp__ctx_error(ctx, RTP_ENOSYS,
-                          "pipeline: the zeropp schedule is not built yet (gpipe, 1f1b or "
-                          "eager-1f1b)");
   if ((unsigned)sched >= RTP_SCHEDULE_COUNT)
     return rtp__ctx_error(ctx, RTP_EINVAL, "pipeline: schedule %d", (int)sched);
+  if (M % U)
+    return rtp__ctx_error(ctx, RTP_EINVAL,
+                          "pipeline: %d micro-batches do not make units of %d (zeropp's unit)",
+                          M, U);
   if (pp->S > 64)
     return rtp__ctx_error(ctx, RTP_EINVAL, "pipeline: %d stages (at most 64)", pp->S);
   pp->node_stage = rtp__ctx_alloc(ctx, sizeof(int) * (size_t)src->n_nodes + 1, "stages");
+  pp->node_seg = rtp__ctx_alloc(ctx, sizeof(int) * (size_t)src->n_nodes + 1, "segments");
   pp->leaf_stage = rtp__ctx_alloc(ctx, sizeof(int) * (size_t)src->n_leafs + 1, "stages");
   pp->losses = rtp__ctx_alloc(ctx, sizeof(*pp->losses) * (size_t)M, "micro-batch losses");
-  if (!pp->node_stage || !pp->leaf_stage || !pp->losses) return rtp_context_error(ctx, NULL);
+  if (!pp->node_stage || !pp->node_seg || !pp->leaf_stage || !pp->losses)
+    return rtp_context_error(ctx, NULL);
   int rc = assign_stages(p, pp, stage_blocks);
   if (!rc) rc = find_boundaries(p, pp);
   if (rc) return rc;
@@ -442,8 +374,10 @@ int rtp__pipeline_build(struct rtp_parallel *p, struct rtp_comm *pipe, enum rtp_
                                "pipeline receives");
   pp->out_send = rtp__ctx_alloc(
       ctx, sizeof(*pp->out_send) * (size_t)(M * pp->n_out) * (size_t)pp->S + 1, "sends");
+  pp->out_grad = rtp__ctx_alloc(ctx, sizeof(*pp->out_grad) * (size_t)(M * pp->n_out) + 1,
+                                "pipeline gradients");
   int *acts = malloc(sizeof(int) * 2 * (size_t)M);
-  if (!pp->in_recv || !pp->out_send || !acts) {
+  if (!pp->in_recv || !pp->out_send || !pp->out_grad || !acts) {
     free(acts);
     return rtp__ctx_error(ctx, RTP_ENOMEM, "pipeline: out of memory");
   }
@@ -451,13 +385,14 @@ int rtp__pipeline_build(struct rtp_parallel *p, struct rtp_comm *pipe, enum rtp_
   p->here = pp->s;
   if (p->iface->prepare) rc = p->iface->prepare(p);
   if (!rc && !(p->graph = rtp_graph_new(ctx, graph_size))) rc = rtp_context_error(ctx, NULL);
-  schedule(pp, acts);
-  for (int k = 0; k < 2 * M && !rc; k++) {
-    int m = acts[k] > 0 ? acts[k] - 1 : -acts[k] - 1;
+  int n = schedule(pp, acts);
+  for (int k = 0; k < n && !rc; k++) {
     if (p->iface->micro) p->iface->micro(p, k);
-    rc = acts[k] > 0 ? forward(p, pp, m) : backward(p, pp, m);
+    rc = acts[k] > 0 ? unit_forward(p, pp, acts[k] - 1) : unit_backward(p, pp, -acts[k] - 1);
   }
   free(acts);
+  free(pp->xs);
+  pp->xs = NULL;
   p->map = p->maps;
   if (!rc && p->iface->finish) rc = p->iface->finish(p);
   if (!rc) rc = pipe_loss(p, pp);

@@ -365,6 +365,15 @@ static void rot_micro(struct rtp_parallel *p, int m) {
   rtp__sched_micro(&st->s, p->graph, m);
 }
 
+/* A segment's first op follows no step of another, and its first hops empty their slots:
+ * autodiff appends each segment's backward by itself, after whatever came before. */
+static void rot_segment(struct rtp_parallel *p) {
+  struct rotate *st = p->state;
+  st->prev_apply = NULL;
+  st->last_step = NULL;
+  rtp__sched_segment(&st->s);
+}
+
 static struct rtp_tensor *rot_node(struct rtp_parallel *p, int i, const struct rtp_tensor *t) {
   (void)i;
   const struct rtp_tensor *param = rtp__param_read(t);
@@ -389,6 +398,7 @@ const struct rtp_strategy_i rtp__strategy_rtp = {
     .prepare = rot_prepare,
     .shard = rot_shard,
     .micro = rot_micro,
+    .segment = rot_segment,
     .node = rot_node,
     .backward = rot_backward,
     .finish = rot_finish,

@@ -218,6 +218,10 @@ void rtp__sched_micro(struct rtp_sched *s, const struct rtp_graph *g, int m) {
   for (int i = 0; i < 4 && m > 0; i++) s->used[i] = 0;
 }
 
+void rtp__sched_segment(struct rtp_sched *s) {
+  for (int i = 0; i < 4; i++) s->used[i] = 0;
+}
+
 /* rtp and fsdp backward: a partial sum of a gradient passed on to rank + 1, while rank -
  * 1's partial sum of block s arrives in a gradient slot, packed as forward's first hops are
  * (rtp__sched_pack_hop); `after`: the hop before it, whose sum this one forwards. The slot it

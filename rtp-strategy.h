@@ -33,6 +33,9 @@ struct rtp_strategy_i {
   struct rtp_shard (*shard)(const struct rtp_parallel *p, const struct rtp_tensor *t);
   /* (optional) micro-batch m's forward is about to be cloned (its backward follows it) */
   void (*micro)(struct rtp_parallel *p, int m);
+  /* (optional) a segment's nodes start (rtp-stage.c: its forward, or its backward, which
+   * autodiff builds by itself): no schedule state may tie them to nodes built before */
+  void (*segment)(struct rtp_parallel *p);
   /* (optional) the rank node for one-device node i, or NULL to clone it as it is (a
    * NULL with an error recorded in p->ctx is that error) */
   struct rtp_tensor *(*node)(struct rtp_parallel *p, int i, const struct rtp_tensor *t);
@@ -89,12 +92,54 @@ int rtp__parallel_clone_node(struct rtp_parallel *p, int i);
 /* Index of node t in g's nodes, or -1. */
 int rtp__graph_index(const struct rtp_graph *g, const struct rtp_tensor *t);
 
-/* ---- rtp-pipeline.c ---- */
-/* The rank's graph of a pipeline on the pipe group `pipe` (rtp_parallel_new with a
- * pipe_comm): its stage's nodes for every micro-batch, in the schedule's order. */
+/* ---- pipelines: rtp-pipeline.c (stages, schedules), rtp-stage.c (a stage's graph) ---- */
+
+/* A tensor of this stage read by a later segment of it (or received from an earlier
+ * stage), in micro-batch m: segment q reads it through ph, a view that stops gradients,
+ * whose gradient (grad, once q's backward is built) goes back to where it was made. */
+struct rtp_xing {
+  int m, j, q; /* micro-batch, one-device node, reading segment */
+  struct rtp_tensor *ph, *grad;
+};
+
+struct rtp_pipe {
+  struct rtp_comm *comm; /* the pipe group: one rank per stage, by stage; NULL: one stage */
+  int S, s, M, U;        /* stages, this one, micro-batches, micro-batches per unit */
+  enum rtp_schedule schedule;
+  bool recompute;
+  /* Per node of the one-device graph: its stage, and its segment: the latest block it
+   * depends on (-1: none, the embeddings). A segment's backward runs by itself, from the
+   * gradients of what later segments read of it. */
+  int *node_stage, *node_seg;
+  int *leaf_stage;    /* per leaf: the stage that reads it; -1: none */
+  int seg_lo, seg_hi; /* this stage's segments */
+  /* Tensors this stage receives (nodes of earlier stages that its nodes read) and sends
+   * (its nodes read by later stages, with the stages that read them, a bit each). */
+  int n_in, n_out, *in, *out;
+  uint64_t *out_to;
+  /* Per micro-batch: the recv of each input, the send of each output to each stage, the
+   * gradient received for each output; the last stage's losses. */
+  struct rtp_tensor **in_recv, **out_send, **out_grad, **losses;
+  struct rtp_xing *xs; /* every micro-batch's, heap */
+  int n_xs, cap_xs;
+};
+
+/* The rank's graph of a pipeline on the pipe group `pipe` (NULL: one stage, for
+ * recomputation alone): its stage's nodes for every micro-batch, in the schedule's order. */
 int rtp__pipeline_build(struct rtp_parallel *p, struct rtp_comm *pipe, enum rtp_schedule sched,
-                        const int *stage_blocks, int graph_size);
+                        int unit, bool recompute, const int *stage_blocks, int graph_size);
 struct rtp_comm *rtp__pipeline_comm(const struct rtp_parallel *p);
+
+/* rtp-stage.c: micro-batch m's forward in three parts: its leaves and the tensors it
+ * receives; segment q's nodes; its sends (and the last stage's loss). Its backward: the
+ * gradients it receives; segment q's (recomputing its forward first with recompute); the
+ * gradients it sends back. */
+int rtp__stage_forward_begin(struct rtp_parallel *p, struct rtp_pipe *pp, int m);
+int rtp__stage_forward_segment(struct rtp_parallel *p, struct rtp_pipe *pp, int m, int q);
+int rtp__stage_forward_end(struct rtp_parallel *p, struct rtp_pipe *pp, int m);
+int rtp__stage_backward_begin(struct rtp_parallel *p, struct rtp_pipe *pp, int m);
+int rtp__stage_backward_segment(struct rtp_parallel *p, struct rtp_pipe *pp, int m, int q);
+int rtp__stage_backward_end(struct rtp_parallel *p, struct rtp_pipe *pp, int m);
 
 /* Index of t among src's nodes, then leaves; -1 if it is neither. */
 int rtp__parallel_index(const struct rtp_parallel *p, const struct rtp_tensor *t);
@@ -225,6 +270,8 @@ int rtp__sched_pack_hop(struct rtp_sched *s, int lo, int hi, size_t n, size_t *o
  * micro-batch before filled, its readers of that slot would not follow that one's sums,
  * which then could sink past the hop that next empties the slot. */
 void rtp__sched_micro(struct rtp_sched *s, const struct rtp_graph *g, int m);
+/* A segment starts (rtp-stage.c): its first hop into each slot empties the slot. */
+void rtp__sched_segment(struct rtp_sched *s);
 /* A partial sum of a gradient passed on to rank + 1, while rank - 1's partial sum of
  * block b arrives in a gradient slot (which goes to *slot); `after`: the hop before it. */
 struct rtp_tensor *rtp__sched_grad_hop(struct rtp_parallel *p, struct rtp_sched *s,

@@ -750,7 +750,8 @@ RTP_API int rtp_tensor_set_fsdp_unit(struct rtp_tensor *param, int unit);
  * stage). 1F1B: S - s - 1 forwards first, then one F, one B, so stage s holds at most
  * S - s micro-batches of activations. Eager 1F1B (Alpa): twice the warm-up forwards, so a
  * stage's sends overlap its next forward. ZeroPP: 1F1B in scheduling units of
- * rtp_parallel_params.unit micro-batches (not built yet: RTP_ENOSYS).
+ * rtp_parallel_params.unit micro-batches, each block run for all of a unit's
+ * micro-batches before the next, so a stage's fsdp gathers each block once per unit.
  */
 enum rtp_schedule {
   RTP_SCHEDULE_1F1B = 0,
@@ -800,6 +801,12 @@ struct rtp_parallel_params {
   struct rtp_comm *pipe_comm;
   enum rtp_schedule schedule;
   const int *stage_blocks; /* NULL: balanced by compute */
+  int unit;                /* zeropp: micro-batches per scheduling unit (divides M) */
+  /* Activation recomputation, with or without a pipeline: each block's forward is built
+   * again just before its backward, from the block's input, and the backward reads that
+   * copy, so the first forward's activations die as the next block reads its input: the
+   * activations kept per micro-batch are the blocks' inputs (plus one block's at a time). */
+  bool recompute;
 };
 
 struct rtp_parallel;

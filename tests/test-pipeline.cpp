@@ -91,11 +91,16 @@ struct Case {
   int S, D, M;
   rtp_schedule schedule;
   rtp_strategy strategy;
+  bool recompute = false;
 };
+
+// zeropp's scheduling units: two micro-batches each.
+const int kUnit = 2;
 
 std::string name(const Case &c) {
   return std::to_string(c.S) + "x" + std::to_string(c.D) + " M=" + std::to_string(c.M) + " " +
-         rtp_schedule_name(c.schedule) + " " + rtp_strategy_name(c.strategy);
+         rtp_schedule_name(c.schedule) + " " + rtp_strategy_name(c.strategy) +
+         (c.recompute ? " recompute" : "");
 }
 
 // Rank `rank` of an S x D job (stage rank / D): trains kSteps on its data-parallel rank's
@@ -121,6 +126,8 @@ int pipeline_rank(const Case &c, int rank, int port, const Reference &ref) {
   pp.micro_batches = c.M;
   pp.pipe_comm = pipe;
   pp.schedule = c.schedule;
+  pp.unit = kUnit;
+  pp.recompute = c.recompute;
   rtp_parallel *par = rtp_parallel_new(ctx, fwd, m.loss, &pp);
   CHECK(par, "rtp_parallel_new: %s", rtp_last_error());
   CHECK(rtp_parallel_stage(par) == rank / c.D, "stage %d", rtp_parallel_stage(par));
@@ -208,15 +215,25 @@ TEST_P(Schedules, TwoByTwoMatchOneProcess) {
     run_case({2, 2, 2, GetParam(), st});
 }
 
-// A pipe of one stage is no pipeline: the strategy alone, with its micro-batches.
-TEST(Pipeline, OneStageOfTwoRanks) {
+TEST_P(Schedules, RecomputeMatchesOneProcess) {
+  run_case({2, 1, 4, GetParam(), RTP_STRATEGY_NONE, true});
   for (rtp_strategy st : {RTP_STRATEGY_RTP, RTP_STRATEGY_FSDP, RTP_STRATEGY_DDP})
+    run_case({2, 2, 2, GetParam(), st, true});
+}
+
+// A pipe of one stage is no pipeline: the strategy alone, with its micro-batches; and
+// recomputation without a pipeline, under every strategy.
+TEST(Pipeline, OneStageOfTwoRanks) {
+  for (rtp_strategy st : {RTP_STRATEGY_RTP, RTP_STRATEGY_FSDP, RTP_STRATEGY_DDP}) {
     run_case({1, 2, 2, RTP_SCHEDULE_1F1B, st});
+    run_case({1, 2, 2, RTP_SCHEDULE_1F1B, st, true});
+  }
+  run_case({1, 1, 2, RTP_SCHEDULE_1F1B, RTP_STRATEGY_NONE, true});
 }
 
 INSTANTIATE_TEST_SUITE_P(Pipeline, Schedules,
                          ::testing::Values(RTP_SCHEDULE_GPIPE, RTP_SCHEDULE_1F1B,
-                                           RTP_SCHEDULE_EAGER_1F1B),
+                                           RTP_SCHEDULE_EAGER_1F1B, RTP_SCHEDULE_ZEROPP),
                          [](const ::testing::TestParamInfo<rtp_schedule> &info) {
                            std::string s = rtp_schedule_name(info.param);
                            for (char &ch : s)
