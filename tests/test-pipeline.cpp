@@ -242,3 +242,68 @@ INSTANTIATE_TEST_SUITE_P(Pipeline, Schedules,
                          });
 
 }  // namespace
+
+namespace {
+
+// A rank of the last stage dies (SIGKILL) or goes silent (SIGSTOP) in the middle of
+// training: every rank of every stage fails within the timeout, naming it; none waits on
+// a send or recv for ever.
+void rank_lost(bool silent) {
+  const int timeout_ms = 3000, S = 2, D = 2;
+  int port = rtptest::free_port();
+  auto res = rtptest::run_procs(
+      S * D,
+      [&](int rank) {
+        rtp_comm_params cp = rtptest::params(rank, S * D, port, timeout_ms);
+        rtp_comm *job = nullptr, *stage = nullptr, *pipe = nullptr;
+        CHECK_OK(rtp_comm_init(&cp, &job));
+        CHECK_OK(rtp_comm_mesh_2d(job, S, D, &stage, &pipe));
+        gpt m{};
+        rtp_graph *fwd = nullptr;
+        rtp_context *meta = rtptest::gpt_forward(kCfg, 2, &m, &fwd);
+        CHECK(meta, "model");
+        for (int i = 0; i < kCfg.n_layer; i++)
+          for (rtp_tensor **p = &m.blocks[i].ln_1_w; p <= &m.blocks[i].mlp_proj_b; p++)
+            CHECK_OK(rtp_tensor_set_fsdp_unit(*p, i + 1));
+        rtp_init_params ip = {gpt_arena_size(kCfg, kBatch) * 2, nullptr, false, nullptr, 0};
+        rtp_context *ctx = rtp_context_new(ip);
+        rtp_parallel_params pp{};
+        pp.strategy = RTP_STRATEGY_RTP;
+        pp.comm = stage;
+        pp.micro_batches = 2;
+        pp.pipe_comm = pipe;
+        rtp_parallel *par = rtp_parallel_new(ctx, fwd, m.loss, &pp);
+        CHECK(par, "rtp_parallel_new: %s", rtp_last_error());
+        rtp_graph *g = rtp_parallel_graph(par);
+        CHECK_OK(rtp_graph_plan(ctx, g));
+        CHECK_OK(rtp_graph_compute(g, nullptr));  // one step: every stage has run
+        if (rank == 3) {
+          kill(getpid(), silent ? SIGSTOP : SIGKILL);
+          return 0;
+        }
+        double t0 = rtptest::now_s();
+        int st = RTP_OK;
+        for (int s = 0; s < 1000 && st == RTP_OK; s++) st = rtp_graph_compute(g, nullptr);
+        int rc = rtptest::expect_failure(rank, st, t0, 3.0 * timeout_ms / 1000,
+                                         {RTP_EPEER, RTP_ETIMEDOUT, RTP_ECOMM}, {"rank 3"});
+        rtp_context_free(ctx);
+        rtp_context_free(meta);
+        rtp_comm_free(stage);
+        rtp_comm_free(pipe);
+        rtp_comm_free(job);
+        return rc;
+      },
+      60, {3});
+  for (int r = 0; r < 3; r++)
+    EXPECT_EQ(res[r].code, 0) << (silent ? "silent" : "killed") << " rank " << r;
+}
+
+TEST(PipelineFaults, RankKilled) {
+  rank_lost(false);
+}
+
+TEST(PipelineFaults, RankSilent) {
+  rank_lost(true);
+}
+
+}  // namespace
