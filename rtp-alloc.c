@@ -178,7 +178,7 @@ int rtp_graph_plan(struct rtp_context *ctx, struct rtp_graph *g) {
   for (int i = 0; i < n; i++) g->nodes[i]->extra = (void *)(intptr_t)(i + 1);
   compute_last_use(g, last, last + n);
 
-  size_t sum = 0;
+  size_t sum = 0, live = 0, live_max = 0; /* live: what the plan holds, freed space aside */
   for (int i = 0; i < n && rc == RTP_OK; i++) {
     struct rtp_tensor *t = g->nodes[i];
     int d = is_planned(t) ? donor(g, i, last) : -1;
@@ -188,17 +188,19 @@ int rtp_graph_plan(struct rtp_context *ctx, struct rtp_graph *g) {
       offs[i] = offs[d];
       last[d] = -1;
     } else if (is_planned(t)) {
-      offs[i] =
-          fl_alloc(&fl, RTP_PAD(rtp_tensor_nbytes(t) ? rtp_tensor_nbytes(t) : 1, RTP_ALIGN));
+      size_t bytes = RTP_PAD(rtp_tensor_nbytes(t) ? rtp_tensor_nbytes(t) : 1, RTP_ALIGN);
+      offs[i] = fl_alloc(&fl, bytes);
+      if ((live += bytes) > live_max) live_max = live;
     }
     /* Tensors whose last reader is node i are dead once it has run. Node i's own output
      * was placed first, so it shares memory with an input only where it took it over. */
     for (int j = 0; j <= i && rc == RTP_OK; j++)
-      if (last[j] == i && is_planned(g->nodes[j]))
-        rc = fl_free(&fl, (struct block){offs[j], RTP_PAD(rtp_tensor_nbytes(g->nodes[j])
-                                                              ? rtp_tensor_nbytes(g->nodes[j])
-                                                              : 1,
-                                                          RTP_ALIGN)});
+      if (last[j] == i && is_planned(g->nodes[j])) {
+        size_t bytes = RTP_PAD(
+            rtp_tensor_nbytes(g->nodes[j]) ? rtp_tensor_nbytes(g->nodes[j]) : 1, RTP_ALIGN);
+        live -= bytes;
+        rc = fl_free(&fl, (struct block){offs[j], bytes});
+      }
   }
   if (rc) goto done;
 
@@ -228,7 +230,7 @@ int rtp_graph_plan(struct rtp_context *ctx, struct rtp_graph *g) {
   }
   *plan = (struct rtp_plan){work_buf, work, be, n_comm};
   g->plan = plan;
-  rtp__ctx_note_plan(ctx, fl.end, sum, work);
+  rtp__ctx_note_plan(ctx, fl.end, sum, live_max, work);
 
 done:
   for (int i = 0; i < n; i++) g->nodes[i]->extra = NULL;

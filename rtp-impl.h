@@ -58,7 +58,8 @@ int rtp__ctx_error(struct rtp_context *ctx, int status, const char *fmt, ...) RT
 void *rtp__ctx_alloc(struct rtp_context *ctx, size_t size, const char *what);
 /* Memory for tensor data: the host arena, or the device arena of a backend context. */
 void *rtp__ctx_data_alloc(struct rtp_context *ctx, size_t size, const char *what);
-void rtp__ctx_note_plan(struct rtp_context *ctx, size_t peak, size_t sum, size_t work);
+void rtp__ctx_note_plan(struct rtp_context *ctx, size_t peak, size_t sum, size_t live,
+                        size_t work);
 void *rtp__tensor_alloc(struct rtp_context *ctx, struct rtp_tensor *t, enum rtp_role role);
 struct rtp_tensor *rtp__new_node(struct rtp_context *ctx, enum rtp_op op, enum rtp_type type,
                                  const int64_t ne[RTP_MAX_DIMS], struct rtp_tensor *a,

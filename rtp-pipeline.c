@@ -376,8 +376,12 @@ int rtp__pipeline_build(struct rtp_parallel *p, struct rtp_comm *pipe, enum rtp_
       ctx, sizeof(*pp->out_send) * (size_t)(M * pp->n_out) * (size_t)pp->S + 1, "sends");
   pp->out_grad = rtp__ctx_alloc(ctx, sizeof(*pp->out_grad) * (size_t)(M * pp->n_out) + 1,
                                 "pipeline gradients");
+  pp->last_grad_send =
+      rtp__ctx_alloc(ctx, sizeof(*pp->last_grad_send) * (size_t)pp->S, "pipeline gradients");
+  if (pp->last_grad_send)
+    memset(pp->last_grad_send, 0, sizeof(*pp->last_grad_send) * (size_t)pp->S);
   int *acts = malloc(sizeof(int) * 2 * (size_t)M);
-  if (!pp->in_recv || !pp->out_send || !pp->out_grad || !acts) {
+  if (!pp->in_recv || !pp->out_send || !pp->out_grad || !pp->last_grad_send || !acts) {
     free(acts);
     return rtp__ctx_error(ctx, RTP_ENOMEM, "pipeline: out of memory");
   }

@@ -130,7 +130,13 @@ int rtp__stage_forward_begin(struct rtp_parallel *p, struct rtp_pipe *pp, int m)
 int rtp__stage_forward_segment(struct rtp_parallel *p, struct rtp_pipe *pp, int m, int q) {
   p->map = map_of(p, m);
   if (p->iface->segment) p->iface->segment(p);
-  return clone_segment(p, pp, m, q);
+  int rc = clone_segment(p, pp, m, q);
+  /* The model's outputs are kept (to the end of the step) for the first micro-batch
+   * only: all M of a pipeline's logits would outweigh its stash. */
+  for (int i = 0; i < p->src->n_nodes && !rc && m > 0; i++)
+    if (pp->node_stage[i] == pp->s && pp->node_seg[i] == q && p->map[i])
+      p->map[i]->flags &= ~RTP_FLAG_OUTPUT;
+  return rc;
 }
 
 int rtp__stage_forward_end(struct rtp_parallel *p, struct rtp_pipe *pp, int m) {
@@ -274,8 +280,12 @@ int rtp__stage_backward_end(struct rtp_parallel *p, struct rtp_pipe *pp, int m) 
       d = d ? rtp_add(ctx, d, x->grad) : x->grad;
     }
     if (!d) d = rtp_scale(ctx, r, 0.0f); /* read by nothing that needs a gradient */
+    /* After the send before it to the same stage: what it sends dies once it is done,
+     * rather than at the end of the step. */
+    struct rtp_tensor **last = &pp->last_grad_send[pp->node_stage[pp->in[k]]];
     struct rtp_tensor *snd =
-        d ? rtp_send(ctx, pp->comm, d, pp->node_stage[pp->in[k]], NULL) : NULL;
+        d ? rtp_send(ctx, pp->comm, d, pp->node_stage[pp->in[k]], *last) : NULL;
+    if (snd) *last = snd;
     rc = snd ? rtp_graph_build(p->graph, snd) : rtp_context_error(ctx, NULL);
     if (!rc) post_early(p->graph, snd);
   }

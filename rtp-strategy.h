@@ -120,7 +120,8 @@ struct rtp_pipe {
   /* Per micro-batch: the recv of each input, the send of each output to each stage, the
    * gradient received for each output; the last stage's losses. */
   struct rtp_tensor **in_recv, **out_send, **out_grad, **losses;
-  struct rtp_xing *xs; /* every micro-batch's, heap */
+  struct rtp_tensor **last_grad_send; /* per stage: the last gradient sent back to it */
+  struct rtp_xing *xs;                /* every micro-batch's, heap */
   int n_xs, cap_xs;
 };
 

@@ -100,6 +100,7 @@ struct rtp_context {
   struct rtp_tensor_obj *first, *last;
   size_t activation_peak; /* planned activation buffers */
   size_t activation_sum;
+  size_t activation_live;
   size_t work;
   int err;
   char errmsg[512];
@@ -226,9 +227,11 @@ void *rtp__ctx_data_alloc(struct rtp_context *ctx, size_t size, const char *what
   return p;
 }
 
-void rtp__ctx_note_plan(struct rtp_context *ctx, size_t peak, size_t sum, size_t work) {
+void rtp__ctx_note_plan(struct rtp_context *ctx, size_t peak, size_t sum, size_t live,
+                        size_t work) {
   ctx->activation_peak += peak;
   ctx->activation_sum += sum;
+  ctx->activation_live += live;
   ctx->work += work;
 }
 
@@ -243,6 +246,7 @@ void rtp_mem_report_get(const struct rtp_context *ctx, struct rtp_mem_report *r)
   }
   r->bytes[RTP_ROLE_ACTIVATION] += ctx->activation_peak;
   r->activation_sum = ctx->activation_sum;
+  r->activation_live = ctx->activation_live;
   r->work = ctx->work;
   r->total = ctx->used + ctx->data_used;
   r->metadata = r->total - data - ctx->activation_peak - ctx->work;

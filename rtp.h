@@ -389,6 +389,8 @@ RTP_API int rtp_graph_plan(struct rtp_context *ctx, struct rtp_graph *g);
 struct rtp_mem_report {
   size_t bytes[RTP_ROLE_COUNT]; /* by role; ACTIVATION is the planned peak */
   size_t activation_sum;        /* all activations if none were reused */
+  size_t activation_live;       /* the most activations alive at once: the planned peak
+                                   without the free list's fragmentation (a lower bound) */
   size_t work;                  /* scratch for kernels */
   size_t metadata;              /* tensor headers, graphs, plans */
   size_t total;                 /* everything taken from the arena */

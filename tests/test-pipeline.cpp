@@ -307,3 +307,99 @@ TEST(PipelineFaults, RankSilent) {
 }
 
 }  // namespace
+
+namespace {
+
+// Memory as the schedule says, on 4 stages of 1 rank and M = 8: the activations alive at
+// once on stage s (the plan's, without fragmentation) grow by S - s - 1 micro-batches'
+// stashes over one micro-batch's under 1F1B, by M - 1 under GPipe (which measures the
+// stash); and on 2 x 2 under rtp, each rank's parameters are half of its stage's.
+size_t activation_peak(rtp_comm *stage, rtp_comm *pipe, rtp_strategy st, rtp_schedule sched,
+                       int M, size_t *params, size_t *stage_params) {
+  gpt m{};
+  rtp_graph *fwd = nullptr;
+  rtp_context *meta = rtptest::gpt_forward(kCfg, 1, &m, &fwd);
+  for (int i = 0; meta && i < kCfg.n_layer; i++)
+    for (rtp_tensor **p = &m.blocks[i].ln_1_w; p <= &m.blocks[i].mlp_proj_b; p++)
+      rtp_tensor_set_fsdp_unit(*p, i + 1);
+  rtp_init_params ip = {gpt_arena_size(kCfg, M) * 2, nullptr, false, nullptr, 0};
+  rtp_context *ctx = meta ? rtp_context_new(ip) : nullptr;
+  rtp_parallel_params pp{};
+  pp.strategy = st;
+  pp.comm = rtp_comm_size(stage) > 1 ? stage : nullptr;
+  pp.micro_batches = M;
+  pp.pipe_comm = pipe;
+  pp.schedule = sched;
+  rtp_parallel *par = ctx ? rtp_parallel_new(ctx, fwd, m.loss, &pp) : nullptr;
+  size_t peak = 0;
+  if (par && rtp_graph_plan(ctx, rtp_parallel_graph(par)) == RTP_OK) {
+    rtp_mem_report r;
+    rtp_mem_report_get(ctx, &r);
+    peak = r.activation_live;
+    if (params) *params = r.bytes[RTP_ROLE_PARAM];
+    if (stage_params) {
+      *stage_params = 0;
+      for (int i = 0; i < m.n_params; i++)
+        if (rtp_parallel_tensor(par, m.params[i]))
+          *stage_params += (size_t)rtp_tensor_nelements(m.params[i]) * sizeof(float);
+    }
+  } else {
+    fprintf(stderr, "build: %s\n", rtp_last_error());
+  }
+  rtp_context_free(ctx);
+  rtp_context_free(meta);
+  return peak;
+}
+
+TEST(PipelineMemory, StashAsTheScheduleSays) {
+  const int S = 4, M = 8;
+  int port = rtptest::free_port();
+  auto res = rtptest::run_procs(S, [&](int rank) {
+    rtp_comm_params cp = rtptest::params(rank, S, port);
+    rtp_comm *job = nullptr, *stage = nullptr, *pipe = nullptr;
+    CHECK_OK(rtp_comm_init(&cp, &job));
+    CHECK_OK(rtp_comm_mesh_2d(job, S, 1, &stage, &pipe));
+    rtp_strategy none = RTP_STRATEGY_NONE;
+    size_t g1 = activation_peak(stage, pipe, none, RTP_SCHEDULE_GPIPE, 1, nullptr, nullptr);
+    size_t g8 = activation_peak(stage, pipe, none, RTP_SCHEDULE_GPIPE, M, nullptr, nullptr);
+    size_t f8 = activation_peak(stage, pipe, none, RTP_SCHEDULE_1F1B, M, nullptr, nullptr);
+    CHECK(g1 && g8 && f8, "planning failed");
+    double stash = (double)(g8 - g1) / (M - 1), held = (double)(f8 - g1) / stash;
+    fprintf(stderr,
+            "stage %d: one micro-batch %zu B, stash %.0f B each; 1F1B holds %.2f more\n", rank,
+            g1, stash, held);
+    CHECK(stash > 0, "no stash");
+    // beyond the S - s - 1 stashes, less than one more: boundary tensors still in flight
+    CHECK(held < S - rank - 1 + 0.5, "1F1B holds %.2f micro-batches beyond one", held);
+    CHECK(held > S - rank - 1 - 0.5, "1F1B holds %.2f", held);
+    rtp_comm_free(stage);
+    rtp_comm_free(pipe);
+    rtp_comm_free(job);
+    return 0;
+  });
+  for (int r = 0; r < S; r++) EXPECT_EQ(res[r].code, 0) << "stage " << r;
+}
+
+TEST(PipelineMemory, StatesAreOneDthOfTheStage) {
+  int port = rtptest::free_port();
+  auto res = rtptest::run_procs(4, [&](int rank) {
+    rtp_comm_params cp = rtptest::params(rank, 4, port);
+    rtp_comm *job = nullptr, *stage = nullptr, *pipe = nullptr;
+    CHECK_OK(rtp_comm_init(&cp, &job));
+    CHECK_OK(rtp_comm_mesh_2d(job, 2, 2, &stage, &pipe));
+    size_t mine = 0, whole = 0;
+    CHECK(activation_peak(stage, pipe, RTP_STRATEGY_RTP, RTP_SCHEDULE_1F1B, 2, &mine, &whole),
+          "planning failed");
+    fprintf(stderr, "rank %d: %zu parameter bytes of the stage's %zu\n", rank, mine, whole);
+    // each block split in two, each padded to 64 bytes at most
+    CHECK(mine <= whole / 2 + 64 * 64 && mine >= whole / 2 - 64 * 64, "%zu of %zu", mine,
+          whole);
+    rtp_comm_free(stage);
+    rtp_comm_free(pipe);
+    rtp_comm_free(job);
+    return 0;
+  });
+  for (int r = 0; r < 4; r++) EXPECT_EQ(res[r].code, 0) << "rank " << r;
+}
+
+}  // namespace
