@@ -428,6 +428,7 @@ struct rtp_parallel *rtp_parallel_new(struct rtp_context *ctx, const struct rtp_
   struct rtp_tensor **map =
       rtp__ctx_alloc(ctx, sizeof(*map) * (map_rows(fwd) * (size_t)M + 1), "the parallel map");
   if (!p || !map) return NULL;
+  memset(map, 0, sizeof(*map) * (map_rows(fwd) * (size_t)M + 1)); /* another stage's: NULL */
   *p = (struct rtp_parallel){
       .ctx = ctx,
       .comm = world > 1 ? pp->comm : NULL,
