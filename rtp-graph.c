@@ -86,6 +86,17 @@ int rtp_graph_build(struct rtp_graph *g, struct rtp_tensor *t) {
   return visit(go, t);
 }
 
+int rtp__graph_order_like(struct rtp_graph *g, const struct rtp_graph *like) {
+  const struct graph_obj *go = (const struct graph_obj *)g;
+  int n = 0;
+  for (int i = 0; i < like->n_nodes && n < g->n_nodes; i++)
+    if (graph_has(go, like->nodes[i])) g->nodes[n++] = like->nodes[i];
+  if (n != g->n_nodes)
+    return rtp__ctx_error(go->ctx, RTP_EINVAL, "graph: %d of its %d nodes are not in the other",
+                          g->n_nodes - n, g->n_nodes);
+  return RTP_OK;
+}
+
 /* ---- autodiff ------------------------------------------------------------------- */
 
 enum { MARK_NEEDS_GRAD = 1, MARK_GRAD_CLAIMED = 2 };

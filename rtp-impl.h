@@ -226,6 +226,9 @@ size_t rtp__op_work_size(const struct rtp_tensor *t);
 int rtp__graph_build_backward_seeded(struct rtp_context *ctx, struct rtp_graph *g, int n,
                                      struct rtp_tensor *const *outs,
                                      struct rtp_tensor *const *seeds);
+/* Puts g's nodes in the order they have in `like` (which must hold them all): a graph of
+ * some of a planned graph's nodes then runs them in an order its placement is valid for. */
+int rtp__graph_order_like(struct rtp_graph *g, const struct rtp_graph *like);
 
 /* ---- rtp-exec.c ---- */
 /* One run of g's transfers without its compute: posted and waited for where the executor

@@ -108,6 +108,25 @@ struct rtp_graph *rtp_parallel_graph(const struct rtp_parallel *p) {
   return p ? p->graph : NULL;
 }
 
+struct rtp_graph *rtp_parallel_forward_graph(struct rtp_parallel *p,
+                                             const struct rtp_tensor *out) {
+  int i = p && out ? rtp__graph_index(p->src, out) : -1;
+  if (i < 0 || out == p->loss) {
+    rtp__error(RTP_EINVAL, "rtp_parallel_forward_graph: not a forward node of the model");
+    return NULL;
+  }
+  struct rtp_graph *g = rtp_graph_new(p->ctx, p->graph->n_nodes + 1);
+  int rc = !g        ? rtp_context_error(p->ctx, NULL)
+           : p->pipe ? rtp__pipeline_forward(p, i, g)
+                     : rtp_graph_build(g, p->maps[i]);
+  if (!rc) rc = rtp__graph_order_like(g, p->graph);
+  if (rc) {
+    rtp__error(rc, "rtp_parallel_forward_graph: %s", rtp_last_error());
+    return NULL;
+  }
+  return g;
+}
+
 int rtp_parallel_block(const struct rtp_parallel *p, const struct rtp_tensor *param,
                        int64_t *first, int64_t *len, int *dim) {
   if (!p || !param || !(param->flags & RTP_FLAG_PARAM) || rtp__parallel_index(p, param) < 0)

@@ -403,6 +403,27 @@ int rtp__pipeline_build(struct rtp_parallel *p, struct rtp_comm *pipe, enum rtp_
   return rc;
 }
 
+/* Every transfer of the first unit between stages up to node i's is kept, needed by node
+ * i or not: each send in one stage's graph then meets its recv in the other's, however a
+ * stage orders a unit's micro-batches (under zeropp, micro-batch 0's forward may wait on
+ * micro-batch 1's recv). */
+int rtp__pipeline_forward(const struct rtp_parallel *p, int i, struct rtp_graph *g) {
+  const struct rtp_pipe *pp = p->pipe;
+  int at = pp->node_stage[i], rc = RTP_OK;
+  if (pp->s > at) return RTP_OK;
+  for (int m = 0; m < pp->U && !rc; m++) {
+    for (int k = 0; k < pp->n_in && !rc; k++)
+      rc = rtp_graph_build(g, pp->in_recv[(size_t)m * (size_t)pp->n_in + (size_t)k]);
+    for (int k = 0; k < pp->n_out && pp->s < at; k++)
+      for (int c = pp->s + 1; c <= at && !rc; c++)
+        if (pp->out_to[k] >> c & 1)
+          rc = rtp_graph_build(
+              g, pp->out_send[((size_t)m * (size_t)pp->n_out + (size_t)k) * (size_t)pp->S +
+                              (size_t)c]);
+  }
+  return rc || pp->s < at ? rc : rtp_graph_build(g, p->maps[i]);
+}
+
 int rtp_parallel_stage(const struct rtp_parallel *p) {
   return p && p->pipe ? p->pipe->s : 0;
 }

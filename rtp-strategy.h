@@ -130,6 +130,9 @@ struct rtp_pipe {
 int rtp__pipeline_build(struct rtp_parallel *p, struct rtp_comm *pipe, enum rtp_schedule sched,
                         int unit, bool recompute, const int *stage_blocks, int graph_size);
 struct rtp_comm *rtp__pipeline_comm(const struct rtp_parallel *p);
+/* Into g, this stage's part of micro-batch 0's forward to node i of the one-device graph
+ * (rtp_parallel_forward_graph). */
+int rtp__pipeline_forward(const struct rtp_parallel *p, int i, struct rtp_graph *g);
 
 /* rtp-stage.c: micro-batch m's forward in three parts: its leaves and the tensors it
  * receives; segment q's nodes; its sends (and the last stage's loss). Its backward: the

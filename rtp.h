@@ -820,12 +820,24 @@ RTP_API struct rtp_parallel *rtp_parallel_new(struct rtp_context *ctx,
                                               struct rtp_tensor *loss,
                                               const struct rtp_parallel_params *params);
 RTP_API struct rtp_graph *rtp_parallel_graph(const struct rtp_parallel *p);
+/*
+ * Micro-batch 0's forward to `out` (a node of the one-device graph, e.g. the logits) as a
+ * graph of its own: for evaluation and generation at the training batch shape, without
+ * the backward. Its nodes are the training graph's, run in the training graph's order, so
+ * they keep the training plan's placement (plan the training graph first, or not at all:
+ * then this graph's plan places them). On a pipeline, each stage runs its part: the
+ * stages before out's send micro-batch 0's activations on (under zeropp, its unit's), out's
+ * stage ends with out, the later stages' graphs are empty. Every rank of the job computes it
+ * together. NULL on error (rtp_last_error).
+ */
+RTP_API struct rtp_graph *rtp_parallel_forward_graph(struct rtp_parallel *p,
+                                                     const struct rtp_tensor *out);
 /* This rank's pipeline stage (0 without a pipeline), and the number of stages (1). */
 RTP_API int rtp_parallel_stage(const struct rtp_parallel *p);
 RTP_API int rtp_parallel_stages(const struct rtp_parallel *p);
 /* This rank's tensor for a tensor of the one-device graph (inputs to fill, parameters
  * to initialise); for the loss, the mean over all ranks (and micro-batches). With
- * micro-batches, micro-batch 0's. */
+ * micro-batches, micro-batch 0's. NULL for a tensor of another pipeline stage. */
 RTP_API struct rtp_tensor *rtp_parallel_tensor(const struct rtp_parallel *p,
                                                const struct rtp_tensor *t);
 /* Micro-batch m's rank tensor (0 <= m < micro_batches) for a tensor of the one-device

@@ -38,6 +38,7 @@ void fill_sequence(int i, int T, int32_t *idx, int32_t *tgt) {
 
 struct Reference {
   std::vector<float> losses, norms;
+  std::vector<float> logits;  // of the first forward, at the initial weights
   std::vector<std::vector<float>> init, final_params;
   // Elements whose first gradient is not tiny beside the largest of its parameter: where
   // it is (zero, for the key bias), Adam's step is rounding's, so only these are compared.
@@ -65,6 +66,10 @@ bool reference(int D, Reference *ref) {
   rtp_optimizer *opt = rtp_optimizer_new(ctx, g, adam());
   for (int s = 0; s < kSteps; s++) {
     if (rtp_graph_compute(g, nullptr)) return false;
+    if (s == 0) {
+      const float *l = (const float *)m.logits->data;
+      ref->logits.assign(l, l + rtp_tensor_nelements(m.logits));
+    }
     for (int i = 0; i < m.n_params && s == 0; i++) {
       const rtp_tensor *gr = m.params[i]->grad;
       const float *v = (const float *)gr->data;
@@ -152,6 +157,31 @@ int pipeline_rank(const Case &c, int rank, int port, const Reference &ref) {
                     (int32_t *)idx->data + b * kCfg.seq_len,
                     (int32_t *)tgt->data + b * kCfg.seq_len);
   }
+  // Micro-batch 0's forward alone (evaluation's graph), before and after the steps: its
+  // logits are one process's rows, and running it changes nothing training computes.
+  rtp_graph *fg = rtp_parallel_forward_graph(par, m.logits);
+  CHECK(fg, "rtp_parallel_forward_graph: %s", rtp_last_error());
+  CHECK_OK(rtp_graph_plan(ctx, fg));
+  CHECK_OK(rtp_graph_compute(fg, nullptr));
+  if (rank / c.D == c.S - 1) {
+    rtp_tensor *lg = rtp_parallel_tensor(par, m.logits);
+    size_t n = (size_t)rtp_tensor_nelements(lg), off = (size_t)d * kBatch * n / mb;
+    float mx = 0, err = 0;
+    for (size_t j = 0; j < n; j++) {
+      mx = std::fmax(mx, std::fabs(ref.logits[off + j]));
+      err = std::fmax(err, std::fabs(((float *)lg->data)[j] - ref.logits[off + j]));
+    }
+    CHECK(err <= 1e-5f * mx, "micro-batch 0's logits differ by %g (largest %g)", err, mx);
+  }
+  if (c.S == 2 && c.D == 1) {  // to a node of stage 0: stage 1 has nothing to do
+    rtp_graph *eg = rtp_parallel_forward_graph(par, fwd->nodes[0]);
+    CHECK(eg && eg->n_nodes == (rank == 0 ? 1 : 0), "forward graph to the first node");
+    CHECK_OK(rtp_graph_plan(ctx, eg));
+    CHECK_OK(rtp_graph_compute(eg, nullptr));
+    CHECK(!rtp_parallel_forward_graph(par, m.loss) &&
+              !rtp_parallel_forward_graph(par, m.params[0]),
+          "a forward graph to the loss or a parameter");
+  }
   rtp_optimizer *opt = rtp_parallel_optimizer(par, adam());
   rtp_tensor *loss = rtp_parallel_tensor(par, m.loss);
   CHECK(opt && loss, "optimizer or loss");
@@ -164,6 +194,7 @@ int pipeline_rank(const Case &c, int rank, int port, const Reference &ref) {
     CHECK(std::fabs(nrm - ref.norms[s]) <= 1e-5f * ref.norms[s],
           "step %d: gradient norm %.8f, one process %.8f", s, nrm, ref.norms[s]);
   }
+  CHECK_OK(rtp_graph_compute(fg, nullptr));
   for (int i = 0; i < m.n_params; i++) {
     rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
     if (!mine) continue;
