@@ -432,6 +432,14 @@ int rtp_parallel_stages(const struct rtp_parallel *p) {
   return p && p->pipe ? p->pipe->S : 1;
 }
 
+int rtp_parallel_tensor_stage(const struct rtp_parallel *p, const struct rtp_tensor *t) {
+  int i = p && t ? rtp__parallel_index(p, t) : -1;
+  if (i < 0) return -1;
+  if (!p->pipe) return 0;
+  int n = p->src->n_nodes;
+  return i < n ? p->pipe->node_stage[i] : p->pipe->leaf_stage[i - n];
+}
+
 struct rtp_comm *rtp__pipeline_comm(const struct rtp_parallel *p) {
   return p && p->pipe ? p->pipe->comm : NULL;
 }

@@ -835,6 +835,9 @@ RTP_API struct rtp_graph *rtp_parallel_forward_graph(struct rtp_parallel *p,
 /* This rank's pipeline stage (0 without a pipeline), and the number of stages (1). */
 RTP_API int rtp_parallel_stage(const struct rtp_parallel *p);
 RTP_API int rtp_parallel_stages(const struct rtp_parallel *p);
+/* The stage whose graph has t, a parameter, input or node of the one-device graph (0
+ * without a pipeline); -1 for a tensor no stage uses. */
+RTP_API int rtp_parallel_tensor_stage(const struct rtp_parallel *p, const struct rtp_tensor *t);
 /* This rank's tensor for a tensor of the one-device graph (inputs to fill, parameters
  * to initialise); for the loss, the mean over all ranks (and micro-batches). With
  * micro-batches, micro-batch 0's. NULL for a tensor of another pipeline stage. */

@@ -283,6 +283,14 @@ TEST(TrainGptErrors, BadInputIsRefusedClearly) {
        "destination is"},
       {{"--config", "tiny", "--data", missing}, 1, "no-such.safetensors"},
       {{"--config", "tiny", "--data", corrupt}, 1, "too few"},
+      {{"--batch", "3", "--micro-batches", "2"},
+       2,
+       "--batch 3 does not split into --micro-batches 2"},
+      {{"--pp", "2"}, 2, "--pp 2 on 1 ranks: the ranks must be S x D"},
+      {{"--micro-batches", "4", "--unit", "3"},
+       2,
+       "--unit 3 does not divide --micro-batches 4"},
+      {{"--schedule", "2f2b"}, 2, "--schedule must be gpipe, 1f1b, eager-1f1b or zeropp"},
   };
   for (const BadCase &c : cases) {
     std::vector<std::string> argv = {TRAIN_GPT};
@@ -302,6 +310,20 @@ TEST(TrainGptErrors, BadInputIsRefusedClearly) {
             std::string::npos)
       << tp.err;
   EXPECT_NE(tp.err.find("failed first (exit code 2)"), std::string::npos) << tp.err;
+  const std::pair<std::vector<std::string>, std::string> layouts[] = {
+      {{"-n", "4", "--", TRAIN_GPT, "--pp", "3"},
+       "] train-gpt: --pp 3 on 4 ranks: the ranks must be S x D (4 is not a multiple of 3)"},
+      {{"-n", "4", "--", TRAIN_GPT, "--config", "tiny", "--pp", "4"},
+       "] train-gpt: --pp 4 with 2 blocks (--n-layer): at most one stage per block"},
+      {{"-n", "4", "--", TRAIN_GPT, "--pp", "2", "--strategy", "tp"},
+       "] train-gpt: --strategy tp does not run inside pipeline stages"}};
+  for (const auto &l : layouts) {
+    std::vector<std::string> argv = {RTP_RUN};
+    argv.insert(argv.end(), l.first.begin(), l.first.end());
+    Result r = run(argv);
+    EXPECT_EQ(r.code, 2) << r.err;
+    EXPECT_NE(r.err.find(l.second), std::string::npos) << r.err;
+  }
 }
 
 // Under rtp-run: rtp-run's argv for n ranks of train-gpt with these flags.
@@ -340,13 +362,16 @@ const std::vector<double> &one_process_losses() {
 // Rank 0's losses in the metrics file m (and rank 1's in m.rank1, which must be the same)
 // are one process's with the same global batch, to float rounding; every object counts the
 // global batch's tokens once: tokens_per_s x ms_per_step = 4 x 32 tokens per step.
-void expect_one_process_losses(const std::string &m, const std::string &what) {
+void expect_one_process_losses(const std::string &m, const std::string &what,
+                               bool ranks = true) {
   const std::vector<double> &want = one_process_losses();
   std::vector<double> got = metric(m, "loss"), tps = metric(m, "tokens_per_s"),
                       ms = metric(m, "ms_per_step");
   ASSERT_EQ(want.size(), 10u);
   ASSERT_EQ(got.size(), want.size());
-  EXPECT_EQ(metric(m + ".rank1", "loss"), got);
+  if (ranks) {
+    EXPECT_EQ(metric(m + ".rank1", "loss"), got);
+  }
   for (size_t i = 0; i < want.size(); i++) {
     std::printf("step %2zu: one process %.8f, %s %.8f\n", i + 1, want[i], what.c_str(), got[i]);
     EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << what << ", step " << i + 1;
@@ -385,6 +410,89 @@ TEST(TrainGptRanks, FsdpLossesMatchOneProcess) {
 
 TEST(TrainGptRanks, TpLossesMatchOneProcessWithTheSameBatch) {
   expect_losses_of_one_process("tp");
+}
+
+// Pipelines: 4 ranks as 2 stages x 2 ranks with batch 2 train on the global batch of one
+// process with batch 4, whatever runs inside the stages, the schedule, the micro-batches
+// and recomputation; one process with micro-batches and recomputation does too.
+TEST(TrainGptPipeline, LossesMatchOneProcess) {
+  struct Case {
+    int ranks;
+    std::string flags;
+  };
+  const Case cases[] = {
+      {4, " --pp 2 --batch 2 --strategy rtp"},
+      {4, " --pp 2 --batch 2 --strategy fsdp --micro-batches 2 --schedule gpipe"},
+      {4, " --pp 2 --batch 2 --strategy ddp --micro-batches 2 --schedule eager-1f1b"},
+      {4, " --pp 2 --batch 2 --strategy rtp --micro-batches 2 --schedule zeropp --recompute"},
+      {2, " --pp 2 --batch 4 --micro-batches 4"},
+      {1, " --batch 4 --micro-batches 2 --recompute"},
+  };
+  for (const Case &c : cases) {
+    std::string m = tmp_dir() + "pp.jsonl";
+    std::vector<std::string> extra = {"--metrics", m};
+    Result r = run(c.ranks == 1 ? train_gpt(kRanksFlags + c.flags, extra)
+                                : on_ranks(c.ranks, kRanksFlags + c.flags, extra));
+    ASSERT_EQ(r.code, 0) << c.flags << "\n" << r.out << r.err;
+    expect_one_process_losses(m, std::to_string(c.ranks) + " ranks," + c.flags, c.ranks > 1);
+  }
+}
+
+// The README's pipeline command as written there, with flags for a short run appended.
+TEST(TrainGptPipeline, ReadmeCommand) {
+  std::string cmd;
+  for (const std::string &l : lines(slurp(RTP_TEST_DIR "/../README.md")))
+    if (l.find("--pp 2") != std::string::npos && l.rfind("build/tools/rtp-run", 0) == 0)
+      cmd = l;
+  ASSERT_FALSE(cmd.empty()) << "README.md: expected a line 'build/tools/rtp-run ... --pp 2'";
+  std::string argv;
+  std::stringstream ss(cmd);
+  for (std::string w; ss >> w; argv += w + " ") {
+    if (w == "build/tools/rtp-run") w = quote(RTP_RUN);
+    if (w == "build/examples/train-gpt") w = quote(TRAIN_GPT);
+  }
+  argv += "--config tiny --steps 4 --threads 1 --eval-windows 4 --eval-problems 0";
+  Result r = run({"sh", "-c", argv});
+  ASSERT_EQ(r.code, 0) << argv << "\n" << r.out << r.err;
+  EXPECT_NE(r.out.find("2 pipeline stages x 2 ranks, rtp inside"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("[0] step 4/4"), std::string::npos) << r.out;
+}
+
+// A pipeline's export is the model it evaluated, and its eval loss, decoding and
+// sampling (the last stage's logits, shared) are one process's.
+TEST(TrainGptPipeline, ExportEvalAndSamplesMatchOneProcess) {
+  std::string one = tmp_dir() + "pp-one.safetensors", pp = tmp_dir() + "pp-4.safetensors";
+  const std::string flags =
+      "--config tiny --steps 20 --threads 1 --log-every 20 --eval-windows 8 --eval-problems 8 "
+      "--sample 24";
+  Result a = run(train_gpt(flags + " --batch 4", {"--export", one}));
+  Result b = run(on_ranks(4, flags + " --batch 2 --pp 2 --micro-batches 2", {"--export", pp}));
+  ASSERT_EQ(a.code, 0) << a.err;
+  ASSERT_EQ(b.code, 0) << b.out << b.err;
+  auto tail = [](const std::string &out, const std::string &from) {
+    size_t at = out.find(from);
+    return at == std::string::npos ? std::string() : out.substr(at);
+  };
+  std::string sa = tail(a.out, "--- sample"), sb;
+  for (const std::string &l : lines(tail(b.out, "[0] --- sample")))
+    sb += (l.rfind("[0] ", 0) == 0 ? l.substr(4) : l) + "\n";
+  EXPECT_FALSE(sa.empty()) << a.out;
+  EXPECT_EQ(sb, sa) << b.out;
+  std::string ea = tail(a.out, "step 20/20"), eb = tail(b.out, "[0] step 20/20");
+  ASSERT_FALSE(ea.empty() || eb.empty()) << a.out << b.out;
+  EXPECT_EQ(eb.substr(4, eb.find(" | ", eb.find("eval")) - 4),
+            ea.substr(0, ea.find(" | ", ea.find("eval"))));
+  Result e1 = run({TRAIN_GPT, "--init", one, "--eval-only", "--threads", "1"});
+  Result e2 = run({TRAIN_GPT, "--init", pp, "--eval-only", "--threads", "1"});
+  ASSERT_EQ(e1.code | e2.code, 0) << e1.err << e2.err;
+  std::map<std::string, double> v1, v2;
+  ASSERT_TRUE(parse_flat_json(e1.out, &v1) && parse_flat_json(e2.out, &v2)) << e1.out << e2.out;
+  EXPECT_NEAR(v2["eval_loss"], v1["eval_loss"], 1e-5 * v1["eval_loss"]);
+  Result e3 = run(on_ranks(4, "--eval-only --threads 1 --pp 2", {"--init", pp}));
+  ASSERT_EQ(e3.code, 0) << e3.err;
+  std::map<std::string, double> v3;
+  ASSERT_TRUE(parse_flat_json(e3.out.substr(4), &v3)) << e3.out;
+  EXPECT_NEAR(v3["eval_loss"], v2["eval_loss"], 1e-5 * v2["eval_loss"]);
 }
 
 // --bf16 is mixed precision: every strategy's products take bf16 operands (weights, sums
@@ -842,10 +950,12 @@ TEST(TrainGptHelp, ListsTheIssueFlags) {
   Result r = run({TRAIN_GPT, "--help"});
   ASSERT_EQ(r.code, 0);
   for (const char *f :
-       {"--config",    "--n-layer",  "--d-model",     "--n-head",  "--seq-len",  "--batch",
-        "--steps",     "--lr",       "--seed",        "--threads", "--strategy", "--data",
-        "--metrics",   "--ckpt-dir", "--ckpt-every",  "--resume",  "--init",     "--export",
-        "--eval-only", "--sample",   "--temperature", "--help"})
+       {"--config",      "--n-layer",  "--d-model", "--n-head",        "--seq-len",
+        "--batch",       "--steps",    "--lr",      "--seed",          "--threads",
+        "--strategy",    "--data",     "--metrics", "--ckpt-dir",      "--ckpt-every",
+        "--resume",      "--init",     "--export",  "--eval-only",     "--sample",
+        "--temperature", "--help",     "--pp",      "--micro-batches", "--schedule",
+        "--unit",        "--recompute"})
     EXPECT_NE(r.out.find(f), std::string::npos) << f;
   EXPECT_NE(r.out.find("N x B sequences under rtp, ddp and fsdp"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("B under tp, where every rank trains on the same B sequences"),

@@ -40,14 +40,15 @@ struct options {
   const char *config;                    /* tiny, small, medium; NULL: --init's, else small */
   int n_layer, d_model, n_head, seq_len; /* 0: from the config */
   int batch, steps, threads, log_every, eval_windows, eval_problems, sample, ckpt_every;
-  float lr; /* 0: the config's */
+  int pp, micro_batches, unit; /* pipeline stages, micro-batches per step, zeropp's unit */
+  float lr;                    /* 0: the config's */
   float temperature;
   int64_t seed;
-  const char *strategy, *data, *metrics, *init, *export_path, *ckpt_dir, *prompt;
-  bool eval_only, resume, bf16, help;
+  const char *strategy, *schedule, *data, *metrics, *init, *export_path, *ckpt_dir, *prompt;
+  bool eval_only, resume, bf16, recompute, help;
 };
 
-#define MAX_FLAGS 32
+#define MAX_FLAGS 40
 
 enum arg_kind { ARG_INT, ARG_I64, ARG_FLOAT, ARG_STR, ARG_BOOL };
 
@@ -77,6 +78,16 @@ static int flag_table(struct options *o, struct flag *f) {
        "compute threads per rank (default: the cores / local ranks)"},
       {"--strategy", ARG_STR, &o->strategy, "S",
        "rtp | ddp | fsdp | tp, on N ranks (default rtp; one process: all equal)"},
+      {"--pp", ARG_INT, &o->pp, "S",
+       "pipeline stages; the N ranks are S stages x N/S ranks (default 1)"},
+      {"--micro-batches", ARG_INT, &o->micro_batches, "M",
+       "micro-batches per step, each B/M sequences (default 1)"},
+      {"--schedule", ARG_STR, &o->schedule, "NAME",
+       "gpipe | 1f1b | eager-1f1b | zeropp (default 1f1b)"},
+      {"--unit", ARG_INT, &o->unit, "U",
+       "zeropp: micro-batches per unit (default: the largest divisor of M up to S)"},
+      {"--recompute", ARG_BOOL, &o->recompute, NULL,
+       "recompute each block's activations in backward (less memory)"},
       {"--bf16", ARG_BOOL, &o->bf16, NULL,
        "mixed precision: bf16 products (f32 sums, weights, Adam); rtp rotates bf16 blocks"},
       {"--data", ARG_STR, &o->data, "FILE",
@@ -130,7 +141,9 @@ static void print_usage(FILE *out) {
           "\nconfigs: tiny T=32 d=64 L=2 H=4; small T=128 d=384 L=6 H=6; medium T=256 d=768 "
           "L=12 H=12.\nGlobal batch on N ranks: N x B sequences under rtp, ddp and fsdp (each "
           "rank its own B);\nB under tp, where every rank trains on the same B sequences with "
-          "1/N of the heads and\nMLP units (N must divide the heads).\n"
+          "1/N of the heads and\nMLP units (N must divide the heads). With --pp S, D = N/S "
+          "ranks per stage and the\nglobal batch is D x B; --strategy runs inside each stage "
+          "(rtp, fsdp or ddp).\n"
           "A checkpoint that cannot be written (e.g. a full disk) stops training with status "
           "1; the\nprevious one is kept and --resume continues from it.\n"
           "Exit status: 0 success, 1 failure, 2 bad command line.\n");
@@ -181,7 +194,10 @@ static int parse_args(int argc, char **argv, struct options *o) {
                         .seed = 1337,
                         .eval_windows = 256,
                         .eval_problems = 64,
-                        .strategy = "rtp"};
+                        .strategy = "rtp",
+                        .schedule = "1f1b",
+                        .pp = 1,
+                        .micro_batches = 1};
   struct flag f[MAX_FLAGS];
   int n = flag_table(o, f);
   for (int i = 1; i < argc; i++) {
@@ -224,6 +240,29 @@ static int check_options(const struct options *o) {
   if (rtp_comm_params_from_env(&p) != RTP_OK)
     return usage_error("bad rank environment: %s", rtp_last_error());
   if (o->batch < 1) return usage_error("--batch must be at least 1");
+  if (o->pp < 1 || o->micro_batches < 1 || o->unit < 0)
+    return usage_error("--pp and --micro-batches must be at least 1, --unit positive");
+  if (o->batch % o->micro_batches)
+    return usage_error(
+        "--batch %d does not split into --micro-batches %d (B must be a "
+        "multiple of M)",
+        o->batch, o->micro_batches);
+  enum rtp_schedule sched;
+  if (rtp_schedule_parse(o->schedule, &sched))
+    return usage_error("--schedule must be gpipe, 1f1b, eager-1f1b or zeropp, not '%s'",
+                       o->schedule);
+  if (o->unit && o->micro_batches % o->unit)
+    return usage_error("--unit %d does not divide --micro-batches %d", o->unit,
+                       o->micro_batches);
+  if (o->pp > 1 && strcmp(o->strategy, "tp") == 0)
+    return usage_error(
+        "--strategy tp does not run inside pipeline stages (--pp): use rtp, "
+        "fsdp or ddp");
+  if (p.world_size % o->pp)
+    return usage_error(
+        "--pp %d on %d ranks: the ranks must be S x D (%d is not a multiple "
+        "of %d)",
+        o->pp, p.world_size, p.world_size, o->pp);
   if (o->prompt && !*o->prompt) return usage_error("--prompt must not be empty");
   return 0;
 }
@@ -398,22 +437,25 @@ static int check_data(const struct dataset *d, int T, bool eval_only, const char
 }
 
 /*
- * The global batch of a step is world x B windows of T + 1 bytes from the training part;
- * window j starts at an offset drawn from (seed, step, j) alone. Rank r takes windows
- * r*B .. r*B + B - 1, so N ranks with batch B see exactly the data of one process with
- * batch N*B. idx gets the first T bytes of each window, tgt the last T.
+ * The global batch of a step is ranks x B windows of T + 1 bytes from the training part;
+ * window j starts at an offset drawn from (seed, step, j) alone. Data-parallel rank r takes
+ * windows r*B .. r*B + B - 1, row b of them in micro-batch b / (B/M), so N ranks with batch
+ * B see exactly the data of one process with batch N*B, however each splits its B.
+ * idx[k] gets the first T bytes of micro-batch k's windows, tgt[k] the last T (either NULL
+ * on a pipeline stage that does not read it).
  */
-static void sample_batch(const struct dataset *d, uint64_t seed, int64_t step, int world,
-                         int rank, int B, int T, int32_t *idx, int32_t *tgt) {
+static void sample_batch(const struct dataset *d, uint64_t seed, int64_t step, int rank, int B,
+                         int M, int T, int32_t *const *idx, int32_t *const *tgt) {
   uint64_t starts = d->split - (size_t)T; /* window starts that fit */
-  for (int j = 0; j < world * B; j++) {
-    if (j / B != rank) continue;
-    uint64_t h = mix64(mix64(seed) ^ mix64(((uint64_t)step << 20) ^ (uint64_t)j));
+  int mb = B / M;
+  for (int b = 0; b < B; b++) {
+    uint64_t j = (uint64_t)rank * (uint64_t)B + (uint64_t)b;
+    uint64_t h = mix64(mix64(seed) ^ mix64(((uint64_t)step << 20) ^ j));
     const uint8_t *w = d->bytes + h % starts;
-    int b = j % B;
+    int k = b / mb, row = b % mb;
     for (int t = 0; t < T; t++) {
-      idx[b * T + t] = w[t];
-      tgt[b * T + t] = w[t + 1];
+      if (idx[k]) idx[k][row * T + t] = w[t];
+      if (tgt[k]) tgt[k][row * T + t] = w[t + 1];
     }
   }
 }
@@ -424,22 +466,35 @@ struct trainer {
   struct rtp_context *meta; /* the one-device model: no_alloc, parameters hold no data */
   struct rtp_context *ctx;  /* this rank's parameters, states, graphs and activations */
   struct rtp_threadpool *tp;
-  struct rtp_comm *comm; /* NULL for one process */
+  struct rtp_comm *comm; /* the job; NULL for one process */
+  /* With --pp: this rank's stage group (the strategy's ranks; NULL if one) and its pipe
+   * group (one rank of each stage). Without, group is comm and pipe NULL. */
+  struct rtp_comm *group, *pipe;
   struct rtp_parallel *par;
-  struct gpt m; /* the one-device model (in meta): sizes, parameter names and shapes */
-  struct rtp_tensor *idx, *targets, *logits; /* this rank's */
-  struct rtp_tensor *loss;                   /* the mean over the global batch */
+  struct gpt m; /* the one-device model (in meta) for one micro-batch: sizes and names */
+  /* Per micro-batch, this rank's inputs (NULL on a stage that does not read them). */
+  int32_t **idx, **targets;
+  struct rtp_tensor *in, *logits; /* micro-batch 0's, which evaluation uses; or NULL */
+  int32_t *eval_idx, *eval_tgt;   /* evaluation's inputs, on every rank */
+  struct rtp_tensor *loss;        /* the mean over the global batch */
   struct rtp_graph *train; /* forward, backward, transfers; not planned with --eval-only */
-  struct rtp_graph *eval;  /* the forward to the logits alone */
+  struct rtp_graph *eval;  /* micro-batch 0's forward to the logits alone */
   struct rtp_optimizer *opt;
-  enum rtp_strategy strategy;
+  enum rtp_strategy strategy; /* inside a stage with --pp */
   int world, rank;
-  int64_t saved; /* the step of the last checkpoint saved or resumed from; -1: none */
+  int stages, per_stage; /* S and D: rank = stage x D + data-parallel rank */
+  int batch, micro;      /* B sequences per data-parallel rank and step, in M micro-batches */
+  int head;              /* the rank whose logits evaluation reads: the last stage's first */
+  int64_t saved;         /* the step of the last checkpoint saved or resumed from; -1: none */
 };
 
 /* The ranks that draw different data: under tp every rank trains on the same batch. */
 static int data_ranks(const struct trainer *tr) {
-  return tr->strategy == RTP_STRATEGY_TP ? 1 : tr->world;
+  return tr->strategy == RTP_STRATEGY_TP ? 1 : tr->per_stage;
+}
+
+static int data_rank(const struct trainer *tr) {
+  return tr->strategy == RTP_STRATEGY_TP ? 0 : tr->rank % tr->per_stage;
 }
 
 static int graph_size(struct gpt_config c) {
@@ -447,9 +502,10 @@ static int graph_size(struct gpt_config c) {
 }
 
 /* rtp and fsdp turn each op on a parameter into a few nodes per rank, forward and back
- * (rtp on 4 ranks: about 2.3 times the one-device graph). */
-static int parallel_graph_size(struct gpt_config c, int world) {
-  return graph_size(c) * (1 + world);
+ * (rtp on 4 ranks: about 2.3 times the one-device graph), for each micro-batch, twice over
+ * with recomputation. */
+static int parallel_graph_size(struct gpt_config c, int world, const struct options *o) {
+  return graph_size(c) * (1 + world) * o->micro_batches * (o->recompute ? 2 : 1);
 }
 
 /* --bf16: the scratch a product rounds its two operands into, for the largest product (an
@@ -463,9 +519,9 @@ static size_t bf16_scratch(struct gpt_config c, int batch) {
 }
 
 /* The rank's graphs and their tensor headers come on top of what gpt_arena_size counts. */
-static size_t arena_size(struct gpt_config c, int batch, int world, bool bf16) {
-  return gpt_arena_size(c, batch) + (size_t)parallel_graph_size(c, world) * 1024 + (1u << 20) +
-         (bf16 ? bf16_scratch(c, batch) : 0);
+static size_t arena_size(struct gpt_config c, int world, const struct options *o) {
+  return gpt_arena_size(c, o->batch) + (size_t)parallel_graph_size(c, world, o) * 1024 +
+         (1u << 20) + (o->bf16 ? bf16_scratch(c, o->batch) : 0);
 }
 
 /* Threads per rank: by default the cores shared among the ranks on this host. */
@@ -478,87 +534,155 @@ static int thread_count(const struct options *o) {
   return cores > ranks ? (int)(cores / ranks) : 1;
 }
 
-/* Joins the job when the environment names more than one rank (rtp-run, Slurm, MPI). */
-static int join_job(struct trainer *tr) {
+/* Joins the job when the environment names more than one rank (rtp-run, Slurm, MPI);
+ * with --pp, as a mesh of S stages x D ranks (check_options saw that S divides the ranks). */
+static int join_job(struct trainer *tr, const struct options *o) {
   struct rtp_comm_params p;
   int rc = rtp_comm_params_from_env(&p);
   if (rc) return fail(rc, "the rank environment");
   tr->world = p.world_size;
   tr->rank = p.rank;
+  tr->stages = o->pp;
+  tr->per_stage = p.world_size / o->pp;
+  tr->head = (tr->stages - 1) * tr->per_stage;
   if (p.world_size == 1) return RTP_OK;
   rc = rtp_comm_init(&p, &tr->comm);
-  return rc ? fail(rc, "rank %d of %d: joining the job", p.rank, p.world_size) : RTP_OK;
+  if (rc) return fail(rc, "rank %d of %d: joining the job", p.rank, p.world_size);
+  if (o->pp == 1) {
+    tr->group = tr->comm;
+    return RTP_OK;
+  }
+  struct rtp_comm *row;
+  rc = rtp_comm_mesh_2d(tr->comm, tr->stages, tr->per_stage, &row, &tr->pipe);
+  if (rc) return fail(rc, "--pp %d: the stage and pipe groups", o->pp);
+  if (tr->per_stage > 1)
+    tr->group = row;
+  else
+    rtp_comm_free(row);
+  return RTP_OK;
 }
 
-/* The model once, as for one device, then this rank's training graph for the strategy. */
-static int parallelize(struct trainer *tr, struct gpt_config c, const struct options *o) {
-  size_t meta_bytes = (size_t)graph_size(c) * 2048 + (8u << 20);
-  tr->meta =
-      rtp_context_new((struct rtp_init_params){.mem_size = meta_bytes, .no_alloc = true});
-  tr->ctx = rtp_context_new(
-      (struct rtp_init_params){.mem_size = arena_size(c, o->batch, tr->world, o->bf16)});
-  if (!tr->meta || !tr->ctx) return fail(RTP_ENOMEM, "creating the arena");
-  struct rtp_graph *fwd = rtp_graph_new(tr->meta, graph_size(c));
-  if (!fwd || gpt_build(tr->meta, &tr->m, c, o->batch) || rtp_graph_build(fwd, tr->m.loss))
-    return fail(RTP_EINVAL, "building the model");
-  tr->strategy = RTP_STRATEGY_NONE; /* one process: every strategy is this one */
-  if (tr->world > 1 && rtp_strategy_parse(o->strategy, &tr->strategy))
-    return fail(RTP_EINVAL, "--strategy");
-  if (tr->strategy == RTP_STRATEGY_TP && c.n_head % tr->world) { /* every rank decides so */
+/* What the layout asks that the model cannot give gets a one-line refusal on every rank. */
+static int check_layout(const struct trainer *tr, struct gpt_config c,
+                        const struct options *o) {
+  if (tr->strategy == RTP_STRATEGY_TP && c.n_head % tr->world) {
     fprintf(stderr,
             "train-gpt: --strategy tp on %d ranks: the %d heads must split evenly between "
             "them (--n-head a multiple of %d)\n",
             tr->world, c.n_head, tr->world);
     return EXIT_USAGE;
   }
+  if (o->pp > c.n_layer) {
+    fprintf(stderr,
+            "train-gpt: --pp %d with %d blocks (--n-layer): at most one stage per block\n",
+            o->pp, c.n_layer);
+    return EXIT_USAGE;
+  }
+  return RTP_OK;
+}
+
+/* zeropp's unit: --unit, or the largest divisor of M up to S (a unit as long as the
+ * pipeline, so its gathers are shared by every micro-batch in flight). */
+static int unit_size(const struct options *o) {
+  int u = o->unit ? o->unit : o->pp < o->micro_batches ? o->pp : o->micro_batches;
+  while (o->micro_batches % u) u--;
+  return u;
+}
+
+static struct rtp_parallel_params parallel_params(const struct trainer *tr, struct gpt_config c,
+                                                  const struct options *o) {
   /* --bf16: every strategy's products take bf16 operands; rtp's blocks travel as bf16 too
    * (its products would round them anyway), while the others' all-reduces and gathers
    * stay f32. */
   bool bf16_rotation = o->bf16 && tr->strategy == RTP_STRATEGY_RTP;
-  struct rtp_parallel_params pp = {.strategy = tr->strategy,
-                                   .comm = tr->comm,
-                                   .graph_size = parallel_graph_size(c, tr->world),
+  struct rtp_parallel_params pp = {.strategy = tr->group ? tr->strategy : RTP_STRATEGY_NONE,
+                                   .comm = tr->group,
+                                   .graph_size = parallel_graph_size(c, tr->world, o),
                                    .comm_type = bf16_rotation ? RTP_TYPE_BF16 : RTP_TYPE_F32,
-                                   .compute_type = o->bf16 ? RTP_TYPE_BF16 : RTP_TYPE_F32};
+                                   .compute_type = o->bf16 ? RTP_TYPE_BF16 : RTP_TYPE_F32,
+                                   .micro_batches = o->micro_batches,
+                                   .pipe_comm = tr->pipe,
+                                   .unit = unit_size(o),
+                                   .recompute = o->recompute};
+  rtp_schedule_parse(o->schedule, &pp.schedule); /* checked by check_options */
+  return pp;
+}
+
+/* Micro-batch k's inputs, where this rank's stage reads them. */
+static int find_inputs(struct trainer *tr) {
+  tr->idx = calloc((size_t)tr->micro, sizeof(*tr->idx));
+  tr->targets = calloc((size_t)tr->micro, sizeof(*tr->targets));
+  size_t n = (size_t)tr->m.batch * (size_t)tr->m.cfg.seq_len;
+  tr->eval_idx = calloc(n, sizeof(int32_t));
+  tr->eval_tgt = calloc(n, sizeof(int32_t));
+  if (!tr->idx || !tr->targets || !tr->eval_idx || !tr->eval_tgt)
+    return fail(RTP_ENOMEM, "the inputs");
+  for (int k = 0; k < tr->micro; k++) {
+    struct rtp_tensor *i = rtp_parallel_micro_tensor(tr->par, tr->m.idx, k);
+    struct rtp_tensor *t = rtp_parallel_micro_tensor(tr->par, tr->m.targets, k);
+    tr->idx[k] = i ? i->data : NULL;
+    tr->targets[k] = t ? t->data : NULL;
+  }
+  tr->in = rtp_parallel_tensor(tr->par, tr->m.idx);
+  tr->logits = rtp_parallel_tensor(tr->par, tr->m.logits);
+  return RTP_OK;
+}
+
+/* The model once, as for one device and one micro-batch, then this rank's training graph
+ * for the strategy (inside its stage with --pp). */
+static int parallelize(struct trainer *tr, struct gpt_config c, const struct options *o) {
+  size_t meta_bytes = (size_t)graph_size(c) * 2048 + (8u << 20);
+  tr->batch = o->batch;
+  tr->micro = o->micro_batches;
+  tr->meta =
+      rtp_context_new((struct rtp_init_params){.mem_size = meta_bytes, .no_alloc = true});
+  tr->ctx = rtp_context_new((struct rtp_init_params){.mem_size = arena_size(c, tr->world, o)});
+  if (!tr->meta || !tr->ctx) return fail(RTP_ENOMEM, "creating the arena");
+  struct rtp_graph *fwd = rtp_graph_new(tr->meta, graph_size(c));
+  if (!fwd || gpt_build(tr->meta, &tr->m, c, o->batch / o->micro_batches) ||
+      rtp_graph_build(fwd, tr->m.loss))
+    return fail(RTP_EINVAL, "building the model");
+  tr->strategy = RTP_STRATEGY_NONE; /* one process: every strategy is this one */
+  if (tr->world > 1 && rtp_strategy_parse(o->strategy, &tr->strategy))
+    return fail(RTP_EINVAL, "--strategy");
+  int rc = check_layout(tr, c, o);
+  if (rc) return rc;
+  struct rtp_parallel_params pp = parallel_params(tr, c, o);
   tr->par = rtp_parallel_new(tr->ctx, fwd, tr->m.loss, &pp);
-  int rc = tr->par ? RTP_OK : rtp_context_error(tr->ctx, NULL);
+  rc = tr->par ? RTP_OK : rtp_context_error(tr->ctx, NULL);
   if (rc == RTP_ENOSYS) {
-    fprintf(stderr, "train-gpt: --strategy %s on %d ranks is not yet supported\n", o->strategy,
-            tr->world);
+    fprintf(stderr, "train-gpt: --strategy %s on %d ranks%s is not yet supported: %s\n",
+            o->strategy, tr->world, o->pp > 1 ? " with --pp" : "", rtp_last_error());
     return EXIT_USAGE;
   }
   if (!tr->par)
     return fail(rc ? rc : RTP_EINVAL, "--strategy %s on %d ranks", o->strategy, tr->world);
-  tr->idx = rtp_parallel_tensor(tr->par, tr->m.idx);
-  tr->targets = rtp_parallel_tensor(tr->par, tr->m.targets);
-  tr->logits = rtp_parallel_tensor(tr->par, tr->m.logits);
   tr->loss = rtp_parallel_tensor(tr->par, tr->m.loss);
   tr->train = rtp_parallel_graph(tr->par);
-  return RTP_OK;
+  return find_inputs(tr);
 }
 
 /*
  * Evaluation reuses the training graph's forward nodes instead of building a second model:
- * the eval graph is those same nodes up to the logits (a prefix of the training graph, in
- * the same order, transfers included), already placed by the training plan, so planning
- * it adds no activation memory and computing it runs the forward alone, without the
- * backward. It is correct because the nodes keep their training placement, where each one
- * stays live until its last forward reader has run. The cost is that evaluation uses the
- * training batch shape. With --eval-only the training graph is never planned: the eval
- * plan places the forward alone.
+ * the eval graph is micro-batch 0's forward up to the logits (rtp_parallel_forward_graph:
+ * the training graph's nodes in its order, transfers included), already placed by the
+ * training plan, so planning it adds no activation memory and computing it runs the
+ * forward alone. The cost is that evaluation uses the micro-batch's shape. On a pipeline
+ * the last stage's first rank (tr->head) has the logits; what it finds is broadcast. With
+ * --eval-only the training graph is never planned: the eval plan places the forward alone.
  */
 static int build_graphs(struct trainer *tr, bool train) {
   if (train && rtp_graph_plan(tr->ctx, tr->train))
     return fail(RTP_EINVAL, "planning the training graph");
-  tr->eval = rtp_graph_new(tr->ctx, tr->train->n_nodes);
-  if (!tr->eval || rtp_graph_build(tr->eval, tr->logits) || rtp_graph_plan(tr->ctx, tr->eval))
+  tr->eval = rtp_parallel_forward_graph(tr->par, tr->m.logits);
+  if (!tr->eval || rtp_graph_plan(tr->ctx, tr->eval))
     return fail(RTP_EINVAL, "building the evaluation graph");
   return RTP_OK;
 }
 
 static int trainer_init(struct trainer *tr, struct gpt_config c, const struct options *o) {
-  *tr = (struct trainer){.world = 1, .rank = 0, .saved = -1};
-  int rc = join_job(tr);
+  *tr = (struct trainer){.world = 1, .rank = 0, .stages = 1, .per_stage = 1, .saved = -1};
+  int rc = join_job(tr, o);
   if (!rc) rc = parallelize(tr, c, o);
   if (!rc) rc = build_graphs(tr, !o->eval_only);
   if (rc) return rc;
@@ -575,6 +699,12 @@ static void trainer_free(struct trainer *tr) {
   rtp_threadpool_free(tr->tp);
   rtp_context_free(tr->ctx);
   rtp_context_free(tr->meta);
+  free(tr->idx);
+  free(tr->targets);
+  free(tr->eval_idx);
+  free(tr->eval_tgt);
+  if (tr->group != tr->comm) rtp_comm_free(tr->group);
+  rtp_comm_free(tr->pipe);
   rtp_comm_free(tr->comm);
 }
 
@@ -596,15 +726,15 @@ static size_t largest_param_bytes(const struct gpt *m) {
   return n * sizeof(float);
 }
 
-/* Every rank computes each whole parameter from its own stream and keeps its part (a
- * block of rows, or tp's pieces), so every world size and strategy starts from the same
- * model. */
+/* Every rank computes each whole parameter of its stage from its own stream and keeps its
+ * part (a block of rows, or tp's pieces), so every layout starts from the same model. */
 static int init_weights(struct trainer *tr, uint64_t seed) {
   float *full = malloc(largest_param_bytes(&tr->m));
   if (!full) return fail(RTP_ENOMEM, "initialising the weights");
   int rc = RTP_OK;
   for (int i = 0; i < tr->m.n_params && !rc; i++) {
     struct rtp_tensor *mine = rtp_parallel_tensor(tr->par, tr->m.params[i]);
+    if (!mine) continue; /* another stage's */
     gpt_init_tensor(&tr->m, i, seed, full);
     rc = rtp_parallel_shard_copy(tr->par, tr->m.params[i], full, mine->data);
   }
@@ -616,9 +746,8 @@ static int init_weights(struct trainer *tr, uint64_t seed) {
  * the global mean. */
 static int train_step(struct trainer *tr, const struct dataset *d, uint64_t seed, int64_t step,
                       float *loss) {
-  int ranks = data_ranks(tr), rank = ranks > 1 ? tr->rank : 0;
-  sample_batch(d, seed, step, ranks, rank, tr->m.batch, tr->m.cfg.seq_len, tr->idx->data,
-               tr->targets->data);
+  sample_batch(d, seed, step, data_rank(tr), tr->batch, tr->micro, tr->m.cfg.seq_len, tr->idx,
+               tr->targets);
   int rc = rtp_graph_compute(tr->train, tr->tp);
   if (rc) return fail(rc, "step %" PRId64 ": forward and backward", step + 1);
   if ((rc = rtp_tensor_get_f32(tr->loss, 0, loss)))
@@ -633,7 +762,7 @@ static int train_step(struct trainer *tr, const struct dataset *d, uint64_t seed
 static double row_loss(const struct trainer *tr, int b) {
   int V = tr->m.cfg.vocab, T = tr->m.cfg.seq_len;
   const float *logits = tr->logits->data;
-  const int32_t *tgt = tr->targets->data;
+  const int32_t *tgt = tr->eval_tgt;
   double sum = 0;
   for (int t = 0; t < T; t++) {
     const float *l = logits + ((size_t)b * T + t) * V;
@@ -649,11 +778,25 @@ static double row_loss(const struct trainer *tr, int b) {
 /* Fills row b of the inputs with the window of T + 1 bytes at w (zeros if w is NULL). */
 static void set_window(struct trainer *tr, int b, const uint8_t *w) {
   int T = tr->m.cfg.seq_len;
-  int32_t *idx = tr->idx->data, *tgt = tr->targets->data;
+  int32_t *idx = tr->eval_idx, *tgt = tr->eval_tgt;
   for (int t = 0; t < T; t++) {
     idx[b * T + t] = w ? w[t] : 0;
     tgt[b * T + t] = w ? w[t + 1] : 0;
   }
+}
+
+/* The forward of evaluation's inputs, to the logits on tr->head. */
+static int eval_forward(struct trainer *tr) {
+  if (tr->in) memcpy(tr->in->data, tr->eval_idx, rtp_tensor_nbytes(tr->in));
+  return rtp_graph_compute(tr->eval, tr->tp);
+}
+
+/* tr->head's n bytes at buf, on every rank. Decoding feeds each pick back as the next
+ * input: every rank must run the next forward (whose transfers pair the ranks up) on the
+ * same inputs and stop at the same step, whatever the last bits of its own logits. */
+static int share_head(struct trainer *tr, void *buf, size_t n, const char *what) {
+  int rc = tr->comm ? rtp_comm_broadcast(tr->comm, buf, n, tr->head, NULL) : RTP_OK;
+  return rc ? fail(rc, "sharing rank %d's %s", tr->head, what) : RTP_OK;
 }
 
 static int64_t count_windows(const struct dataset *d, int T) {
@@ -668,12 +811,12 @@ static int evaluate(struct trainer *tr, const struct dataset *d, int64_t n, doub
   for (int64_t first = 0; first < n; first += B) {
     for (int b = 0; b < B; b++)
       set_window(tr, b, first + b < n ? d->bytes + d->split + (size_t)(first + b) * T : NULL);
-    int rc = rtp_graph_compute(tr->eval, tr->tp);
+    int rc = eval_forward(tr);
     if (rc) return fail(rc, "evaluation");
-    for (int b = 0; b < B && first + b < n; b++) sum += row_loss(tr, b);
+    for (int b = 0; b < B && first + b < n && tr->rank == tr->head; b++) sum += row_loss(tr, b);
   }
   *loss = sum / ((double)n * T);
-  return RTP_OK;
+  return tr->stages > 1 ? share_head(tr, loss, sizeof(*loss), "evaluation loss") : RTP_OK;
 }
 
 /* The next byte after position t of row b: greedy, or sampled at the temperature. */
@@ -719,33 +862,27 @@ static int held_out_problems(const struct dataset *d, struct problem *p, int max
 
 #define DECODE_ROWS 64 /* problems decoded at once, at most one per batch row */
 
-/* Rank 0's n bytes at buf, on every rank. Decoding feeds each pick back as the next input:
- * every rank must run the next forward (whose transfers pair the ranks up) on the same
- * inputs and stop at the same step, whatever the last bits of its own logits. */
-static int share_picks(struct trainer *tr, void *buf, size_t n) {
-  int rc = tr->comm ? rtp_comm_broadcast(tr->comm, buf, n, 0, NULL) : RTP_OK;
-  return rc ? fail(rc, "sharing rank 0's picks") : RTP_OK;
-}
-
 /* Greedy answers to a batch of problems, each in its own row, one byte per forward. */
 static int solve_batch(struct trainer *tr, const struct problem *p, int n, int *right) {
   int T = tr->m.cfg.seq_len;
   char got[DECODE_ROWS][TASK_MAX_LINE] = {{0}};
   int len[DECODE_ROWS] = {0};
   for (int b = 0; b < tr->m.batch; b++) set_window(tr, b, NULL);
-  int32_t *idx = tr->idx->data;
+  int32_t *idx = tr->eval_idx;
   for (int b = 0; b < n; b++)
     for (int t = 0; t < p[b].prompt_len; t++) idx[b * T + t] = (uint8_t)p[b].prompt[t];
   for (int k = 0; k < TASK_MAX_LINE - 1; k++) {
-    int rc = rtp_graph_compute(tr->eval, tr->tp);
+    int rc = eval_forward(tr);
     if (rc) return fail(rc, "decoding");
     bool live[DECODE_ROWS], busy = false;
     for (int b = 0; b < n; b++) {
       int pos = p[b].prompt_len + len[b];
       live[b] = !(len[b] && got[b][len[b] - 1] == '\n') && pos < T;
-      if (live[b]) idx[b * T + pos] = pick_byte(tr, b, pos - 1, 0, NULL);
+      if (live[b] && tr->rank == tr->head)
+        idx[b * T + pos] = pick_byte(tr, b, pos - 1, 0, NULL);
     }
-    if ((rc = share_picks(tr, idx, rtp_tensor_nbytes(tr->idx)))) return rc;
+    size_t bytes = (size_t)tr->m.batch * (size_t)T * sizeof(int32_t);
+    if ((rc = share_head(tr, idx, bytes, "picks"))) return rc;
     for (int b = 0; b < n; b++)
       if (live[b]) {
         got[b][len[b]] = (char)idx[b * T + p[b].prompt_len + len[b]];
@@ -812,14 +949,15 @@ static int sample_text(struct trainer *tr, const uint8_t *prompt, size_t plen, i
   for (size_t len = plen; len < plen + (size_t)n && !rc; len++) {
     size_t w = len < (size_t)T ? len : (size_t)T;
     for (int b = 0; b < tr->m.batch; b++) set_window(tr, b, NULL);
-    for (size_t t = 0; t < w; t++) ((int32_t *)tr->idx->data)[t] = text[len - w + t];
-    rc = rtp_graph_compute(tr->eval, tr->tp);
+    for (size_t t = 0; t < w; t++) tr->eval_idx[t] = text[len - w + t];
+    rc = eval_forward(tr);
     if (rc) {
       fail(rc, "sampling");
       break;
     }
-    text[len] = (uint8_t)pick_byte(tr, 0, (int)w - 1, temperature, &rng);
-    rc = share_picks(tr, &text[len], 1);
+    if (tr->rank == tr->head)
+      text[len] = (uint8_t)pick_byte(tr, 0, (int)w - 1, temperature, &rng);
+    rc = share_head(tr, &text[len], 1, "picks");
   }
   if (!rc && tr->rank == 0) print_sample(text, plen + (size_t)n, n, temperature);
   free(text);
@@ -854,6 +992,7 @@ static int load_init(struct trainer *tr, struct rtp_safetensors *st, const char 
   for (int i = 0; i < tr->m.n_params && !rc; i++) {
     const struct rtp_tensor *p = tr->m.params[i];
     struct rtp_tensor *mine = rtp_parallel_tensor(tr->par, p);
+    if (!mine) continue; /* another stage's */
     if (!tp) {
       int64_t first, row;
       param_block(tr, i, &first, &row);
@@ -905,18 +1044,26 @@ static int gather_tp_param(struct trainer *tr, int i, float *full) {
   return rc ? fail(rc, "gathering %s", p->name) : RTP_OK;
 }
 
-/* Parameter i whole into full, on every rank: each puts in its block, and an all-gather
- * of rows (the partition of the blocks) brings the others'. ddp replicates parameters, so
- * its ranks already hold all of it; rtp and fsdp shard every parameter; tp has its own. */
+/* Parameter i whole into full, on every rank of the stage that holds it: each puts in its
+ * block, and an all-gather of rows over the stage (the partition of the blocks) brings the
+ * others'. ddp replicates parameters, so its ranks already hold all of it; rtp and fsdp
+ * shard every parameter; tp has its own. On a pipeline, that stage then broadcasts it
+ * along each pipe: every rank has it. */
 static int gather_param(struct trainer *tr, int i, float *full) {
   if (tr->strategy == RTP_STRATEGY_TP) return gather_tp_param(tr, i, full);
   const struct rtp_tensor *p = tr->m.params[i], *mine = rtp_parallel_tensor(tr->par, p);
-  int64_t first, row;
-  param_block(tr, i, &first, &row);
-  memcpy(full + first * row, mine->data, rtp_tensor_nbytes(mine));
-  if (tr->world == 1 || tr->strategy == RTP_STRATEGY_DDP) return RTP_OK;
-  int rc = rtp_comm_allgather(tr->comm, full, (size_t)(rtp_tensor_nelements(p) / row),
+  int rc = RTP_OK;
+  if (mine) {
+    int64_t first, row;
+    param_block(tr, i, &first, &row);
+    memcpy(full + first * row, mine->data, rtp_tensor_nbytes(mine));
+    if (tr->group && tr->strategy != RTP_STRATEGY_DDP)
+      rc = rtp_comm_allgather(tr->group, full, (size_t)(rtp_tensor_nelements(p) / row),
                               (size_t)row * sizeof(float), NULL);
+  }
+  if (!rc && tr->pipe)
+    rc = rtp_comm_broadcast(tr->pipe, full, rtp_tensor_nbytes(p),
+                            rtp_parallel_tensor_stage(tr->par, p), NULL);
   return rc ? fail(rc, "gathering %s", p->name) : RTP_OK;
 }
 
@@ -990,7 +1137,7 @@ struct ckpt_state {
 static struct rtp_ckpt_params ckpt_params(struct trainer *tr, const struct options *o,
                                           struct ckpt_state *cs, int64_t step) {
   snprintf(cs->seed, sizeof(cs->seed), "%" PRId64, o->seed);
-  snprintf(cs->batch, sizeof(cs->batch), "%d", data_ranks(tr) * tr->m.batch);
+  snprintf(cs->batch, sizeof(cs->batch), "%d", data_ranks(tr) * tr->batch);
   snprintf(cs->pos, sizeof(cs->pos), "%" PRId64, step);
   const char *kv[] = {"seed", cs->seed, "global_batch", cs->batch, "data_pos", cs->pos, NULL};
   memcpy(cs->kv, kv, sizeof(kv));
@@ -1147,7 +1294,7 @@ static int run_training(struct trainer *tr, const struct dataset *d, const struc
                         int64_t first, FILE *metrics) {
   int every = o->log_every ? o->log_every : (o->steps >= 20 ? o->steps / 20 : 1);
   bool tty = isatty(STDOUT_FILENO);
-  double start = now_s(), tokens = (double)data_ranks(tr) * tr->m.batch * tr->m.cfg.seq_len;
+  double start = now_s(), tokens = (double)data_ranks(tr) * tr->batch * tr->m.cfg.seq_len;
   for (int64_t step = first; step < o->steps; step++) {
     double t0 = now_s();
     float loss = 0;
@@ -1215,17 +1362,22 @@ static int open_metrics(const struct trainer *tr, const char *path, FILE **f) {
 
 static void print_model(const struct trainer *tr, const struct options *o) {
   struct gpt_config c = tr->m.cfg;
-  char ranks[64] = "";
+  char ranks[160] = "", micro[48] = "";
+  if (tr->micro > 1) snprintf(micro, sizeof(micro), " in %d micro-batches", tr->micro);
   if (tr->strategy == RTP_STRATEGY_TP)
     snprintf(ranks, sizeof(ranks), " on each of %d ranks (tp)", tr->world);
+  else if (tr->stages > 1)
+    snprintf(ranks, sizeof(ranks), " x %d ranks (%d pipeline stages x %d ranks, %s inside, %s)",
+             tr->per_stage, tr->stages, tr->per_stage,
+             tr->group ? rtp_strategy_name(tr->strategy) : "one rank", o->schedule);
   else if (tr->world > 1)
     snprintf(ranks, sizeof(ranks), " x %d ranks (%s)", tr->world,
              rtp_strategy_name(tr->strategy));
   printf(
-      "model: %d layers, d_model %d, %d heads, seq_len %d, %.2fM parameters; batch %d%s, "
+      "model: %d layers, d_model %d, %d heads, seq_len %d, %.2fM parameters; batch %d%s%s, "
       "lr %g, %s data\n",
-      c.n_layer, c.d_model, c.n_head, c.seq_len, gpt_n_params(c) / 1e6, o->batch, ranks, o->lr,
-      o->data ? o->data : "built-in addition");
+      c.n_layer, c.d_model, c.n_head, c.seq_len, gpt_n_params(c) / 1e6, o->batch, micro, ranks,
+      o->lr, o->data ? o->data : "built-in addition");
 }
 
 static int run(struct options *o) {
