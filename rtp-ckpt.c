@@ -4,10 +4,13 @@
  * Layout of DIR/step-<8 digits>/:
  *   rank-<k>.safetensors  rank k's block of every parameter P (named P) and of its Adam
  *                         states (adam.m.P, adam.v.P); under ddp every rank holds all of
- *                         it, so rank 0 alone writes rank-0.safetensors
- *   index.json            step, world size, strategy, Adam steps, the caller's state, each
- *                         rank file's size and SHA-256, every tensor's global shape and
- *                         which rank holds which rows
+ *                         it, so rank 0 alone writes rank-0.safetensors. In a pipeline of S
+ *                         stages, each rank writes the parameters its stage holds (ddp: the
+ *                         stage's rank 0 alone, job rank s x D)
+ *   index.json            step, world size, stages, strategy, Adam steps, the caller's
+ *                         state, each rank file's size and SHA-256, every tensor's global
+ *                         shape and which ranks hold which rows (a pipeline's: only the
+ *                         files of its stage)
  *   COMPLETE              "sha256 <hex of index.json>": written last, so a directory
  *                         without it is an interrupted save and is never loaded
  * and DIR/latest names the newest complete step directory. Every file is written to a
@@ -22,11 +25,12 @@
  * blocks rtp's would (rtp_comm_block of the outermost dimension), rebuilt from every
  * rank's pieces by all-gathers, so the files have one layout whatever the strategy.
  *
- * Loading reads, for each parameter, the rows this rank needs from whichever rank files
- * hold them (their row ranges follow from the files' shapes, in rank order), so a
- * checkpoint loads onto any world size and strategy; a rank that holds a parameter in
- * other pieces (tp) reads it whole and keeps its part (rtp_parallel_shard_copy). Each
- * file's checksum is verified before its first read.
+ * Loading reads, for each parameter this rank holds, the rows it needs from whichever rank
+ * files hold them (their row ranges follow from the files' shapes, in rank order; a file
+ * without the tensor, another stage's, holds none of it), so a checkpoint loads onto any
+ * world size, strategy and pipeline; a rank that holds a parameter in other pieces (tp)
+ * reads it whole and keeps its part (rtp_parallel_shard_copy). Each file's checksum is
+ * verified before its first read.
  *
  * Opening parses index.json whole with the JSON reader the safetensors headers use
  * (rtp-json.c) and checks every field and their consistency before it keeps any: a
@@ -35,6 +39,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "rtp-impl.h"
 #include "rtp-json.h"
+#include "rtp-strategy.h" /* a plan's stage group, to check a pipeline's layout */
 
 #include <dirent.h>
 #include <errno.h>
@@ -62,7 +67,7 @@ struct ck_file {
 struct rtp_ckpt {
   char dir[CK_PATH]; /* the step directory */
   int64_t step, adam_steps;
-  int world;
+  int world, stages; /* stages: 1 without a pipeline (and in indexes older than pipelines) */
   enum rtp_strategy strategy;
   int n_state;
   char state[CK_MAX_STATE][2][RTP_MAX_NAME];
@@ -84,9 +89,10 @@ static void ck_rank_world(const struct rtp_ckpt_params *p, int *rank, int *world
   *world = p->comm ? rtp_comm_size(p->comm) : 1;
 }
 
-/* ddp replicates everything: one copy is enough. */
-static bool ck_writes_file(enum rtp_strategy s, int rank) {
-  return !(s == RTP_STRATEGY_DDP && rank > 0);
+/* ddp replicates everything in a stage: one copy is enough, its rank 0's (per: ranks per
+ * stage; the job's size without a pipeline). */
+static bool ck_writes_file(enum rtp_strategy s, int rank, int per) {
+  return !(s == RTP_STRATEGY_DDP && rank % per != 0);
 }
 
 /* tp's ranks write the row blocks of rtp_comm_block, not the pieces they hold. */
@@ -299,12 +305,13 @@ static void ck_states(const struct rtp_ckpt_params *p, int i, struct rtp_tensor 
 
 /* Whether this rank holds parameter i in pieces that tp's save rebuilds (not whole). */
 static bool ck_tp_split(const struct rtp_ckpt_params *p, int i, const struct rtp_tensor *t) {
-  return ck_relayout(p) && rtp_tensor_nelements(t) != rtp_tensor_nelements(p->params[i]);
+  return ck_relayout(p) && t && rtp_tensor_nelements(t) != rtp_tensor_nelements(p->params[i]);
 }
 
 /* What this rank writes, without communication: views of the blocks it holds (under tp,
  * of its rows in `blocks` of a tensor it holds whole) and, under tp, the row blocks of the
- * tensors it holds in pieces, for ck_tp_fill to fill, with its scratch. */
+ * tensors it holds in pieces, for ck_tp_fill to fill, with its scratch. Nothing of another
+ * pipeline stage's parameters. */
 static int ck_rank_tensors(const struct rtp_ckpt_params *p, int rank, const int64_t *blocks,
                            struct ck_out *o) {
   size_t bytes = (size_t)(3 * p->n_params + 8) * 1024, largest = 0;
@@ -332,6 +339,7 @@ static int ck_rank_tensors(const struct rtp_ckpt_params *p, int rank, const int6
     const struct rtp_tensor *g = p->params[i];
     struct rtp_tensor *st[3];
     ck_states(p, i, st);
+    if (!st[0]) continue; /* another stage's */
     int dim = rtp_tensor_n_dims(g) - 1;
     int64_t first = 0, rows = st[0]->ne[rtp_tensor_n_dims(st[0]) - 1], ne[RTP_MAX_DIMS];
     if (ck_relayout(p)) {
@@ -362,7 +370,7 @@ static int ck_tp_fill(const struct rtp_ckpt_params *p, int rank, int world,
     const struct rtp_tensor *g = p->params[i];
     struct rtp_tensor *st[3];
     ck_states(p, i, st);
-    int n_st = st[1] ? 3 : 1;
+    int n_st = !st[0] ? 0 : st[1] ? 3 : 1;
     if (!ck_tp_split(p, i, st[0])) {
       k += n_st;
       continue;
@@ -420,6 +428,9 @@ static int ck_allgather(const struct rtp_ckpt_params *p, void *buf, size_t elem)
   return rtp_comm_allgather(p->comm, buf, (size_t)rtp_comm_size(p->comm), elem, NULL);
 }
 
+/* blocks[.. * 2] of a parameter this rank does not hold (another pipeline stage's). */
+#define CK_NOT_HELD (-2)
+
 /* The rows each rank holds of every parameter: blocks[(rank * n + i) * 2 + {0, 1}]. */
 static int ck_gather_blocks(const struct rtp_ckpt_params *p, int rank, int world,
                             int64_t **blocks) {
@@ -431,7 +442,9 @@ static int ck_gather_blocks(const struct rtp_ckpt_params *p, int rank, int world
     int dim = rtp_tensor_n_dims(g) - 1;
     int64_t *b = *blocks + (size_t)rank * per + 2 * (size_t)i;
     size_t first, len;
-    if (ck_relayout(p)) {
+    if (!rtp_parallel_tensor(p->par, g)) {
+      b[0] = CK_NOT_HELD; /* its files, those of the stage that holds it, tile it */
+    } else if (ck_relayout(p)) {
       rtp_comm_block((size_t)g->ne[dim], world, rank, &first, &len);
       b[0] = (int64_t)first;
       b[1] = (int64_t)len;
@@ -443,15 +456,17 @@ static int ck_gather_blocks(const struct rtp_ckpt_params *p, int rank, int world
   return ck_allgather(p, *blocks, per * sizeof(int64_t));
 }
 
-/* The files must tile every parameter's rows in rank order: true of every strategy (tp's
- * by ck_relayout), checked in case a strategy holds parameters otherwise. */
-static int ck_check_blocks(const struct rtp_ckpt_params *p, int world, const int64_t *blocks) {
+/* The files of the ranks that hold a parameter must tile its rows in rank order: true of
+ * every strategy (tp's by ck_relayout) and of a pipeline's stages (ck_check_layout),
+ * checked in case a strategy holds parameters otherwise. */
+static int ck_check_blocks(const struct rtp_ckpt_params *p, int world, int per,
+                           const int64_t *blocks) {
   for (int i = 0; i < p->n_params; i++) {
     const struct rtp_tensor *g = p->params[i];
     int64_t next = 0;
     for (int r = 0; r < world; r++) {
       const int64_t *b = blocks + ((size_t)r * p->n_params + i) * 2;
-      if (!ck_writes_file(p->strategy, r)) continue;
+      if (!ck_writes_file(p->strategy, r, per) || b[0] == CK_NOT_HELD) continue;
       if (b[0] != next) next = -1;
       if (next < 0) break;
       next += b[1];
@@ -465,7 +480,7 @@ static int ck_check_blocks(const struct rtp_ckpt_params *p, int world, const int
   return RTP_OK;
 }
 
-static void ck_write_tensors(FILE *f, const struct rtp_ckpt_params *p, int world,
+static void ck_write_tensors(FILE *f, const struct rtp_ckpt_params *p, int world, int per,
                              const int64_t *blocks) {
   fprintf(f, "  \"tensors\": [\n");
   for (int i = 0; i < p->n_params; i++) {
@@ -474,11 +489,11 @@ static void ck_write_tensors(FILE *f, const struct rtp_ckpt_params *p, int world
     for (int d = rtp_tensor_n_dims(t) - 1; d >= 0; d--)
       fprintf(f, "%" PRId64 "%s", t->ne[d], d ? ", " : "");
     fprintf(f, "], \"blocks\": [");
-    for (int r = 0; r < world; r++) {
-      if (!ck_writes_file(p->strategy, r)) continue;
+    for (int r = 0, n = 0; r < world; r++) {
       const int64_t *b = blocks + ((size_t)r * p->n_params + i) * 2;
+      if (!ck_writes_file(p->strategy, r, per) || b[0] == CK_NOT_HELD) continue;
       fprintf(f, "%s{\"rank\": %d, \"first\": %" PRId64 ", \"rows\": %" PRId64 "}",
-              r ? ", " : "", r, b[0], b[1]);
+              n++ ? ", " : "", r, b[0], b[1]);
     }
     fprintf(f, "]}%s\n", i + 1 < p->n_params ? "," : "");
   }
@@ -486,7 +501,7 @@ static void ck_write_tensors(FILE *f, const struct rtp_ckpt_params *p, int world
 }
 
 /* index.json (rtp_ckpt_open reads it as JSON: order and spacing do not matter to it). */
-static char *ck_index_json(const struct rtp_ckpt_params *p, int64_t step, int world,
+static char *ck_index_json(const struct rtp_ckpt_params *p, int64_t step, int world, int per,
                            const struct ck_rank_rec *recs, const int64_t *blocks) {
   char *text = NULL;
   size_t len = 0;
@@ -494,20 +509,21 @@ static char *ck_index_json(const struct rtp_ckpt_params *p, int64_t step, int wo
   if (!f) return NULL;
   fprintf(f,
           "{\n  \"format\": \"rtp-checkpoint\",\n  \"version\": 1,\n  \"step\": %" PRId64
-          ",\n  \"world_size\": %d,\n  \"strategy\": \"%s\",\n  \"adam_steps\": %" PRId64
-          ",\n  \"state\": {",
-          step, world, rtp_strategy_name(p->strategy), rtp_optimizer_steps(p->opt));
+          ",\n  \"world_size\": %d,\n  \"stages\": %d,\n  \"strategy\": \"%s\",\n  "
+          "\"adam_steps\": %" PRId64 ",\n  \"state\": {",
+          step, world, world / per, rtp_strategy_name(p->strategy),
+          rtp_optimizer_steps(p->opt));
   for (int i = 0; p->state_kv && p->state_kv[i] && p->state_kv[i + 1]; i += 2)
     fprintf(f, "%s\"%s\": \"%s\"", i ? ", " : "", p->state_kv[i], p->state_kv[i + 1]);
-  fprintf(f, "},\n  \"files\": [\n");
-  for (int r = 0; r < world; r++)
+  fprintf(f, "},\n  \"files\": [");
+  for (int r = 0, n = 0; r < world; r++) /* (a pipeline's ddp: ranks 0, D, 2D, ...) */
     if (recs[r].wrote)
       fprintf(f,
-              "    {\"name\": \"rank-%d.safetensors\", \"rank\": %d, \"bytes\": %" PRIu64
-              ", \"sha256\": \"%s\"}%s\n",
-              r, r, recs[r].bytes, recs[r].sha, r + 1 < world && recs[r + 1].wrote ? "," : "");
-  fprintf(f, "  ],\n");
-  ck_write_tensors(f, p, world, blocks);
+              "%s\n    {\"name\": \"rank-%d.safetensors\", \"rank\": %d, \"bytes\": %" PRIu64
+              ", \"sha256\": \"%s\"}",
+              n++ ? "," : "", r, r, recs[r].bytes, recs[r].sha);
+  fprintf(f, "\n  ],\n");
+  ck_write_tensors(f, p, world, per, blocks);
   if (fclose(f)) {
     free(text);
     return NULL;
@@ -517,8 +533,9 @@ static char *ck_index_json(const struct rtp_ckpt_params *p, int64_t step, int wo
 
 /* Rank 0, once every rank has written: index, marker, then latest, then pruning. */
 static int ck_commit(const struct rtp_ckpt_params *p, const char *stepdir, int64_t step,
-                     int world, const struct ck_rank_rec *recs, const int64_t *blocks) {
-  char *index = ck_index_json(p, step, world, recs, blocks);
+                     int world, int per, const struct ck_rank_rec *recs,
+                     const int64_t *blocks) {
+  char *index = ck_index_json(p, step, world, per, recs, blocks);
   if (!index) return rtp__error(RTP_ENOMEM, "%s: out of memory for the index", stepdir);
   int rc = ck_write_atomic(stepdir, "index.json", index);
   free(index);
@@ -584,6 +601,24 @@ static int ck_any_failed(const struct rtp_ckpt_params *p, int rc, const char *wh
   return grc ? grc : rc;
 }
 
+/* A pipeline's ranks must be rank = stage x D + stage rank (rtp_comm_mesh_2d's rows as
+ * the stage groups, p->comm the job): then the ranks that hold a parameter, one stage's,
+ * are contiguous and hold its rows in rank order, which is what the index says and the
+ * loader reads, and ddp's writers are ranks 0, D, 2D, ... Any other layout is refused. */
+static int ck_check_layout(const struct rtp_ckpt_params *p, int rank, int world) {
+  int S = rtp_parallel_stages(p->par), s = rtp_parallel_stage(p->par);
+  const struct rtp_comm *group = p->par->comm; /* NULL: one rank per stage */
+  int d = group ? rtp_comm_rank(group) : 0, n = group ? rtp_comm_size(group) : 1;
+  if (S == 1 || (world % S == 0 && n == world / S && s == rank / n && d == rank % n))
+    return RTP_OK;
+  return rtp__error(RTP_ENOSYS,
+                    "rtp_ckpt_save: rank %d of %d is rank %d of %d in pipeline stage %d of %d: "
+                    "checkpoints of a pipeline need rank = stage x ranks per stage + rank in "
+                    "the stage (rtp_comm_mesh_2d(job, stages, ranks per stage, &stage, &pipe)) "
+                    "and the job's communicator in rtp_ckpt_params.comm",
+                    rank, world, d, n, s, S);
+}
+
 int rtp_ckpt_save(const struct rtp_ckpt_params *p, int64_t step) {
   int rc = ck_check_params(p), rank, world;
   if (rc) return rc;
@@ -592,12 +627,15 @@ int rtp_ckpt_save(const struct rtp_ckpt_params *p, int64_t step) {
   char stepdir[CK_PATH], name[32];
   snprintf(name, sizeof(name), "step-%08" PRId64, step);
   if ((rc = ck_path(stepdir, p->dir, name))) return rc;
+  rc = ck_any_failed(p, ck_check_layout(p, rank, world), "to check the pipeline's layout");
+  if (rc) return rc;
+  int per = world / rtp_parallel_stages(p->par); /* ranks per stage */
   int64_t *blocks = NULL;
   rc = ck_gather_blocks(p, rank, world, &blocks);
-  if (!rc) rc = ck_check_blocks(p, world, blocks);
+  if (!rc) rc = ck_check_blocks(p, world, per, blocks);
   /* What each rank writes, before anything changes on disk: tp's gathers run here. */
   struct ck_out out = {0};
-  bool writes = ck_writes_file(p->strategy, rank);
+  bool writes = ck_writes_file(p->strategy, rank, per);
   if (!rc)
     rc = ck_any_failed(p, writes ? ck_rank_tensors(p, rank, blocks, &out) : RTP_OK,
                        "to prepare its checkpoint file");
@@ -622,7 +660,7 @@ int rtp_ckpt_save(const struct rtp_ckpt_params *p, int64_t step) {
     if (recs[r].status)
       rc = rtp__error(recs[r].status, "rank %d could not write its file in %s", r, stepdir);
   /* Rank 0 cleans up before it tells the others, which may then exit at once. */
-  int commit = rank == 0 && !rc ? ck_commit(p, stepdir, step, world, recs, blocks) : rc;
+  int commit = rank == 0 && !rc ? ck_commit(p, stepdir, step, world, per, recs, blocks) : rc;
   if (rank == 0 && commit) ck_discard(p->dir, stepdir);
   rc = ck_agree(p, commit, "to commit the checkpoint");
   free(recs);
@@ -672,8 +710,8 @@ static int ck_read_state(struct rtp_ckpt *c, const struct rtp__json *doc,
   return RTP_OK;
 }
 
-/* "files": exactly the ranks that write one under the strategy, each named after its rank,
- * with its size and SHA-256. */
+/* "files": exactly the ranks that write one under the strategy and stages, each named after
+ * its rank, with its size and SHA-256. */
 static int ck_read_files(struct rtp_ckpt *c, const struct rtp__json *doc,
                          const struct rtp__json_value *root) {
   static const char *const keys[] = {"name", "rank", "bytes", "sha256", NULL};
@@ -712,7 +750,7 @@ static int ck_read_files(struct rtp_ckpt *c, const struct rtp__json *doc,
     memcpy(cf->sha, sha, 65);
   }
   for (int r = 0; r < c->world; r++)
-    if (c->files[r].listed != ck_writes_file(c->strategy, r))
+    if (c->files[r].listed != ck_writes_file(c->strategy, r, c->world / c->stages))
       return rtp__error(RTP_EFORMAT, "%s/index.json: %s rank-%d.safetensors, which %s", c->dir,
                         c->files[r].listed ? "lists" : "does not list", r,
                         c->files[r].listed ? "that strategy does not write" : "it needs");
@@ -729,8 +767,36 @@ static int ck_cmp_str(const void *a, const void *b) {
   return strcmp(*(const char *const *)a, *(const char *const *)b);
 }
 
+/* A tensor's block of rank `rank` (bat names it), after a block of rank prev (-1: none):
+ * without a pipeline every file holds a block of every tensor, so it must be the next
+ * listed file; in a pipeline only the files of the stage that holds it do, so any later
+ * listed file. */
+static int ck_check_block_rank(const struct rtp_ckpt *c, const char *bat, int64_t rank,
+                               int prev) {
+  int next = prev + 1;
+  while (c->stages == 1 && next < c->world && !c->files[next].listed) next++;
+  if (c->stages == 1 && next == c->world)
+    return rtp__error(RTP_EFORMAT, "%s/index.json: %s: more blocks than the %d files", c->dir,
+                      bat, ck_count_files(c));
+  if (c->stages == 1 && rank != next)
+    return rtp__error(RTP_EFORMAT,
+                      "%s/index.json: %s: rank %d, expected %d (the ranks "
+                      "that wrote files, in order)",
+                      c->dir, bat, (int)rank, next);
+  if (rank <= prev)
+    return rtp__error(RTP_EFORMAT,
+                      "%s/index.json: %s: rank %d after rank %d (the blocks come in rank "
+                      "order, one per file)",
+                      c->dir, bat, (int)rank, prev);
+  if (!c->files[rank].listed)
+    return rtp__error(RTP_EFORMAT, "%s/index.json: %s: rank %d, which wrote no file", c->dir,
+                      bat, (int)rank);
+  return RTP_OK;
+}
+
 /* One entry of "tensors": its global shape, and blocks of rows that the listed files hold
- * in rank order and that tile its outermost dimension. */
+ * in rank order and that tile its outermost dimension (every file's, or in a pipeline
+ * those of the files that hold it). */
 static int ck_check_tensor(const struct rtp_ckpt *c, const struct rtp__json *doc,
                            const struct rtp__json_value *t, const char *at, const char **name) {
   static const char *const keys[] = {"name", "shape", "blocks", NULL};
@@ -753,8 +819,8 @@ static int ck_check_tensor(const struct rtp_ckpt *c, const struct rtp__json *doc
     rc = rtp__json_int(doc, v, 0, INT64_MAX, &dim, "%s ('%s'): shape[%d]", at, *name, d);
     if (d == 0) rows = dim; /* the outermost dimension comes first */
   }
-  int64_t next = 0, r = -1;
-  int j = 0;
+  int64_t next = 0;
+  int j = 0, prev = -1;
   for (const struct rtp__json_value *b = rtp__json_child(doc, blocks); b && !rc;
        b = rtp__json_next(doc, b), j++) {
     char bat[160];
@@ -765,16 +831,9 @@ static int ck_check_tensor(const struct rtp_ckpt *c, const struct rtp__json *doc
     if (!rc) rc = ck_int(doc, b, bat, "rank", 0, c->world - 1, &rank);
     if (!rc) rc = ck_int(doc, b, bat, "first", 0, INT64_MAX, &first);
     if (!rc) rc = ck_int(doc, b, bat, "rows", 0, INT64_MAX - next, &n);
+    if (!rc) rc = ck_check_block_rank(c, bat, rank, prev);
     if (rc) return rc;
-    for (r++; r < c->world && !c->files[r].listed;) r++;
-    if (r == c->world)
-      return rtp__error(RTP_EFORMAT, "%s/index.json: %s: more blocks than the %d files", c->dir,
-                        bat, ck_count_files(c));
-    if (rank != r)
-      return rtp__error(RTP_EFORMAT,
-                        "%s/index.json: %s: rank %d, expected %d (the ranks "
-                        "that wrote files, in order)",
-                        c->dir, bat, (int)rank, (int)r);
+    prev = (int)rank;
     if (first != next)
       return rtp__error(RTP_EFORMAT,
                         "%s/index.json: %s: first row %" PRId64 ", expected %" PRId64
@@ -782,7 +841,7 @@ static int ck_check_tensor(const struct rtp_ckpt *c, const struct rtp__json *doc
                         c->dir, bat, first, next);
     next += n;
   }
-  if (!rc && (next != rows || j != ck_count_files(c)))
+  if (!rc && (next != rows || (c->stages == 1 && j != ck_count_files(c))))
     rc = rtp__error(RTP_EFORMAT,
                     "%s/index.json: %s ('%s'): %d blocks of %" PRId64
                     " rows for "
@@ -815,11 +874,30 @@ static int ck_check_tensors(const struct rtp_ckpt *c, const struct rtp__json *do
   return rc;
 }
 
+/* "stages": the pipeline's, 1 to world_size and dividing it; absent (indexes written
+ * before pipelines) 1. */
+static int ck_read_stages(struct rtp_ckpt *c, const struct rtp__json *doc,
+                          const struct rtp__json_value *root, const char *ipath,
+                          int64_t world) {
+  int64_t stages = 1;
+  int rc = rtp__json_get(doc, root, "stages")
+               ? ck_int(doc, root, "", "stages", 1, world, &stages)
+               : RTP_OK;
+  if (!rc && world % stages)
+    rc = rtp__error(RTP_EFORMAT,
+                    "%s: stages %" PRId64 " does not divide world_size %" PRId64
+                    " (a pipeline has as many ranks in each stage)",
+                    ipath, stages, world);
+  c->stages = (int)stages;
+  return rc;
+}
+
 /* index.json, parsed and checked whole before anything is taken from it. */
 static int ck_parse_index(struct rtp_ckpt *c, const char *ipath, const char *text, size_t n,
                           int64_t dir_step) {
-  static const char *const keys[] = {"format",     "version", "step",  "world_size", "strategy",
-                                     "adam_steps", "state",   "files", "tensors",    NULL};
+  static const char *const keys[] = {"format", "version",  "step",       "world_size",
+                                     "stages", "strategy", "adam_steps", "state",
+                                     "files",  "tensors",  NULL};
   /* 5 levels deep: the top, tensors, a tensor, its blocks, a block. */
   struct rtp__json_limits lim = {CK_MAX_INDEX, 8, 0};
   struct rtp__json *doc;
@@ -842,6 +920,7 @@ static int ck_parse_index(struct rtp_ckpt *c, const char *ipath, const char *tex
     rc = rtp__error(RTP_EFORMAT, "%s: step %" PRId64 " in the directory of step %" PRId64,
                     ipath, c->step, dir_step);
   if (!rc) rc = ck_int(doc, root, "", "world_size", 1, 1 << 16, &world);
+  if (!rc) rc = ck_read_stages(c, doc, root, ipath, world);
   if (!rc) rc = ck_str(doc, root, "", "strategy", 32, &strategy);
   if (!rc && rtp_strategy_parse(strategy, &c->strategy))
     rc = rtp__error(RTP_EFORMAT, "%s: unknown strategy '%s'", ipath, strategy);
@@ -924,6 +1003,10 @@ int64_t rtp_ckpt_step(const struct rtp_ckpt *c) {
 
 int rtp_ckpt_world_size(const struct rtp_ckpt *c) {
   return c ? c->world : 0;
+}
+
+int rtp_ckpt_stages(const struct rtp_ckpt *c) {
+  return c ? c->stages : 0;
 }
 
 enum rtp_strategy rtp_ckpt_strategy(const struct rtp_ckpt *c) {
@@ -1057,6 +1140,7 @@ static int ck_load_tensors(const struct rtp_ckpt_params *p, struct ck_files *f) 
     struct rtp_tensor *t = rtp_parallel_tensor(p->par, g), *st[3] = {t};
     int64_t first, len;
     int dim;
+    if (!t) continue; /* another pipeline stage's */
     /* A block of rows is read in place; anything else (tp) through the whole tensor. */
     bool rows = rtp_parallel_block(p->par, g, &first, &len, &dim) == RTP_OK &&
                 dim == rtp_tensor_n_dims(g) - 1;

@@ -131,6 +131,9 @@ int rtp_parallel_block(const struct rtp_parallel *p, const struct rtp_tensor *pa
                        int64_t *first, int64_t *len, int *dim) {
   if (!p || !param || !(param->flags & RTP_FLAG_PARAM) || rtp__parallel_index(p, param) < 0)
     return rtp__error(RTP_EINVAL, "rtp_parallel_block: not a parameter of the model");
+  if (!rtp_parallel_tensor(p, param))
+    return rtp__error(RTP_EINVAL, "rtp_parallel_block: '%s' belongs to another pipeline stage",
+                      param->name);
   struct rtp_shard s = shard_of(p, param);
   if (s.groups > 1)
     return rtp__error(RTP_EINVAL,
@@ -148,6 +151,10 @@ int rtp_parallel_shard_copy(const struct rtp_parallel *p, const struct rtp_tenso
   if (!p || !param || !full || !mine || !(param->flags & RTP_FLAG_PARAM) ||
       param->type != RTP_TYPE_F32 || rtp__parallel_index(p, param) < 0)
     return rtp__error(RTP_EINVAL, "rtp_parallel_shard_copy: not an f32 parameter of the model");
+  if (!rtp_parallel_tensor(p, param))
+    return rtp__error(RTP_EINVAL,
+                      "rtp_parallel_shard_copy: '%s' belongs to another pipeline stage",
+                      param->name);
   struct rtp_shard s = shard_of(p, param);
   int64_t inner = 1, outer = 1, part = param->ne[s.dim] / s.groups;
   for (int d = 0; d < RTP_MAX_DIMS; d++) {

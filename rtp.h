@@ -873,26 +873,31 @@ RTP_API int rtp_parallel_shard_copy(const struct rtp_parallel *p,
  *   dir/latest                              "step-<8 digits>": the newest complete one
  *   dir/step-<8 digits>/rank-<k>.safetensors rank k's rows of every parameter P (named P)
  *                                           and of its states (adam.m.P, adam.v.P); ddp
- *                                           ranks hold everything, so rank 0 alone writes
- *   dir/step-<8 digits>/index.json          step, world_size, strategy, adam_steps, the
- *                                           caller's state pairs, each rank file's bytes and
- *                                           sha256, each tensor's global shape (safetensors
- *                                           order) and the rows each rank holds
+ *                                           ranks hold everything, so rank 0 alone writes;
+ *                                           in a pipeline, of its stage's parameters (ddp:
+ *                                           the stage's rank 0 alone)
+ *   dir/step-<8 digits>/index.json          step, world_size, stages, strategy, adam_steps,
+ *                                           the caller's state pairs, each rank file's bytes
+ *                                           and sha256, each tensor's global shape
+ *                                           (safetensors order) and the rows each rank holds
  *   dir/step-<8 digits>/COMPLETE            "sha256 <index.json's>": written last
  *
  * Saving never endangers the previous checkpoint: every file is written to a temporary
  * name, fsynced and renamed; latest moves only after every rank has written and the
  * marker is on disk; the older checkpoints beyond the keep newest are deleted after that.
- * A checkpoint loads onto any world size and strategy: each rank reads the rows it needs
- * from the files that hold them, after checking those files' sizes and checksums. Every
+ * A checkpoint loads onto any world size, strategy and pipeline: each rank reads the rows
+ * it needs from the files that hold them, after checking those files' sizes and checksums.
+ * A pipeline's ranks must be laid out as rtp_comm_mesh_2d lays them out (rank = stage x
+ * ranks per stage + rank in the stage), with comm the job's communicator: a save refuses
+ * any other layout (RTP_ENOSYS). Every
  * strategy saves the same files: tp, whose pieces are not blocks of rows, gathers each
  * split tensor and writes the rows rtp's rank would hold (docs/checkpoints.md, "tp").
  */
 struct rtp_ckpt_params {
   const char *dir;
   const struct rtp_parallel *par;
-  struct rtp_comm *comm;            /* the plan's communicator; NULL for one process */
-  enum rtp_strategy strategy;       /* the plan's */
+  struct rtp_comm *comm;            /* the job's (all ranks, every stage); NULL: one process */
+  enum rtp_strategy strategy;       /* the plan's (in a pipeline, inside each stage) */
   struct rtp_tensor *const *params; /* the one-device parameters: names, global shapes */
   int n_params;
   struct rtp_optimizer *opt; /* whose states are saved and loaded; may be NULL */
@@ -913,6 +918,8 @@ RTP_API int rtp_ckpt_open(const char *dir, struct rtp_ckpt **out);
 RTP_API void rtp_ckpt_close(struct rtp_ckpt *c); /* NULL is fine */
 RTP_API int64_t rtp_ckpt_step(const struct rtp_ckpt *c);
 RTP_API int rtp_ckpt_world_size(const struct rtp_ckpt *c);
+/* The pipeline stages it was saved from (1: no pipeline, or an index older than them). */
+RTP_API int rtp_ckpt_stages(const struct rtp_ckpt *c);
 RTP_API enum rtp_strategy rtp_ckpt_strategy(const struct rtp_ckpt *c);
 RTP_API const char *rtp_ckpt_path(const struct rtp_ckpt *c); /* the step directory */
 /* A value of the caller's state saved with it, or NULL. */

@@ -2,7 +2,9 @@
 // 2 ranks load back exactly, also onto the other world size; only the newest two complete
 // checkpoints are kept; a failed save leaves latest on the previous one; damaged
 // checkpoints are refused with a message naming the fault; index.json is read as JSON
-// (any order, spacing, escapes) and refused whole when any field is wrong.
+// (any order, spacing, escapes) and refused whole when any field is wrong; a pipeline's
+// checkpoint (the GPT of examples/gpt trained on S stages x D ranks) loads bit for bit onto
+// other pipelines, flat jobs and one process, and theirs onto pipelines.
 #include <gtest/gtest.h>
 #include <openssl/sha.h>
 #include <sys/resource.h>
@@ -16,7 +18,9 @@
 #include <string>
 #include <vector>
 
+#include "gpt.h"
 #include "rtp.h"
+#include "test-gpt-ranks.h"
 #include "test-util.h"
 
 namespace {
@@ -409,6 +413,7 @@ struct Index {
            {"version", "1"},
            {"step", "1"},
            {"world_size", "1"},
+           {"stages", "1"},
            {"strategy", "\"none\""},
            {"adam_steps", "7"},
            {"state", "{\"seed\": \"42\"}"},
@@ -461,6 +466,7 @@ void expect_opens_and_loads(const std::string &dir, const char *what) {
   ASSERT_EQ(rtp_ckpt_open(dir.c_str(), &ck), RTP_OK) << what << ": " << rtp_last_error();
   EXPECT_EQ(rtp_ckpt_step(ck), 1) << what;
   EXPECT_EQ(rtp_ckpt_world_size(ck), 1) << what;
+  EXPECT_EQ(rtp_ckpt_stages(ck), 1) << what;
   EXPECT_EQ(rtp_ckpt_strategy(ck), RTP_STRATEGY_NONE) << what;
   EXPECT_STREQ(rtp_ckpt_state(ck, "seed"), "42") << what;
   rtp_ckpt_close(ck);
@@ -496,6 +502,7 @@ TEST(CkptIndex, ReadAsJsonNotScanned) {
       {"state keys named like the index's, first", nested.text()},
       {"escapes", escaped.text()},
       {"a file entry's members in another order", members.text()},
+      {"no stages (an index older than pipelines)", Index(good).erase("stages").text()},
   };
   for (const auto &c : cases) {
     put_index(step, c.text);
@@ -538,7 +545,9 @@ TEST(CkptIndex, DamagedIndexesAreRefused) {
   };
   const std::string w = Index::tensor("w", "[6, 8]"), b = Index::tensor("b", "[6]");
   const std::string text = good.text();
-  Index twice = good, hidden = good;
+  Index twice = good, hidden = good, uneven = good;
+  uneven["world_size"] = "3";
+  uneven["stages"] = "2";
   twice.top.push_back({"step", "2"});
   hidden.erase("step")["history"] = "{\"step\": 1}";
   hidden.first("history");
@@ -552,6 +561,10 @@ TEST(CkptIndex, DamagedIndexesAreRefused) {
       {with("step", "\"1\""), "index.json: step: expected an integer, found a string"},
       {with("world_size", "1.0"), "world_size: expected an integer, found a number with a"},
       {with("world_size", "0"), "world_size: 0 is out of range [1, 65536]"},
+      {with("stages", "0"), "index.json: stages: 0 is out of range [1, 1]"},
+      {with("stages", "2"), "index.json: stages: 2 is out of range [1, 1]"},
+      {with("stages", "\"1\""), "stages: expected an integer, found a string"},
+      {uneven.text(), "index.json: stages 2 does not divide world_size 3"},
       {with("step", "99999999999999999999"), "step: integer too large"},
       {with("adam_steps", "-7"), "adam_steps: negative number -7"},
       {with("adam_steps", "true"), "adam_steps: expected an integer, found true"},
@@ -678,6 +691,459 @@ TEST(CkptIndex, FuzzedIndexesNeverCrash) {
   EXPECT_GT(loaded, 0);
   put_index(step, good);
   EXPECT_EQ(load_one(dir), 0);
+}
+
+}  // namespace
+
+// ---- pipelines ------------------------------------------------------------------------
+
+namespace {
+
+// The GPT of examples/gpt with 4 blocks, marked as a pipeline cuts them (test-pipeline's).
+const gpt_config kGptCfg = {64, 8, 16, 4, 2};
+const int kGptBatch = 2, kGptMicro = 2, kGptSteps = 2;  // per data-parallel rank and step
+
+// S stages of D ranks each (rank = s * D + d: rtp_comm_mesh_2d), the strategy running
+// inside each stage (none when D == 1); S == 1 is a flat job of D ranks, no pipeline.
+struct Layout {
+  int S, D;
+  rtp_strategy strategy;
+};
+
+std::string str(const Layout &L) {
+  return std::to_string(L.S) + "x" + std::to_string(L.D) + " " +
+         rtp_strategy_name(L.D > 1 ? L.strategy : RTP_STRATEGY_NONE);
+}
+
+void fill_tokens(int seq, int T, int32_t *idx, int32_t *tgt) {
+  for (int t = 0; t < T; t++) {
+    idx[t] = (int32_t)((7 * t + 13 * seq + 1) % kGptCfg.vocab);
+    tgt[t] = (int32_t)((5 * t + 3 * seq + 2) % kGptCfg.vocab);
+  }
+}
+
+// The Adam states of the rank tensor t.
+void adam_states(rtp_optimizer *opt, rtp_tensor *t, rtp_tensor **m, rtp_tensor **v) {
+  *m = *v = nullptr;
+  for (int k = 0; k < rtp_optimizer_count(opt); k++) {
+    rtp_tensor *q, *qm, *qv;
+    if (rtp_optimizer_state(opt, k, &q, &qm, &qv) == RTP_OK && q == t) *m = qm, *v = qv;
+  }
+}
+
+// rtp_parallel_block and rtp_parallel_shard_copy refuse a parameter of another stage,
+// naming it.
+int check_other_stage(rtp_parallel *par, const gpt &m, int rank) {
+  for (int i = 0; i < m.n_params; i++) {
+    if (rtp_parallel_tensor(par, m.params[i])) continue;
+    int64_t first, len;
+    int dim;
+    std::vector<float> full(rtp_tensor_nelements(m.params[i])), mine(full.size());
+    std::string name = m.params[i]->name;
+    CHECK(rtp_parallel_block(par, m.params[i], &first, &len, &dim) == RTP_EINVAL, "block");
+    std::string why = rtp_last_error();
+    CHECK(why.find("'" + name + "' belongs to another pipeline stage") != std::string::npos,
+          "block: %s", why.c_str());
+    CHECK(rtp_parallel_shard_copy(par, m.params[i], full.data(), mine.data()) == RTP_EINVAL,
+          "shard_copy");
+    why = rtp_last_error();
+    CHECK(why.find("'" + name + "' belongs to another pipeline stage") != std::string::npos,
+          "shard_copy: %s", why.c_str());
+    return 0;
+  }
+  fprintf(stderr, "rank %d holds every parameter in a pipeline\n", rank);
+  return 11;
+}
+
+// This rank's blocks of every parameter it holds, with their Adam states, into
+// dump/rank-<rank>.bin: the optimizer's step count and the number of parameters, then per
+// parameter held its index, its whole element count, elements per row, first row and rows,
+// and the rows of the parameter, m and v.
+int dump_blocks(rtp_parallel *par, rtp_optimizer *opt, const gpt &m, int rank,
+                const std::string &dump) {
+  FILE *f = fopen((dump + "/rank-" + std::to_string(rank) + ".bin").c_str(), "wb");
+  CHECK(f, "cannot write the dump");
+  int64_t head[2] = {rtp_optimizer_steps(opt), m.n_params};
+  fwrite(head, sizeof(head), 1, f);
+  for (int i = 0; i < m.n_params; i++) {
+    rtp_tensor *t = rtp_parallel_tensor(par, m.params[i]), *st[3] = {t};
+    if (!t) continue;
+    adam_states(opt, t, &st[1], &st[2]);
+    int64_t rec[5] = {i, rtp_tensor_nelements(m.params[i]), 0, 0, 0};
+    int dim;
+    CHECK_OK(rtp_parallel_block(par, m.params[i], &rec[3], &rec[4], &dim));
+    CHECK(dim == rtp_tensor_n_dims(m.params[i]) - 1 && st[1] && st[2], "%s: dim %d",
+          m.params[i]->name, dim);
+    rec[2] = rec[1] / m.params[i]->ne[dim];
+    CHECK(rtp_tensor_nelements(t) == rec[2] * rec[4], "%s: not one block of rows",
+          m.params[i]->name);
+    fwrite(rec, sizeof(rec), 1, f);
+    std::vector<float> v(rtp_tensor_nelements(t));
+    for (rtp_tensor *x : st) {
+      CHECK_OK(rtp_tensor_get(x, v.data(), 0, v.size() * sizeof(float)));
+      fwrite(v.data(), sizeof(float), v.size(), f);
+    }
+  }
+  CHECK(fclose(f) == 0, "cannot write the dump");
+  return 0;
+}
+
+// Rank `rank` of layout L: trains kGptSteps Adam steps from gpt's initial weights and
+// saves at step kGptSteps (save), or loads dir's latest checkpoint into parameters and
+// states filled with garbage; then dumps its blocks (dump_blocks). With refused, the load
+// must fail with RTP_EFORMAT and those words instead.
+int gpt_rank(const Layout &L, int rank, int port, const std::string &dir, bool save,
+             const std::string &dump, const char *refused = nullptr) {
+  const int world = L.S * L.D, d = rank % L.D, mb = kGptBatch / kGptMicro;
+  rtp_comm *job = nullptr, *stage = nullptr, *pipe = nullptr;
+  if (world > 1) {
+    rtp_comm_params cp = rtptest::params(rank, world, port);
+    CHECK_OK(rtp_comm_init(&cp, &job));
+    CHECK_OK(rtp_comm_mesh_2d(job, L.S, L.D, &stage, &pipe));
+  }
+  gpt m{};
+  rtp_graph *fwd = nullptr;
+  rtp_context *meta = rtptest::gpt_forward(kGptCfg, mb, &m, &fwd);
+  CHECK(meta, "model: %s", rtp_last_error());
+  for (int i = 0; i < kGptCfg.n_layer; i++)  // the blocks a pipeline cuts at
+    for (rtp_tensor **p = &m.blocks[i].ln_1_w; p <= &m.blocks[i].mlp_proj_b; p++)
+      CHECK_OK(rtp_tensor_set_fsdp_unit(*p, i + 1));
+  rtp_init_params ip = {gpt_arena_size(kGptCfg, kGptBatch) * 2, nullptr, false, nullptr, 0};
+  rtp_context *ctx = rtp_context_new(ip);
+  rtp_parallel_params pp{};
+  pp.strategy = L.D > 1 ? L.strategy : RTP_STRATEGY_NONE;
+  pp.comm = L.D > 1 ? stage : nullptr;
+  pp.pipe_comm = L.S > 1 ? pipe : nullptr;
+  pp.micro_batches = kGptMicro;
+  pp.schedule = RTP_SCHEDULE_1F1B;
+  rtp_parallel *par = ctx ? rtp_parallel_new(ctx, fwd, m.loss, &pp) : nullptr;
+  CHECK(par, "rtp_parallel_new: %s", rtp_last_error());
+  CHECK(rtp_parallel_stages(par) == L.S && rtp_parallel_stage(par) == rank / L.D, "stage %d",
+        rtp_parallel_stage(par));
+  rtp_graph *g = rtp_parallel_graph(par);
+  CHECK_OK(rtp_graph_plan(ctx, g));
+  rtp_optimizer *opt = rtp_parallel_optimizer(par, rtp_adamw_params_default());
+  CHECK(opt, "optimizer: %s", rtp_last_error());
+  if (L.S > 1 && check_other_stage(par, m, rank)) return 12;
+  rtp_ckpt_params ck = {dir.c_str(), par, job, pp.strategy, m.params,
+                        m.n_params,  opt, 0,   nullptr};
+  for (int i = 0; i < m.n_params; i++) {
+    rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]), *st[3] = {mine};
+    if (!mine) continue;  // another stage's
+    adam_states(opt, mine, &st[1], &st[2]);
+    std::vector<float> full(rtp_tensor_nelements(m.params[i])),
+        part(rtp_tensor_nelements(mine));
+    gpt_init_tensor(&m, i, 42, full.data());
+    CHECK_OK(rtp_parallel_shard_copy(par, m.params[i], full.data(), part.data()));
+    for (int k = 0; k < 3; k++) {  // loads must overwrite all of it: garbage first
+      if (!save) std::fill(part.begin(), part.end(), k ? -1e30f : 1e30f);
+      CHECK_OK(rtp_tensor_set(st[k], part.data(), 0, part.size() * sizeof(float)));
+      if (save) std::fill(part.begin(), part.end(), 0.0f);  // Adam's states start at 0
+    }
+  }
+  if (save) {
+    for (int k = 0; k < kGptMicro; k++) {
+      rtp_tensor *idx = rtp_parallel_micro_tensor(par, m.idx, k);
+      rtp_tensor *tgt = rtp_parallel_micro_tensor(par, m.targets, k);
+      CHECK(idx && tgt, "inputs of micro-batch %d", k);
+      for (int b = 0; b < mb; b++)
+        fill_tokens(d * kGptBatch + k * mb + b, kGptCfg.seq_len,
+                    (int32_t *)idx->data + b * kGptCfg.seq_len,
+                    (int32_t *)tgt->data + b * kGptCfg.seq_len);
+    }
+    for (int s = 0; s < kGptSteps; s++) {
+      CHECK_OK(rtp_graph_compute(g, nullptr));
+      CHECK_OK(rtp_optimizer_step(opt, nullptr));
+    }
+    CHECK_OK(rtp_ckpt_save(&ck, kGptSteps));
+  } else {
+    rtp_ckpt *c = nullptr;
+    CHECK_OK(rtp_ckpt_open(dir.c_str(), &c));
+    int rc = rtp_ckpt_load(c, &ck);
+    rtp_ckpt_close(c);
+    if (refused) {
+      CHECK(rc == RTP_EFORMAT && strstr(rtp_last_error(), refused), "load: %d: %s", rc,
+            rtp_last_error());
+    } else {
+      CHECK_OK(rc);
+    }
+  }
+  if (!refused && dump_blocks(par, opt, m, rank, dump)) return 13;
+  rtp_context_free(ctx);
+  rtp_context_free(meta);
+  if (job) CHECK_OK(rtp_comm_barrier(job, nullptr));
+  rtp_comm_free(stage);
+  rtp_comm_free(pipe);
+  rtp_comm_free(job);
+  return 0;
+}
+
+// Runs layout L's ranks (gpt_rank), each dumping its blocks into a fresh directory `dump`;
+// 0, or the first failing rank's code.
+int run_layout(const Layout &L, bool save, const std::string &dir, const std::string &dump) {
+  if (std::system(("rm -rf '" + dump + "' && mkdir -p '" + dump + "'").c_str())) return 90;
+  int port = rtptest::free_port();
+  auto res = rtptest::run_procs(L.S * L.D,
+                                [&](int r) { return gpt_rank(L, r, port, dir, save, dump); });
+  for (const rtptest::Result &r : res)
+    if (r.code) return r.code;
+  return 0;
+}
+
+// The whole parameters and Adam states put together from every rank's dump.
+struct Whole {
+  int64_t steps = -1;
+  std::vector<std::vector<float>> v[3];  // parameter, m, v
+  std::vector<std::vector<int>> held;    // how many ranks dumped each element
+  std::string fault;                     // what was wrong with the dumps, if anything
+};
+
+Whole gather(const std::string &dump, int world) {
+  Whole w;
+  for (int r = 0; r < world && w.fault.empty(); r++) {
+    std::string path = dump + "/rank-" + std::to_string(r) + ".bin";
+    FILE *f = fopen(path.c_str(), "rb");
+    int64_t head[2], rec[5];
+    if (!f || fread(head, sizeof(head), 1, f) != 1) {
+      w.fault = path + ": cannot read it";
+      if (f) fclose(f);
+      break;
+    }
+    if (r > 0 && head[0] != w.steps) w.fault = path + ": another step count";
+    w.steps = head[0];
+    if (r == 0) {
+      for (auto &k : w.v) k.resize(head[1]);
+      w.held.resize(head[1]);
+    }
+    while (w.fault.empty() && fread(rec, sizeof(rec), 1, f) == 1) {
+      int64_t i = rec[0], n = rec[1], lo = rec[2] * rec[3], len = rec[2] * rec[4];
+      if (i < 0 || i >= (int64_t)w.held.size() || lo < 0 || lo + len > n) {
+        w.fault = path + ": bad record";
+        break;
+      }
+      if (w.held[i].empty()) {
+        for (auto &k : w.v) k[i].resize(n);
+        w.held[i].resize(n);
+      }
+      std::vector<float> x(len);
+      for (int k = 0; k < 3 && w.fault.empty(); k++) {
+        if (fread(x.data(), sizeof(float), len, f) != (size_t)len) w.fault = path + ": short";
+        for (int64_t j = 0; j < len && w.fault.empty(); j++) {
+          float &dst = w.v[k][i][lo + j];
+          if (w.held[i][lo + j] && memcmp(&dst, &x[j], sizeof(float)))
+            w.fault = path + ": replicas of parameter " + std::to_string(i) + " differ";
+          dst = x[j];
+        }
+      }
+      for (int64_t j = 0; j < len; j++) w.held[i][lo + j]++;
+    }
+    fclose(f);
+  }
+  for (size_t i = 0; i < w.held.size() && w.fault.empty(); i++)
+    for (int h : w.held[i])
+      if (h == 0) {
+        w.fault = "parameter " + std::to_string(i) + " is not held whole";
+        break;
+      }
+  return w;
+}
+
+// The parameters and states loaded are bit for bit those saved, step count included.
+void expect_same(const Whole &saved, const Whole &loaded, const std::string &what) {
+  ASSERT_EQ(saved.fault, "") << what << ": saved";
+  ASSERT_EQ(loaded.fault, "") << what << ": loaded";
+  EXPECT_EQ(saved.steps, kGptSteps) << what;
+  EXPECT_EQ(loaded.steps, saved.steps) << what;
+  ASSERT_EQ(loaded.held.size(), saved.held.size()) << what;
+  int params = 0, differ = 0;
+  for (int k = 0; k < 3; k++)
+    for (size_t i = 0; i < saved.v[k].size(); i++) {
+      params += k == 0;
+      const std::vector<float> &a = saved.v[k][i], &b = loaded.v[k][i];
+      if (a.size() != b.size() || memcmp(a.data(), b.data(), a.size() * sizeof(float)))
+        differ++;
+    }
+  EXPECT_EQ(params, 2 + 12 * kGptCfg.n_layer + 3) << what;  // wte, wpe; blocks; ln_f, head
+  int still = 0;  // parameters Adam has not moved: their checkpoint would prove little
+  for (const std::vector<float> &v : saved.v[2])
+    still += std::all_of(v.begin(), v.end(), [](float x) { return x == 0.0f; });
+  EXPECT_EQ(still, 0) << what;
+  EXPECT_EQ(differ, 0) << what << ": tensors (parameters, m, v) that differ";
+}
+
+// The step directory of dir's checkpoint (saved at step kGptSteps).
+std::string step_dir(const std::string &dir) {
+  char name[32];
+  snprintf(name, sizeof(name), "/step-%08d", kGptSteps);
+  return dir + name;
+}
+
+// Saves on layout `from`, loads on each of `to` and compares; the checkpoint's step dir.
+std::string save_and_load_on(const char *name, const Layout &from,
+                             const std::vector<Layout> &to) {
+  std::string dir = tmp_dir(name), dump = dir + "-dump";
+  EXPECT_EQ(run_layout(from, true, dir, dump + "-saved"), 0) << "saving on " << str(from);
+  Whole saved = gather(dump + "-saved", from.S * from.D);
+  for (const Layout &L : to) {
+    std::string what = "saved on " + str(from) + ", loaded on " + str(L);
+    EXPECT_EQ(run_layout(L, false, dir, dump), 0) << what;
+    expect_same(saved, gather(dump, L.S * L.D), what);
+  }
+  std::system(("rm -rf '" + dump + "' '" + dump + "-saved'").c_str());
+  return step_dir(dir);
+}
+
+// Opens dir and checks what its index says of the job that saved it.
+void expect_index(const std::string &dir, int world, int stages, rtp_strategy s) {
+  rtp_ckpt *c = nullptr;
+  ASSERT_EQ(rtp_ckpt_open(dir.c_str(), &c), RTP_OK) << rtp_last_error();
+  EXPECT_EQ(rtp_ckpt_world_size(c), world);
+  EXPECT_EQ(rtp_ckpt_stages(c), stages);
+  EXPECT_EQ(rtp_ckpt_strategy(c), s);
+  rtp_ckpt_close(c);
+}
+
+// The first stage's embedding and the last stage's head, as gpt names them.
+const char *const kWte = "transformer.wte.weight", *const kHead = "lm_head.weight";
+
+// Whether the safetensors file holds a tensor of that name.
+bool holds(const std::string &file, const char *name) {
+  rtp_safetensors *st = nullptr;
+  if (rtp_safetensors_open(file.c_str(), &st)) return false;
+  bool found = rtp_safetensors_find(st, name) >= 0;
+  rtp_safetensors_close(st);
+  return found;
+}
+
+// A copy of the checkpoint in dir whose index is text with `from` replaced by `to` (the
+// first occurrence), with a matching marker: opening it fails with RTP_EFORMAT and words.
+void expect_index_refused(const std::string &dir, const std::string &from,
+                          const std::string &to, const char *words) {
+  std::string copy = dir + "-bad", step = step_dir(copy);
+  ASSERT_EQ(
+      std::system(("rm -rf '" + copy + "' && cp -r '" + dir + "' '" + copy + "'").c_str()), 0);
+  std::string text = slurp(step + "/index.json");
+  size_t at = text.find(from);
+  ASSERT_NE(at, std::string::npos) << from;
+  put_index(step, text.replace(at, from.size(), to));
+  rtp_ckpt *c = nullptr;
+  int rc = rtp_ckpt_open(copy.c_str(), &c);
+  rtp_ckpt_close(c);
+  std::string why = rtp_last_error();
+  EXPECT_EQ(rc, RTP_EFORMAT) << why;
+  EXPECT_NE(why.find(words), std::string::npos) << why;
+  std::system(("rm -rf '" + copy + "'").c_str());
+}
+
+// 2 stages of 1 rank: each rank's file holds its stage's parameters only (the embeddings
+// rank 0's, the head rank 1's), and the checkpoint loads on one process and on the same
+// pipeline; a damaged file of the second stage is refused before it is read.
+TEST(CkptPipeline, TwoStagesLoadOnOneProcess) {
+  const Layout pipe2 = {2, 1, RTP_STRATEGY_NONE};
+  std::string step = save_and_load_on("pipe-2x1", pipe2, {{1, 1, RTP_STRATEGY_NONE}, pipe2});
+  std::string dir = step.substr(0, step.rfind('/'));
+  expect_index(dir, 2, 2, RTP_STRATEGY_NONE);
+  EXPECT_TRUE(holds(step + "/rank-0.safetensors", kWte));
+  EXPECT_TRUE(holds(step + "/rank-0.safetensors", "adam.v.transformer.wte.weight"));
+  EXPECT_FALSE(holds(step + "/rank-0.safetensors", kHead));
+  EXPECT_TRUE(holds(step + "/rank-1.safetensors", kHead));
+  EXPECT_FALSE(holds(step + "/rank-1.safetensors", kWte));
+  // A tensor's blocks list only the files of its stage; that is a pipeline's alone: read
+  // as a checkpoint without one, the index is refused.
+  expect_index_refused(dir, "\"stages\": 2", "\"stages\": 1", "blocks of");
+  ASSERT_EQ(std::system(("cd '" + step +
+                         "' && printf X | dd of=rank-1.safetensors bs=1 conv=notrunc "
+                         "seek=$(($(stat -c%s rank-1.safetensors) - 10)) 2>/dev/null")
+                            .c_str()),
+            0);
+  auto res = rtptest::run_procs(1, [&](int r) {
+    return gpt_rank({1, 1, RTP_STRATEGY_NONE}, r, 0, dir, false, dir,
+                    "rank-1.safetensors: checksum mismatch (corrupted)");
+  });
+  EXPECT_EQ(res[0].code, 0) << "a corrupted file of the second stage was loaded";
+}
+
+// 2 stages of 2 rtp ranks: the checkpoint loads on 4 stages of 1 rank and on a flat job of
+// 2 fsdp ranks.
+TEST(CkptPipeline, TwoByTwoRtpLoadsOnFourStagesAndFlatFsdp) {
+  std::string step = save_and_load_on("pipe-2x2-rtp", {2, 2, RTP_STRATEGY_RTP},
+                                      {{4, 1, RTP_STRATEGY_NONE}, {1, 2, RTP_STRATEGY_FSDP}});
+  std::string dir = step.substr(0, step.rfind('/'));
+  expect_index(dir, 4, 2, RTP_STRATEGY_RTP);
+  for (int r = 0; r < 4; r++)
+    EXPECT_EQ(holds(step + "/rank-" + std::to_string(r) + ".safetensors", kWte), r < 2)
+        << "rank " << r;
+  // Blocks in rank order, each of a rank that wrote a file.
+  expect_index_refused(dir, "{\"rank\": 1, \"first\"", "{\"rank\": 0, \"first\"",
+                       "rank 0 after rank 0");
+}
+
+// A flat job of 2 rtp ranks loads on 2 stages of 2 ddp ranks; 2 x 2 ddp saves from each
+// stage's rank 0 alone (ranks 0 and 2), which loads on one process.
+TEST(CkptPipeline, FlatRtpLoadsOnTwoByTwoDdpWhichSavesFromStageRankZero) {
+  const Layout ddp = {2, 2, RTP_STRATEGY_DDP};
+  save_and_load_on("flat-rtp", {1, 2, RTP_STRATEGY_RTP}, {ddp});
+  std::string step = save_and_load_on("pipe-2x2-ddp", ddp, {{1, 1, RTP_STRATEGY_NONE}});
+  std::string dir = step.substr(0, step.rfind('/'));
+  expect_index(dir, 4, 2, RTP_STRATEGY_DDP);
+  for (int r = 0; r < 4; r++)
+    EXPECT_EQ(access((step + "/rank-" + std::to_string(r) + ".safetensors").c_str(), F_OK) == 0,
+              r % 2 == 0)
+        << "rank " << r;
+  expect_index_refused(dir, "{\"rank\": 2, \"first\"", "{\"rank\": 1, \"first\"",
+                       "rank 1, which wrote no file");
+}
+
+// Stage groups that are the mesh's columns (rank = d x S + s): the stages' files would not
+// hold their rows in rank order, so every rank refuses the save, and nothing is written.
+TEST(CkptPipeline, OtherRankLayoutsAreRefused) {
+  std::string dir = tmp_dir("pipe-transposed");
+  int port = rtptest::free_port();
+  auto res = rtptest::run_procs(4, [&](int rank) {
+    rtp_comm_params cp = rtptest::params(rank, 4, port);
+    rtp_comm *job = nullptr, *rows = nullptr, *cols = nullptr;
+    CHECK_OK(rtp_comm_init(&cp, &job));
+    CHECK_OK(rtp_comm_mesh_2d(job, 2, 2, &rows, &cols));
+    gpt m{};
+    rtp_graph *fwd = nullptr;
+    rtp_context *meta = rtptest::gpt_forward(kGptCfg, 1, &m, &fwd);
+    CHECK(meta, "model");
+    for (int i = 0; i < kGptCfg.n_layer; i++)
+      for (rtp_tensor **p = &m.blocks[i].ln_1_w; p <= &m.blocks[i].mlp_proj_b; p++)
+        CHECK_OK(rtp_tensor_set_fsdp_unit(*p, i + 1));
+    rtp_init_params ip = {gpt_arena_size(kGptCfg, 1) * 2, nullptr, false, nullptr, 0};
+    rtp_context *ctx = rtp_context_new(ip);
+    rtp_parallel_params pp{};
+    pp.strategy = RTP_STRATEGY_RTP;
+    pp.comm = cols;  // stage groups {0, 2}, {1, 3}
+    pp.pipe_comm = rows;
+    rtp_parallel *par = rtp_parallel_new(ctx, fwd, m.loss, &pp);
+    CHECK(par, "rtp_parallel_new: %s", rtp_last_error());
+    CHECK(rtp_parallel_stage(par) == rank % 2, "stage %d", rtp_parallel_stage(par));
+    CHECK_OK(rtp_graph_plan(ctx, rtp_parallel_graph(par)));
+    rtp_optimizer *opt = rtp_parallel_optimizer(par, rtp_adamw_params_default());
+    CHECK(opt, "optimizer");
+    rtp_ckpt_params ck = {dir.c_str(), par, job, pp.strategy, m.params,
+                          m.n_params,  opt, 0,   nullptr};
+    int st = rtp_ckpt_save(&ck, 1);
+    std::string why = rtp_last_error();
+    fprintf(stderr, "rank %d: %s\n", rank, why.c_str());
+    CHECK(st == RTP_ENOSYS, "status %d", st);
+    // ranks 1 and 2 are out of place and say why; rank 0 and 3 name one of them
+    CHECK(why.find(rank == 1 || rank == 2
+                       ? "checkpoints of a pipeline need rank = stage"
+                       : "failed to check the pipeline's layout") != std::string::npos,
+          "%s", why.c_str());
+    rtp_context_free(ctx);
+    rtp_context_free(meta);
+    CHECK_OK(rtp_comm_barrier(job, nullptr));
+    rtp_comm_free(rows);
+    rtp_comm_free(cols);
+    rtp_comm_free(job);
+    return 0;
+  });
+  for (int r = 0; r < 4; r++) EXPECT_EQ(res[r].code, 0) << "rank " << r;
+  EXPECT_NE(access(dir.c_str(), F_OK), 0) << "the refused save wrote something";
 }
 
 }  // namespace
