@@ -855,12 +855,13 @@ RTP_API struct rtp_optimizer *rtp_parallel_optimizer(const struct rtp_parallel *
                                                      struct rtp_adamw_params params);
 /* The rows [first, first + len) of dimension dim of param that this rank holds.
  * RTP_EINVAL for a tp column parameter with several groups (not one range: use
- * rtp_parallel_shard_copy). */
+ * rtp_parallel_shard_copy), or another pipeline stage's parameter. */
 RTP_API int rtp_parallel_block(const struct rtp_parallel *p, const struct rtp_tensor *param,
                                int64_t *first, int64_t *len, int *dim);
 /* Copies this rank's part of param out of `full` (all of param's f32 values, contiguous)
  * into `mine` (as many values as this rank's tensor for param has): for every strategy,
- * how a rank initialises its parameters or compares them with whole ones. */
+ * how a rank initialises its parameters or compares them with whole ones. RTP_EINVAL
+ * for another pipeline stage's parameter. */
 RTP_API int rtp_parallel_shard_copy(const struct rtp_parallel *p,
                                     const struct rtp_tensor *param, const float *full,
                                     float *mine);

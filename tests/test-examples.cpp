@@ -760,6 +760,58 @@ TEST(TrainGptCkpt, CheckpointsResumeUnderAnotherStrategy) {
   }
 }
 
+// A pipeline's checkpoints: resumed on the same pipeline, the losses of a run never
+// stopped, bit for bit; resumed in one process or on 2 flat rtp ranks, and a flat job's
+// resumed on a pipeline, the same to float rounding.
+TEST(TrainGptCkpt, PipelineCheckpointsResumeOnAnyLayout) {
+  const std::string pp = " --batch 2 --pp 2 --micro-batches 2";
+  std::string ref = tmp_dir() + "ckp-ref.jsonl", saved = tmp_dir() + "ckp",
+              flat = tmp_dir() + "ckp-flat";
+  ASSERT_EQ(run(on_ranks(4, kCkptFlags + pp + " --steps 20", {"--metrics", ref})).code, 0);
+  ASSERT_EQ(std::system(("rm -rf " + quote(saved) + " " + quote(flat)).c_str()), 0);
+  Result a = run(on_ranks(4, kCkptFlags + pp + " --steps 10", {"--ckpt-dir", saved}));
+  ASSERT_EQ(a.code, 0) << a.err;
+  Result b = run(on_ranks(2, kCkptFlags + " --batch 2 --steps 10", {"--ckpt-dir", flat}));
+  ASSERT_EQ(b.code, 0) << b.err;
+  struct Case {
+    std::string from, what;
+    int ranks;
+    std::string flags;
+    bool exact;
+  };
+  const Case cases[] = {
+      {saved, "the same pipeline", 4, pp, true},
+      {saved, "one process", 1, " --batch 4", false},
+      {saved, "2 rtp ranks", 2, " --batch 2", false},
+      {flat, "a pipeline, from 2 rtp ranks", 4, pp + " --strategy fsdp --schedule gpipe",
+       false},
+  };
+  std::vector<double> want = losses_after(ref, 10);
+  ASSERT_EQ(want.size(), 10u);
+  for (const Case &c : cases) {
+    std::string dir = tmp_dir() + "ckp-resume", m = tmp_dir() + "ckp-resumed.jsonl";
+    ASSERT_EQ(
+        std::system(
+            ("rm -rf " + quote(dir) + " && cp -r " + quote(c.from) + " " + quote(dir)).c_str()),
+        0);
+    std::string flags = kCkptFlags + c.flags + " --steps 20 --resume";
+    std::vector<std::string> extra = {"--ckpt-dir", dir, "--metrics", m};
+    Result r = run(c.ranks == 1 ? train_gpt(flags, extra) : on_ranks(c.ranks, flags, extra));
+    ASSERT_EQ(r.code, 0) << c.what << ": " << r.err;
+    EXPECT_NE(r.out.find(c.from == saved ? "saved on 4 ranks as 2 pipeline stages, rtp inside"
+                                         : "saved on 2 ranks with rtp"),
+              std::string::npos)
+        << c.what << ": " << r.out;
+    std::vector<double> got = metric(m, "loss");
+    ASSERT_EQ(got.size(), want.size()) << c.what;
+    if (c.exact) {
+      EXPECT_EQ(got, want) << c.what;
+    }
+    for (size_t i = 0; i < want.size(); i++)
+      EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << c.what << ", step " << i + 11;
+  }
+}
+
 TEST(TrainGptCkpt, BadCheckpointsAreRefusedAndKept) {
   std::string dir = tmp_dir() + "ck-bad", step = dir + "/step-00000010";
   ASSERT_EQ(run(train_gpt(kCkptFlags + " --steps 10", {"--ckpt-dir", dir})).code, 0);

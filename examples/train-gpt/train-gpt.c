@@ -1202,6 +1202,12 @@ static int resume(struct trainer *tr, const struct options *o, int64_t *step) {
   if (!rc && tr->rank == 0 && rtp_ckpt_world_size(c) == 1)
     printf("resumed from %s (step %" PRId64 ", saved by one process)\n", rtp_ckpt_path(c),
            *step);
+  else if (!rc && tr->rank == 0 && rtp_ckpt_stages(c) > 1)
+    printf("resumed from %s (step %" PRId64
+           ", saved on %d ranks as %d pipeline stages, %s "
+           "inside)\n",
+           rtp_ckpt_path(c), *step, rtp_ckpt_world_size(c), rtp_ckpt_stages(c),
+           rtp_strategy_name(rtp_ckpt_strategy(c)));
   else if (!rc && tr->rank == 0)
     printf("resumed from %s (step %" PRId64 ", saved on %d ranks with %s)\n", rtp_ckpt_path(c),
            *step, rtp_ckpt_world_size(c), rtp_strategy_name(rtp_ckpt_strategy(c)));
