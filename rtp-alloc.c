@@ -228,7 +228,8 @@ int rtp_graph_plan(struct rtp_context *ctx, struct rtp_graph *g) {
     if (t->view_src)
       t->data = t->view_src->data ? (char *)t->view_src->data + t->view_offs : NULL;
   }
-  *plan = (struct rtp_plan){work_buf, work, be, n_comm};
+  *plan =
+      (struct rtp_plan){.work = work_buf, .work_size = work, .backend = be, .n_comm = n_comm};
   g->plan = plan;
   rtp__ctx_note_plan(ctx, fl.end, sum, live_max, work);
 

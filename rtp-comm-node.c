@@ -5,6 +5,8 @@
  * it reads): whoever reads the node waits for the transfer. */
 #include "rtp-comm.h"
 
+#include <stdio.h>
+
 /* Transfers that only move bytes take f32 or bf16; the all-reduce sums f32. */
 static bool comm_type_ok(const struct rtp_tensor *t, bool sums) {
   return t->type == RTP_TYPE_F32 || (!sums && t->type == RTP_TYPE_BF16);
@@ -143,6 +145,32 @@ int rtp__comm_node_post(const struct rtp_tensor *t, struct rtp_comm_req **req) {
   struct rtp_comm_op op;
   struct rtp_comm *comm = rtp__comm_node_op(t, &op);
   return rtp__comm_post(comm, &op, req);
+}
+
+const struct rtp_comm *rtp__comm_node_comm(const struct rtp_tensor *t) {
+  return (const struct rtp_comm *)(uintptr_t)rtp__get_param_u64(t, 4);
+}
+
+void rtp__comm_node_describe(const struct rtp_tensor *t, char *buf, size_t n) {
+  const char *name = t->name[0] ? t->name : "";
+  const char *sep = t->name[0] ? " " : "";
+  switch (t->op_params[0]) {
+    case RTP__COMM_SEND:
+      snprintf(buf, n, "%s%ssend to %d", name, sep, t->op_params[1]);
+      break;
+    case RTP__COMM_RECV:
+      snprintf(buf, n, "%s%srecv from %d", name, sep, t->op_params[2]);
+      break;
+    case RTP__COMM_SENDRECV:
+      snprintf(buf, n, "%s%ssend to %d, recv from %d", name, sep, t->op_params[1],
+               t->op_params[2]);
+      break;
+    case RTP__COMM_ALLGATHER:
+      snprintf(buf, n, "%s%sallgather", name, sep);
+      break;
+    default:
+      snprintf(buf, n, "%s%sallreduce", name, sep);
+  }
 }
 
 double rtp__comm_node_bytes(const struct rtp_tensor *t) {

@@ -188,6 +188,14 @@ static bool prof_enabled(void) {
   return prof.on;
 }
 
+/* A transfer in flight (the COMM node's `extra` while it is): its request, when it was
+ * posted, and its communicator. */
+struct inflight {
+  struct rtp_comm_req *req;
+  const struct rtp_comm *comm;
+  double posted;
+};
+
 struct graph_job {
   struct rtp_graph *g;
   void *work;
@@ -197,25 +205,55 @@ struct graph_job {
   int stop_at; /* atomic: the node after which every thread stops (INT_MAX: none). Thread 0
                 * may set it for node i + 1 while others still look after node i's barrier,
                 * so it names the node rather than being a flag. */
+  struct inflight *fl; /* one per COMM node, in posting order */
+  int n_fl;
+  bool trace;            /* RTP_TRACE: thread 0 records spans */
+  double waited;         /* seconds thread 0 waited for transfers */
+  struct rtp_plan *plan; /* where the waits per communicator go; NULL: nowhere */
 };
 
+/* Thread 0's clock: wall time when tracing (so the ranks' traces line up), else
+ * monotonic. Seconds. */
+static double job_now(const struct graph_job *job) {
+  return job->trace ? rtp__trace_now() : prof_now();
+}
+
+static void add_wait(struct graph_job *job, const struct rtp_comm *comm, double s) {
+  job->waited += s;
+  if (!job->plan) return;
+  struct rtp_plan_wait *w = job->plan->waits;
+  int k = 0;
+  while (k < RTP__PLAN_WAIT_GROUPS - 1 && w[k].comm && w[k].comm != comm) k++;
+  if (!w[k].comm && k < RTP__PLAN_WAIT_GROUPS - 1) w[k].comm = comm;
+  w[k].s += s; /* the last entry also takes every group beyond the table */
+}
+
 static void comm_wait(struct graph_job *job, struct rtp_tensor *c) {
-  if (!c->extra) return;
-  double t0 = prof.on > 0 ? prof_now() : 0;
-  int rc = rtp_comm_wait(c->extra);
-  if (prof.on > 0) prof.wait_s += prof_now() - t0;
+  struct inflight *f = c->extra;
+  if (!f) return;
+  double t0 = job_now(job);
+  int rc = rtp_comm_wait(f->req);
+  double t1 = job_now(job);
+  if (prof.on > 0) prof.wait_s += t1 - t0;
+  add_wait(job, f->comm, t1 - t0);
+  if (job->trace) {
+    if (t1 - t0 > 1e-6) rtp__trace_span(0, c, "wait", t0, t1);
+    rtp__trace_span(1, c, "transfer", f->posted, t1);
+  }
   c->extra = NULL;
   if (rc && !job->comm_status) job->comm_status = rc;
 }
 
 static void comm_post(struct graph_job *job, struct rtp_tensor *t) {
-  struct rtp_comm_req *req = NULL;
-  int rc = rtp__comm_node_post(t, &req);
+  struct inflight *f = &job->fl[job->n_fl++];
+  f->posted = job->trace ? rtp__trace_now() : 0;
+  f->comm = rtp__comm_node_comm(t);
+  int rc = rtp__comm_node_post(t, &f->req);
   if (rc) {
     job->comm_status = rc;
     return;
   }
-  t->extra = req;
+  t->extra = f;
 }
 
 /* Thread 0, before node t runs: every transfer t reads from must be complete. */
@@ -226,41 +264,64 @@ static void wait_inputs(struct graph_job *job, struct rtp_tensor *t) {
   }
 }
 
+/* Thread 0's bookkeeping after node i (t) is computed: the first bad index, the waits
+ * for the next node's transfers, and whether to stop. */
+static void after_node(struct graph_job *job, int i, struct rtp_tensor *t) {
+  struct rtp_graph *g = job->g;
+  if (__atomic_load_n(&job->status, __ATOMIC_RELAXED) && !job->bad) job->bad = t;
+  for (int j = i + 1; j < g->n_nodes; j++)
+    if (!rtp__is_view_op(g->nodes[j]->op)) {
+      wait_inputs(job, g->nodes[j]);
+      break;
+    }
+  if (job->comm_status) __atomic_store_n(&job->stop_at, i, __ATOMIC_RELAXED);
+}
+
 static void compute_job(const struct rtp_compute_params *base, void *arg) {
   struct graph_job *job = arg;
   struct rtp_compute_params p = *base;
   p.work = job->work;
   p.status = &job->status;
   struct rtp_graph *g = job->g;
-  bool profile = p.ith == 0 && prof_enabled();
+  bool profile = p.ith == 0 && prof_enabled(), timed = p.ith == 0 && (profile || job->trace);
   for (int i = 0; i < g->n_nodes; i++) {
     struct rtp_tensor *t = g->nodes[i];
     if (rtp__is_view_op(t->op)) continue;
-    double t0 = profile ? prof_now() : 0, wait0 = prof.wait_s;
+    double t0 = timed ? job_now(job) : 0, wait0 = job->waited;
     if (t->op == RTP_OP_COMM) {
       if (p.ith == 0) comm_post(job, t);
     } else {
       rtp__compute_forward(&p, t);
     }
-    if (p.ith == 0) {
-      if (__atomic_load_n(&job->status, __ATOMIC_RELAXED) && !job->bad) job->bad = t;
-      for (int j = i + 1; j < g->n_nodes; j++)
-        if (!rtp__is_view_op(g->nodes[j]->op)) {
-          wait_inputs(job, g->nodes[j]);
-          break;
-        }
-      if (job->comm_status) __atomic_store_n(&job->stop_at, i, __ATOMIC_RELAXED);
-    }
+    if (p.ith == 0) after_node(job, i, t);
     rtp__barrier(&p);
-    if (profile) { /* waits for the next node's transfers are counted apart */
-      prof.op_s[t->op] += prof_now() - t0 - (prof.wait_s - wait0);
-      prof.op_n[t->op]++;
+    if (timed) { /* waits for the next node's transfers are counted apart */
+      double busy = job_now(job) - t0 - (job->waited - wait0);
+      if (profile) {
+        prof.op_s[t->op] += busy;
+        prof.op_n[t->op]++;
+      }
+      if (job->trace && t->op != RTP_OP_COMM) rtp__trace_span(0, t, "compute", t0, t0 + busy);
     }
     if (__atomic_load_n(&job->stop_at, __ATOMIC_RELAXED) <= i) break;
   }
   if (p.ith == 0) /* nothing stays in flight once compute returns */
     for (int i = 0; i < g->n_nodes; i++)
       if (g->nodes[i]->op == RTP_OP_COMM) comm_wait(job, g->nodes[i]);
+}
+
+/* A job over g: room for its transfers in flight. */
+static int job_init(struct graph_job *job, struct rtp_graph *g, struct rtp_plan *plan) {
+  int n = 0;
+  for (int i = 0; i < g->n_nodes; i++) n += g->nodes[i]->op == RTP_OP_COMM;
+  *job = (struct graph_job){.g = g,
+                            .work = plan ? plan->work : NULL,
+                            .stop_at = INT_MAX,
+                            .trace = rtp__trace_on(),
+                            .plan = plan};
+  job->fl = n ? malloc(sizeof(*job->fl) * (size_t)n) : NULL;
+  if (n && !job->fl) return rtp__error(RTP_ENOMEM, "rtp_graph_compute: out of memory");
+  return RTP_OK;
 }
 
 /* Every tensor a kernel touches must have memory: leafs from the arena or the caller. */
@@ -354,9 +415,19 @@ int rtp_graph_compute(struct rtp_graph *g, struct rtp_threadpool *tp) {
   int rc = check_ready(g);
   if (!rc) rc = check_work(g, plan);
   if (rc) return rc;
-  if (plan->backend) return stream_graph_compute(g, plan);
-  struct graph_job job = {.g = g, .work = plan->work, .stop_at = INT_MAX};
+  struct rtp_plan *mplan = g->plan; /* the timings of this compute go there */
+  memset(mplan->waits, 0, sizeof(mplan->waits));
+  double t0 = prof_now();
+  if (plan->backend) {
+    rc = stream_graph_compute(g, plan);
+    mplan->wall_s = prof_now() - t0;
+    return rc;
+  }
+  struct graph_job job;
+  if ((rc = job_init(&job, g, mplan))) return rc;
   rtp__threadpool_run(tp, compute_job, &job);
+  free(job.fl);
+  mplan->wall_s = prof_now() - t0;
   if (job.comm_status) return job.comm_status; /* the transport set the message */
   if (job.status) {
     char s[160];
@@ -373,7 +444,9 @@ int rtp_graph_compute(struct rtp_graph *g, struct rtp_threadpool *tp) {
  * time a step's communication alone. */
 int rtp__graph_replay_comm(struct rtp_graph *g) {
   if (!g) return rtp__error(RTP_EINVAL, "rtp__graph_replay_comm: NULL graph");
-  struct graph_job job = {.g = g, .stop_at = INT_MAX};
+  struct graph_job job;
+  int rc = job_init(&job, g, NULL);
+  if (rc) return rc;
   for (int i = 0; i < g->n_nodes && !job.comm_status; i++) {
     struct rtp_tensor *t = g->nodes[i];
     if (rtp__is_view_op(t->op)) continue;
@@ -386,5 +459,17 @@ int rtp__graph_replay_comm(struct rtp_graph *g) {
   }
   for (int i = 0; i < g->n_nodes; i++) /* nothing stays in flight, even after a failure */
     if (g->nodes[i]->op == RTP_OP_COMM) comm_wait(&job, g->nodes[i]);
+  free(job.fl);
   return job.comm_status;
+}
+
+int rtp_graph_timing_get(const struct rtp_graph *g, const struct rtp_comm *c,
+                         struct rtp_graph_timing *out) {
+  if (!g || !out) return rtp__error(RTP_EINVAL, "rtp_graph_timing_get: NULL argument");
+  if (!g->plan) return rtp__error(RTP_ESTATE, "rtp_graph_timing_get: the graph is not planned");
+  const struct rtp_plan *plan = g->plan;
+  *out = (struct rtp_graph_timing){.wall_s = plan->wall_s};
+  for (int k = 0; k < RTP__PLAN_WAIT_GROUPS; k++)
+    if (!c || plan->waits[k].comm == c) out->wait_s += plan->waits[k].s;
+  return RTP_OK;
 }

@@ -133,6 +133,11 @@ struct rtp_comm_req;
 struct rtp_comm *rtp__comm_node_op(const struct rtp_tensor *t, struct rtp_comm_op *op);
 /* Posts t's transfer on the host (its request in *req). */
 int rtp__comm_node_post(const struct rtp_tensor *t, struct rtp_comm_req **req);
+/* The communicator of COMM node t. */
+const struct rtp_comm *rtp__comm_node_comm(const struct rtp_tensor *t);
+/* "send to 1", "recv from 0", "allreduce"...: what COMM node t does, after its name
+ * (group ranks), for traces. */
+void rtp__comm_node_describe(const struct rtp_tensor *t, char *buf, size_t n);
 /* The bytes this rank sends for t (ring algorithms: what each link carries). */
 double rtp__comm_node_bytes(const struct rtp_tensor *t);
 
@@ -237,11 +242,30 @@ int rtp__graph_replay_comm(struct rtp_graph *g);
 
 /* ---- rtp-alloc.c ---- */
 /* What rtp_graph_plan leaves in g->plan for the executor. */
+#define RTP__PLAN_WAIT_GROUPS 8
+struct rtp_plan_wait {
+  const struct rtp_comm *comm;
+  double s;
+};
+
 struct rtp_plan {
   void *work; /* kernel scratch */
   size_t work_size;
   struct rtp_backend *backend; /* NULL: the CPU executor */
   int n_comm; /* COMM nodes: a device backend has events 2k, 2k+1 for the k-th */
+  /* The last compute's wall seconds, and the seconds the CPU executor's thread 0 waited
+   * for transfers, per communicator: the first few, the rest in the last entry
+   * (rtp_graph_timing_get). */
+  double wall_s;
+  struct rtp_plan_wait waits[RTP__PLAN_WAIT_GROUPS];
 };
+
+/* ---- rtp-trace.c: RTP_TRACE ---- */
+bool rtp__trace_on(void);
+/* Wall-clock seconds (CLOCK_REALTIME): the trace's time base. */
+double rtp__trace_now(void);
+/* Node t's span [t0, t1] (seconds) on lane 0 (compute and waits) or 1 (transfers). */
+void rtp__trace_span(int lane, const struct rtp_tensor *t, const char *cat, double t0,
+                     double t1);
 
 #endif /* RTP_IMPL_H */

@@ -400,12 +400,24 @@ RTP_API void rtp_mem_report_get(const struct rtp_context *ctx, struct rtp_mem_re
 /* ---- execution ------------------------------------------------------------------ */
 
 struct rtp_threadpool;
+struct rtp_comm;
 /* n_threads <= 0 picks the number of cores. */
 RTP_API struct rtp_threadpool *rtp_threadpool_new(int n_threads);
 RTP_API void rtp_threadpool_free(struct rtp_threadpool *tp);
 RTP_API int rtp_threadpool_size(const struct rtp_threadpool *tp);
 /* Runs a planned graph; tp NULL runs on the calling thread alone. */
 RTP_API int rtp_graph_compute(struct rtp_graph *g, struct rtp_threadpool *tp);
+/* Where the last rtp_graph_compute of g spent its time: its wall seconds, and the seconds
+ * the CPU executor's first thread waited for transfers to complete (it posts them and
+ * reads their results), those of communicator c only, or of all (c NULL). On a pipeline,
+ * the waits on the pipe group are the stage's bubble. A device backend's graph reports
+ * wall_s alone. RTP_ESTATE before rtp_graph_plan. Setting RTP_TRACE=PREFIX also writes
+ * every compute's nodes and transfers as a Chrome trace, PREFIX.<rank>.json, at exit. */
+struct rtp_graph_timing {
+  double wall_s, wait_s;
+};
+RTP_API int rtp_graph_timing_get(const struct rtp_graph *g, const struct rtp_comm *c,
+                                 struct rtp_graph_timing *out);
 
 /* ---- optimizer ------------------------------------------------------------------ */
 

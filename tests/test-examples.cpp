@@ -458,6 +458,30 @@ TEST(TrainGptPipeline, ReadmeCommand) {
   EXPECT_NE(r.out.find("[0] step 4/4"), std::string::npos) << r.out;
 }
 
+// RTP_TRACE: every rank of a pipelined run writes its Chrome trace (its compute, waits and
+// transfers, the pipe's sends and recvs among them), and scripts/trace-merge puts the
+// four in one file with a line per rank.
+TEST(TrainGptPipeline, TraceShowsEveryRank) {
+  std::string prefix = tmp_dir() + "trace", merged = prefix + ".json";
+  ASSERT_EQ(std::system(("rm -f " + quote(prefix) + ".*").c_str()), 0);
+  std::vector<std::string> argv = {"env", "RTP_TRACE=" + prefix};
+  for (const std::string &a : on_ranks(4, kRanksFlags + " --steps 2 --pp 2 --micro-batches 2"))
+    argv.push_back(a);
+  Result r = run(argv);
+  ASSERT_EQ(r.code, 0) << r.err;
+  for (int rank = 0; rank < 4; rank++) {
+    std::string t = slurp(prefix + "." + std::to_string(rank) + ".json");
+    EXPECT_NE(t.find("\"cat\": \"compute\""), std::string::npos) << rank;
+    EXPECT_NE(t.find(rank < 2 ? "send to 1" : "recv from 0"), std::string::npos) << rank;
+    EXPECT_NE(t.find("\"name\": \"rank " + std::to_string(rank) + "\""), std::string::npos);
+  }
+  Result m = run({RTP_TEST_DIR "/../scripts/trace-merge", prefix});
+  ASSERT_EQ(m.code, 0) << m.err;
+  EXPECT_EQ(lines(m.out).size(), 5u) << m.out;
+  EXPECT_NE(m.out.find("events from 4 ranks"), std::string::npos) << m.out;
+  EXPECT_NE(slurp(merged).find("\"traceEvents\""), std::string::npos);
+}
+
 // A pipeline's export is the model it evaluated, and its eval loss, decoding and
 // sampling (the last stage's logits, shared) are one process's.
 TEST(TrainGptPipeline, ExportEvalAndSamplesMatchOneProcess) {

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 #include "gpt.h"
 #include "rtp.h"
 #include "test-gpt-ranks.h"
@@ -327,6 +329,63 @@ void rank_lost(bool silent) {
       60, {3});
   for (int r = 0; r < 3; r++)
     EXPECT_EQ(res[r].code, 0) << (silent ? "silent" : "killed") << " rank " << r;
+}
+
+// The bubble is measured where it happens: stage 1 of a 2 x 1 pipeline waits on the pipe
+// for stage 0, held back here by 300 ms before its step, and rtp_graph_timing says so;
+// the waits it reports lie within the step, and a group the graph never uses has none.
+TEST(PipelineTiming, WaitsOnThePipeAreTheStagesBubble) {
+  int port = rtptest::free_port();
+  auto res = rtptest::run_procs(
+      2,
+      [&](int rank) {
+        rtp_comm_params cp = rtptest::params(rank, 2, port);
+        rtp_comm *job = nullptr, *stage = nullptr, *pipe = nullptr;
+        CHECK_OK(rtp_comm_init(&cp, &job));
+        CHECK_OK(rtp_comm_mesh_2d(job, 2, 1, &stage, &pipe));
+        gpt m{};
+        rtp_graph *fwd = nullptr;
+        rtp_context *meta = rtptest::gpt_forward(kCfg, 2, &m, &fwd);
+        CHECK(meta, "model");
+        for (int i = 0; i < kCfg.n_layer; i++)
+          for (rtp_tensor **p = &m.blocks[i].ln_1_w; p <= &m.blocks[i].mlp_proj_b; p++)
+            CHECK_OK(rtp_tensor_set_fsdp_unit(*p, i + 1));
+        rtp_init_params ip = {gpt_arena_size(kCfg, kBatch) * 2, nullptr, false, nullptr, 0};
+        rtp_context *ctx = rtp_context_new(ip);
+        rtp_parallel_params pp{};
+        pp.micro_batches = 2;
+        pp.pipe_comm = pipe;
+        rtp_parallel *par = rtp_parallel_new(ctx, fwd, m.loss, &pp);
+        CHECK(par, "rtp_parallel_new: %s", rtp_last_error());
+        rtp_graph *g = rtp_parallel_graph(par);
+        rtp_graph_timing t{};
+        CHECK(rtp_graph_timing_get(g, nullptr, &t) == RTP_ESTATE, "timing before the plan");
+        CHECK_OK(rtp_graph_plan(ctx, g));
+        CHECK_OK(rtp_graph_compute(g, nullptr));
+        CHECK_OK(rtp_comm_barrier(job, nullptr));
+        if (rank == 0) usleep(300 * 1000);
+        CHECK_OK(rtp_graph_compute(g, nullptr));
+        rtp_graph_timing all{}, on_pipe{}, on_job{};
+        CHECK_OK(rtp_graph_timing_get(g, nullptr, &all));
+        CHECK_OK(rtp_graph_timing_get(g, pipe, &on_pipe));
+        CHECK_OK(rtp_graph_timing_get(g, job, &on_job));
+        std::printf("rank %d: step %.3f s, waits %.3f s, on the pipe %.3f s\n", rank,
+                    all.wall_s, all.wait_s, on_pipe.wait_s);
+        CHECK(on_pipe.wait_s <= all.wait_s && all.wait_s <= all.wall_s,
+              "waits within the step");
+        CHECK(on_job.wait_s == 0, "waits on a group the graph does not use: %g", on_job.wait_s);
+        if (rank == 1) CHECK(on_pipe.wait_s >= 0.25, "stage 1 waited %g s", on_pipe.wait_s);
+        if (rank == 0) CHECK(all.wall_s < 0.25 + on_pipe.wait_s, "stage 0 was not held back");
+        rtp_context_free(ctx);
+        rtp_context_free(meta);
+        rtp_comm_barrier(job, nullptr);
+        rtp_comm_free(stage);
+        rtp_comm_free(pipe);
+        rtp_comm_free(job);
+        return 0;
+      },
+      60);
+  for (int r = 0; r < 2; r++) EXPECT_EQ(res[r].code, 0) << "rank " << r;
 }
 
 TEST(PipelineFaults, RankKilled) {

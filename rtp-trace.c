@@ -1,0 +1,145 @@
+/*
+ * rtp-trace.c - RTP_TRACE=PREFIX: what the CPU executor ran, as Chrome trace events.
+ *
+ * Thread 0 of every rtp_graph_compute records each node it runs and each wait for a
+ * transfer on lane 0, and each transfer (posted to waited-for) on lane 1, in wall-clock
+ * microseconds so that the ranks of a job on one machine line up. At exit the process
+ * writes PREFIX.<rank>.json (RTP_RANK, else the pid) in the Trace Event Format, which
+ * chrome://tracing and Perfetto open; scripts/trace-merge puts a job's files in one.
+ * Off unless RTP_TRACE is set: then the executor never reads the clock for it.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "rtp-impl.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define TRACE_MAX_EVENTS 2000000 /* about 150 MB: a few steps of a large graph */
+
+struct trace_event {
+  char name[64];
+  const char *cat;
+  double ts, dur; /* microseconds */
+  double bytes;   /* transfers; 0 otherwise */
+  int lane;
+};
+
+static struct {
+  int on; /* -1 unknown */
+  char prefix[1024];
+  pthread_mutex_t mu;
+  struct trace_event *ev;
+  size_t n, cap;
+  size_t dropped;
+} tr = {.on = -1, .mu = PTHREAD_MUTEX_INITIALIZER};
+
+double rtp__trace_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void trace_write(void) {
+  char path[1100];
+  const char *rank = getenv("RTP_RANK");
+  if (rank && *rank)
+    snprintf(path, sizeof(path), "%s.%s.json", tr.prefix, rank);
+  else
+    snprintf(path, sizeof(path), "%s.pid%d.json", tr.prefix, (int)getpid());
+  FILE *f = fopen(path, "w");
+  if (!f) {
+    fprintf(stderr, "rtp: RTP_TRACE: cannot write %s\n", path);
+    return;
+  }
+  int pid = rank && *rank ? atoi(rank) : (int)getpid();
+  fprintf(f, "{\"traceEvents\": [\n");
+  fprintf(f,
+          "{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": %d, \"args\": {\"name\": "
+          "\"rank %s\"}},\n",
+          pid, rank && *rank ? rank : "?");
+  fprintf(f,
+          "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": %d, \"tid\": 0, \"args\": "
+          "{\"name\": \"compute\"}},\n"
+          "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": %d, \"tid\": 1, \"args\": "
+          "{\"name\": \"transfers\"}}",
+          pid, pid);
+  for (size_t i = 0; i < tr.n; i++) {
+    const struct trace_event *e = &tr.ev[i];
+    fprintf(f,
+            ",\n{\"name\": \"%s\", \"cat\": \"%s\", \"ph\": \"X\", \"pid\": %d, \"tid\": %d, "
+            "\"ts\": %.3f, \"dur\": %.3f",
+            e->name, e->cat, pid, e->lane, e->ts, e->dur);
+    if (e->bytes > 0) fprintf(f, ", \"args\": {\"bytes\": %.0f}", e->bytes);
+    fprintf(f, "}");
+  }
+  fprintf(f, "\n], \"otherData\": {\"dropped_events\": %zu}}\n", tr.dropped);
+  if (fclose(f)) fprintf(stderr, "rtp: RTP_TRACE: writing %s failed\n", path);
+}
+
+/* A forked child traces only what it runs itself. */
+static void trace_reset(void) {
+  tr.n = 0;
+  tr.dropped = 0;
+}
+
+bool rtp__trace_on(void) {
+  if (tr.on < 0) {
+    pthread_mutex_lock(&tr.mu);
+    if (tr.on < 0) {
+      const char *v = getenv("RTP_TRACE");
+      bool on = v && *v && strlen(v) < sizeof(tr.prefix);
+      if (on) {
+        snprintf(tr.prefix, sizeof(tr.prefix), "%s", v);
+        atexit(trace_write);
+        pthread_atfork(NULL, NULL, trace_reset);
+      }
+      __atomic_store_n(&tr.on, on ? 1 : 0, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&tr.mu);
+  }
+  return __atomic_load_n(&tr.on, __ATOMIC_ACQUIRE) > 0;
+}
+
+/* Names are quoted in JSON as they are: anything that would need escaping becomes '_'. */
+static void copy_name(char *dst, size_t n, const char *src) {
+  size_t i = 0;
+  for (; src[i] && i + 1 < n; i++) {
+    char c = src[i];
+    dst[i] = c == '"' || c == '\\' || (unsigned char)c < 32 ? '_' : c;
+  }
+  dst[i] = 0;
+}
+
+void rtp__trace_span(int lane, const struct rtp_tensor *t, const char *cat, double t0,
+                     double t1) {
+  pthread_mutex_lock(&tr.mu);
+  if (tr.n == tr.cap && tr.cap < TRACE_MAX_EVENTS) {
+    size_t cap = tr.cap ? 2 * tr.cap : 4096;
+    struct trace_event *ev = realloc(tr.ev, cap * sizeof(*ev));
+    if (ev) {
+      tr.ev = ev;
+      tr.cap = cap;
+    }
+  }
+  if (tr.n < tr.cap) {
+    struct trace_event *e = &tr.ev[tr.n++];
+    char what[sizeof(e->name)];
+    if (t->op == RTP_OP_COMM)
+      rtp__comm_node_describe(t, what, sizeof(what));
+    else
+      snprintf(what, sizeof(what), "%s", t->name[0] ? t->name : rtp_op_name(t->op));
+    copy_name(e->name, sizeof(e->name), what);
+    e->cat = cat;
+    e->ts = 1e6 * t0;
+    e->dur = t1 > t0 ? 1e6 * (t1 - t0) : 0;
+    e->bytes = t->op == RTP_OP_COMM ? rtp__comm_node_bytes(t) : 0;
+    e->lane = lane;
+  } else {
+    tr.dropped++;
+  }
+  pthread_mutex_unlock(&tr.mu);
+}
