@@ -38,6 +38,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench-util.h"
 #include "gpt.h"
 #include "rtp-impl.h"
 #include "rtp.h"
@@ -58,33 +59,6 @@ static enum rtp_type comm_type_of(const struct opts *o, enum rtp_strategy s) {
   return s == RTP_STRATEGY_RTP ? o->comm_type : RTP_TYPE_F32;
 }
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-/* VmHWM or VmRSS from /proc/self/status, in bytes. */
-static size_t proc_bytes(const char *key) {
-  FILE *f = fopen("/proc/self/status", "r");
-  char line[256];
-  size_t kb = 0;
-  while (f && fgets(line, sizeof(line), f))
-    if (strncmp(line, key, strlen(key)) == 0)
-      kb = (size_t)strtoull(line + strlen(key) + 1, NULL, 10);
-  if (f) fclose(f);
-  return kb * 1024;
-}
-
-/* Restarts VmHWM at the current RSS, so that a strategy run after another in the same
- * process reports its own peak (Linux >= 4.0; where it fails the peak is the process's). */
-static void reset_peak(void) {
-  FILE *f = fopen("/proc/self/clear_refs", "w");
-  if (!f) return;
-  fputs("5", f);
-  fclose(f);
-}
-
 static void die(const char *what) {
   fprintf(stderr, "bench-parallel: %s: %s\n", what, rtp_last_error());
   exit(1);
@@ -96,12 +70,6 @@ static double bytes_sent(const struct rtp_graph *g) {
   for (int i = 0; i < g->n_nodes; i++)
     if (g->nodes[i]->op == RTP_OP_COMM) b += rtp__comm_node_bytes(g->nodes[i]);
   return b;
-}
-
-/* Median of the measured step times. */
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
 }
 
 struct result {
@@ -124,11 +92,11 @@ static int replay_step(struct rtp_graph *g, struct rtp_comm *comm) {
 static double comm_only_s(struct rtp_graph *g, struct rtp_comm *comm, int n) {
   double times[64];
   for (int s = 0; s <= n; s++) {
-    double t0 = now_s();
+    double t0 = bench_now_s();
     if (replay_step(g, comm)) die("replay");
-    if (s > 0) times[s - 1] = now_s() - t0;
+    if (s > 0) times[s - 1] = bench_now_s() - t0;
   }
-  qsort(times, (size_t)n, sizeof(double), cmp_double);
+  qsort(times, (size_t)n, sizeof(double), bench_cmp_double);
   return times[n / 2];
 }
 
@@ -143,11 +111,11 @@ static double comm_estimate_s(struct rtp_comm *comm, double sent) {
   }
   memset(a, 1, bytes);
   int r = rtp_comm_rank(comm), N = rtp_comm_size(comm);
-  double t0 = now_s();
+  double t0 = bench_now_s();
   for (int k = 0; k < 4; k++)
     if (rtp_comm_sendrecv(comm, a, bytes, (r + 1) % N, b, bytes, (r + N - 1) % N, NULL))
       die("sendrecv");
-  double bw = 4.0 * (double)bytes / (now_s() - t0);
+  double bw = 4.0 * (double)bytes / (bench_now_s() - t0);
   free(a);
   free(b);
   return sent / bw;
@@ -170,7 +138,7 @@ static void run_setup(const struct opts *o, enum rtp_strategy strategy, struct r
                       struct run *u) {
   memset(u, 0, sizeof(*u));
   u->strategy = strategy;
-  u->baseline = proc_bytes("VmRSS:");
+  u->baseline = bench_proc_bytes("VmRSS:");
   struct rtp_init_params meta_ip = {.mem_size = 64 << 20, .no_alloc = true};
   u->meta = rtp_context_new(meta_ip);
   struct gpt m;
@@ -205,17 +173,17 @@ static void run_setup(const struct opts *o, enum rtp_strategy strategy, struct r
 
 /* One training step; `timed` false for the warm-up. */
 static void run_step(struct run *u, struct rtp_threadpool *tp, bool timed) {
-  double t0 = now_s();
+  double t0 = bench_now_s();
   if (rtp_graph_compute(u->g, tp) || rtp_optimizer_step(u->opt, tp)) die("step");
-  if (timed && u->n_times < 64) u->times[u->n_times++] = now_s() - t0;
+  if (timed && u->n_times < 64) u->times[u->n_times++] = bench_now_s() - t0;
 }
 
 /* The median step, bytes and memory, then communication alone; frees the run. */
 static struct result run_finish(struct run *u, struct rtp_comm *comm) {
-  struct result res = {.baseline = u->baseline, .peak = proc_bytes("VmHWM:")};
+  struct result res = {.baseline = u->baseline, .peak = bench_proc_bytes("VmHWM:")};
   memcpy(res.steps, u->times, sizeof(res.steps));
   res.n_steps = u->n_times;
-  qsort(u->times, (size_t)u->n_times, sizeof(double), cmp_double);
+  qsort(u->times, (size_t)u->n_times, sizeof(double), bench_cmp_double);
   res.step_s = u->times[u->n_times / 2];
   res.sent = bytes_sent(u->g);
   rtp_mem_report_get(u->ctx, &res.mem);
@@ -384,7 +352,7 @@ static int run_env(struct opts *o) {
   if (rank == 0) print_result(o, "none", 1, &one, compute_s);
   for (int k = 0; k < o->n_list; k++) {
     if (k > 0) compute_s = compute_only_s(o, comm, &one);
-    reset_peak();
+    bench_reset_peak();
     struct result res = run_rank(o, o->list[k], comm);
     if (rank == 0) print_result(o, rtp_strategy_name(o->list[k]), o->ranks, &res, compute_s);
   }
@@ -394,15 +362,7 @@ static int run_env(struct opts *o) {
 
 static int parse_model(struct opts *o, const char *v) {
   o->model = v;
-  if (!strcmp(v, "small"))
-    o->cfg = gpt_config_small();
-  else if (!strcmp(v, "medium"))
-    o->cfg = gpt_config_medium();
-  else if (!strcmp(v, "tiny"))
-    o->cfg = (struct gpt_config){256, 64, 128, 2, 4};
-  else
-    return -1;
-  return 0;
+  return bench_model(v, &o->cfg);
 }
 
 /* --strategies into o->list; -1 on an unknown name or too many. */

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # bench-parallel runs every strategy on 2 local ranks, one at a time and interleaved, and
 # prints one well-formed JSON line per strategy (numbers are not checked: no timing here);
-# bench/targets.py summarises a round of them as the goals. Usage: test-bench.sh BENCH_PARALLEL
+# bench/targets.py summarises a round of them as the goals; bench-pipeline prints a line per
+# layout on 4 ranks (below). Usage: test-bench.sh BENCH_PARALLEL
 set -euo pipefail
 bench=$1
 scratch=$(mktemp -d)
@@ -58,4 +59,29 @@ assert goals["step_over_max_1gbit"]["measured"] is False  # no --netns
 mem = [l for l in lines if l.get("memory")]
 assert len(mem) == 1 and mem[0]["rtp_peak_rss"] > 0, mem
 print(f"targets.py: {len(lines)} lines ok")
+PY
+
+# bench-pipeline: 4 local ranks under rtp-run, each layout once on the tiny model: a
+# well-formed line per layout and the summary; flat layouts have no bubble, the pipelines
+# 2 stages of 2 ranks with the schedule's theory beside what they measured.
+"$build/tools/rtp-run" -n 4 -- "$(dirname "$bench")/bench-pipeline" --model tiny \
+  --global-batch 8 --micro-batches 2 --steps 1 | sed 's/^\[0\] //' > "$scratch/pp.jsonl"
+/usr/bin/python3 - "$scratch/pp.jsonl" <<'PY'
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1])]
+layouts = [l["layout"] for l in lines if "layout" in l]
+assert layouts == ["rtp", "fsdp", "ddp", "pp2-rtp", "pp2-fsdp"], layouts
+for l in lines:
+    if "layout" not in l:
+        continue
+    assert l["tokens_per_s"] > 0 and l["peak_rss_max"] > 0 and len(l["peak_rss"]) == 4, l
+    assert l["slow_link_bytes_per_step"] is None, l  # no RTP_BENCH_NIC
+    if l["stages"] == 1:
+        assert l["bubble"] == 0 and l["bubble_theory"] == 0, l
+    else:
+        assert l["per_stage"] == 2 and abs(l["bubble_theory"] - 1 / 3) < 1e-4, l
+        assert 0 < l["bubble"] < 1, l
+summary = [l for l in lines if l.get("summary")]
+assert len(summary) == 1 and summary[0]["pp2_rtp_vs_best_flat_tokens"] > 0, summary
+print(f"bench-pipeline: {len(lines)} lines ok")
 PY
