@@ -9,7 +9,8 @@
  *   tokens_per_s, step_ms (median) and steps_ms (all), over the whole job;
  *   bubble: the fraction of a step each rank's graph waited on the pipe (rtp_graph_timing
  *     _get on the pipe group: its stage's idle time), the median over steps of the mean
- *     over ranks, next to bubble_theory = (S - 1) / (M + S - 1);
+ *     over ranks, next to bubble_theory = (S - 1) / (M + S - 1), and other_waits, the
+ *     fraction it waited on its other transfers (the strategy's, inside its stage);
  *   slow_link_bytes_per_step: what the hosts' NICs sent (RTP_BENCH_NIC, e.g. eth0 in a
  *     namespace, read from /sys by each host's first rank, RTP_LOCAL_RANK 0), summed over
  *     hosts; null without RTP_BENCH_NIC;
@@ -45,7 +46,7 @@ struct layout {
 };
 
 struct result {
-  double steps[MAX_STEPS], bubbles[MAX_STEPS];
+  double steps[MAX_STEPS], bubbles[MAX_STEPS], others[MAX_STEPS];
   int n;
   double nic_bytes; /* this host's NIC, over the timed steps; 0 on a host's other ranks */
   size_t peak;
@@ -153,9 +154,12 @@ static struct result run_layout(const struct opts *o, const struct layout *l,
     if (rtp_graph_compute(u.g, tp) || rtp_optimizer_step(u.opt, tp)) die("step");
     if (s < 0) continue;
     r.steps[s] = bench_now_s() - t0;
-    struct rtp_graph_timing t;
-    if (rtp_graph_timing_get(u.g, u.pipe, &t)) die("timing");
-    r.bubbles[s] = u.pipe && t.wall_s > 0 ? t.wait_s / t.wall_s : 0;
+    struct rtp_graph_timing pipe, all;
+    if (rtp_graph_timing_get(u.g, u.pipe, &pipe) || rtp_graph_timing_get(u.g, NULL, &all))
+      die("timing");
+    if (!u.pipe) pipe.wait_s = 0;
+    r.bubbles[s] = all.wall_s > 0 ? pipe.wait_s / all.wall_s : 0;
+    r.others[s] = all.wall_s > 0 ? (all.wait_s - pipe.wait_s) / all.wall_s : 0;
   }
   if (rtp_comm_barrier(job, NULL)) die("barrier");
   double tx1 = nic_tx_bytes();
@@ -167,7 +171,7 @@ static struct result run_layout(const struct opts *o, const struct layout *l,
 
 /* Every rank's bubbles, NIC bytes and peak, gathered; rank 0 prints. */
 struct report {
-  double step_s, bubble, nic_per_step, peak_max, tokens_per_s;
+  double step_s, bubble, other_waits, nic_per_step, peak_max, tokens_per_s;
   double peaks[64];
 };
 
@@ -175,25 +179,32 @@ static struct report gather(const struct opts *o, struct rtp_comm *job,
                             const struct result *r) {
   int world = rtp_comm_size(job), rank = rtp_comm_rank(job);
   struct report rep = {.step_s = bench_median(r->steps, r->n)};
-  /* per rank: bubbles of each step, NIC bytes, peak */
-  size_t per = MAX_STEPS + 2;
+  /* per rank: bubbles and other waits of each step, NIC bytes, peak */
+  size_t per = 2 * MAX_STEPS + 2, nic_at = 2 * MAX_STEPS, peak_at = nic_at + 1;
   float *all = calloc((size_t)world * per, sizeof(float));
   if (!all) die("out of memory");
   float *mine = all + (size_t)rank * per;
-  for (int s = 0; s < r->n; s++) mine[s] = (float)r->bubbles[s];
-  mine[MAX_STEPS] = (float)r->nic_bytes;
-  mine[MAX_STEPS + 1] = (float)r->peak;
+  for (int s = 0; s < r->n; s++) {
+    mine[s] = (float)r->bubbles[s];
+    mine[MAX_STEPS + s] = (float)r->others[s];
+  }
+  mine[nic_at] = (float)r->nic_bytes;
+  mine[peak_at] = (float)r->peak;
   if (rtp_comm_allgather(job, all, (size_t)world, per * sizeof(float), NULL)) die("gather");
-  double bubbles[MAX_STEPS] = {0}, nic = 0;
+  double bubbles[MAX_STEPS] = {0}, others[MAX_STEPS] = {0}, nic = 0;
   for (int k = 0; k < world; k++) {
     const float *v = all + (size_t)k * per;
-    for (int s = 0; s < r->n; s++) bubbles[s] += v[s] / world;
-    nic += v[MAX_STEPS];
-    if (k < 64) rep.peaks[k] = v[MAX_STEPS + 1];
-    if (v[MAX_STEPS + 1] > rep.peak_max) rep.peak_max = v[MAX_STEPS + 1];
+    for (int s = 0; s < r->n; s++) {
+      bubbles[s] += v[s] / world;
+      others[s] += v[MAX_STEPS + s] / world;
+    }
+    nic += v[nic_at];
+    if (k < 64) rep.peaks[k] = v[peak_at];
+    if (v[peak_at] > rep.peak_max) rep.peak_max = v[peak_at];
   }
   free(all);
   rep.bubble = bench_median(bubbles, r->n);
+  rep.other_waits = bench_median(others, r->n);
   rep.nic_per_step = nic / r->n;
   rep.tokens_per_s = (double)o->global_batch * o->cfg.seq_len / rep.step_s;
   return rep;
@@ -213,13 +224,13 @@ static void print_layout(const struct opts *o, const struct layout *l, int world
       "{\"bench\":\"pipeline\",\"model\":\"%s\",\"net\":\"%s\",\"layout\":\"%s\","
       "\"stages\":%d,\"per_stage\":%d,\"strategy\":\"%s\",\"schedule\":\"%s\","
       "\"micro_batches\":%d,\"global_batch\":%d,\"threads\":%d,\"step_ms\":%.1f,"
-      "\"tokens_per_s\":%.1f,\"bubble\":%.4f,\"bubble_theory\":%.4f,"
+      "\"tokens_per_s\":%.1f,\"bubble\":%.4f,\"bubble_theory\":%.4f,\"other_waits\":%.4f,"
       "\"slow_link_bytes_per_step\":%s,\"peak_rss_max\":%.0f,\"peak_rss\":[%s],"
       "\"steps_ms\":[%s]}\n",
       o->model, o->net, l->name, l->stages, world / l->stages, rtp_strategy_name(l->strategy),
       l->stages > 1 ? o->schedule : "none", M, o->global_batch, o->threads, rep->step_s * 1e3,
-      rep->tokens_per_s, rep->bubble, (double)(l->stages - 1) / (M + l->stages - 1), nic,
-      rep->peak_max, peaks, steps);
+      rep->tokens_per_s, rep->bubble, (double)(l->stages - 1) / (M + l->stages - 1),
+      rep->other_waits, nic, rep->peak_max, peaks, steps);
   fflush(stdout);
 }
 

@@ -1,13 +1,18 @@
 #!/usr/bin/env python3
-"""PyTorch's side of bench-parallel: the same reference model (DESIGN.md section 6), batch
-and threads, trained with torch.distributed (gloo) DDP or FSDP on N local processes.
-Prints one JSON line per strategy with tokens/s over all ranks, step time and rank 0's
-peak resident memory, so `bench-parallel` and this script can be compared in one run.
+"""PyTorch's side of bench-parallel and bench-pipeline: the same reference model
+(DESIGN.md section 6), batch and threads, trained with torch.distributed (gloo) DDP or FSDP
+on N local processes, or as a pipeline ("ppS-fsdp": torch.distributed.pipelining's
+Schedule1F1B over S stages of N/S ranks, FSDP2 inside each stage, --micro-batches M, the
+global batch N/S x --batch). Prints one JSON line per strategy with tokens/s over all
+ranks, step time and peak resident memory (rank 0's, and for pipelines every rank's), so
+the benchmarks and this script can be compared in one run.
 
-    /usr/bin/python3 bench/torch-parallel.py [--model small] [--ranks 2] [--batch 8]
-                                             [--threads 1] [--steps 5] [--strategies ddp,fsdp]
+    python3 bench/torch-parallel.py [--model small] [--ranks 2] [--batch 8] [--threads 1]
+                                    [--steps 5] [--strategies ddp,fsdp,pp2-fsdp]
+                                    [--micro-batches 4]
 
-Runs only where torch is installed (Debian's python3-torch); exits 77 otherwise.
+Runs only where torch is installed (Debian's python3-torch; pipelines need torch >= 2.4
+from PyPI, in a venv); exits 77 without torch, and a pipeline line says why it cannot run.
 """
 import argparse
 import json
@@ -52,11 +57,97 @@ def fsdp(model, ranks):
     return fully_shard(model, mesh=mesh)
 
 
+def pipeline_stage(model, s, S):
+    """Stage s of S of the model as a module: the embeddings with the first, the final norm
+    and the head with the last, the blocks split evenly (as rtp's cut of equal blocks)."""
+    blocks = list(model.transformer.h)
+    per = len(blocks) // S
+    mine = nn.ModuleList(blocks[s * per:(s + 1) * per if s < S - 1 else len(blocks)])
+
+    class Stage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.h = mine
+            if s == 0:
+                self.wte, self.wpe = model.transformer.wte, model.transformer.wpe
+            if s == S - 1:
+                self.ln_f, self.lm_head = model.transformer.ln_f, model.lm_head
+
+        def forward(self, x):
+            if s == 0:
+                x = self.wte(x) + self.wpe(torch.arange(x.shape[1]))
+            for block in self.h:
+                x = block(x)
+            return self.lm_head(self.ln_f(x)) if s == S - 1 else x
+
+    return Stage()
+
+
+def pipeline_main(rank, args, S, T, out):
+    """One rank of S stages x D ranks: FSDP2 over the stage's D ranks, 1F1B over the pipe."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    D = args.ranks // S
+    mesh = init_device_mesh("cpu", (S, D), mesh_dim_names=("pp", "dp"))
+    s = rank // D
+    torch.manual_seed(0)
+    stage = pipeline_stage(GPT(vocab=256, **CONFIGS[args.model]), s, S)
+    if D > 1:
+        for block in stage.h:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(stage, mesh=mesh["dp"])
+    pipe = PipelineStage(stage, s, S, torch.device("cpu"), group=mesh["pp"].get_group())
+    sched = Schedule1F1B(pipe, n_microbatches=args.micro_batches, loss_fn=mean_loss)
+    opt = torch.optim.Adam(stage.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8)
+    idx = torch.randint(0, 256, (args.batch, T))
+    tgt = torch.randint(0, 256, (args.batch, T))
+    times = []
+    for step in range(args.steps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        if s == 0:
+            sched.step(idx)
+        elif s == S - 1:
+            sched.step(target=tgt, losses=[])
+        else:
+            sched.step()
+        opt.step()
+        if step > 0:
+            times.append(time.perf_counter() - t0)
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])
+    peaks = [torch.zeros(1) for _ in range(args.ranks)]
+    dist.all_gather(peaks, peak)
+    times.sort()
+    return times[len(times) // 2], [int(p.item()) for p in peaks], D
+
+
 def rank_main(rank, args, strategy, port, out):
     torch.set_num_threads(args.threads)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
+    T = CONFIGS[args.model]["seq_len"]
+    if strategy.startswith("pp"):
+        S = int(strategy[2:].split("-")[0])
+        try:
+            step_s, peaks, D = pipeline_main(rank, args, S, T, out)
+        except Exception as e:  # older torch: no pipelining, or no FSDP2
+            if rank == 0:
+                out.put(dict(bench="torch-parallel", strategy=strategy, error=repr(e)[:300],
+                             torch=torch.__version__))
+            return
+        if rank == 0:
+            out.put(dict(bench="torch-parallel", model=args.model, strategy=strategy,
+                         ranks=args.ranks, stages=S, per_stage=D, batch=args.batch,
+                         micro_batches=args.micro_batches, global_batch=D * args.batch,
+                         threads=args.threads, step_ms=round(step_s * 1e3, 1),
+                         tokens_per_s=round(D * args.batch * T / step_s, 1),
+                         peak_rss=peaks[0], peak_rss_max=max(peaks), peak_rss_ranks=peaks,
+                         torch=torch.__version__))
+        dist.destroy_process_group()
+        return
     torch.manual_seed(0)
     model = GPT(vocab=256, **CONFIGS[args.model])
     if strategy == "ddp":
@@ -69,7 +160,6 @@ def rank_main(rank, args, strategy, port, out):
                 out.put(dict(bench="torch-parallel", strategy=strategy, error=repr(e)[:200]))
             return
     opt = torch.optim.Adam(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8)
-    T = CONFIGS[args.model]["seq_len"]
     idx = torch.randint(0, 256, (args.batch, T))
     tgt = torch.randint(0, 256, (args.batch, T))
     times = []
@@ -100,6 +190,7 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--strategies", default="ddp,fsdp")
+    ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--master-port", type=int, default=29700)
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
