@@ -425,7 +425,9 @@ int rtp_graph_compute(struct rtp_graph *g, struct rtp_threadpool *tp) {
   }
   struct graph_job job;
   if ((rc = job_init(&job, g, mplan))) return rc;
+  double w0 = job.trace ? rtp__trace_now() : 0;
   rtp__threadpool_run(tp, compute_job, &job);
+  if (job.trace) rtp__trace_graph(g, w0, rtp__trace_now());
   free(job.fl);
   mplan->wall_s = prof_now() - t0;
   if (job.comm_status) return job.comm_status; /* the transport set the message */

@@ -267,5 +267,7 @@ double rtp__trace_now(void);
 /* Node t's span [t0, t1] (seconds) on lane 0 (compute and waits) or 1 (transfers). */
 void rtp__trace_span(int lane, const struct rtp_tensor *t, const char *cat, double t0,
                      double t1);
+/* A whole rtp_graph_compute of g, on lane 2. */
+void rtp__trace_graph(const struct rtp_graph *g, double t0, double t1);
 
 #endif /* RTP_IMPL_H */

@@ -2,7 +2,8 @@
  * rtp-trace.c - RTP_TRACE=PREFIX: what the CPU executor ran, as Chrome trace events.
  *
  * Thread 0 of every rtp_graph_compute records each node it runs and each wait for a
- * transfer on lane 0, and each transfer (posted to waited-for) on lane 1, in wall-clock
+ * transfer on lane 0, each transfer (posted to waited-for) on lane 1 and the compute as
+ * a whole on lane 2, in wall-clock
  * microseconds so that the ranks of a job on one machine line up. At exit the process
  * writes PREFIX.<rank>.json (RTP_RANK, else the pid) in the Trace Event Format, which
  * chrome://tracing and Perfetto open; scripts/trace-merge puts a job's files in one.
@@ -26,6 +27,7 @@ struct trace_event {
   double ts, dur; /* microseconds */
   double bytes;   /* transfers; 0 otherwise */
   int lane;
+  const void *group; /* a transfer's communicator; NULL otherwise */
 };
 
 static struct {
@@ -65,15 +67,21 @@ static void trace_write(void) {
           "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": %d, \"tid\": 0, \"args\": "
           "{\"name\": \"compute\"}},\n"
           "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": %d, \"tid\": 1, \"args\": "
-          "{\"name\": \"transfers\"}}",
-          pid, pid);
+          "{\"name\": \"transfers\"}},\n"
+          "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": %d, \"tid\": 2, \"args\": "
+          "{\"name\": \"graphs\"}}",
+          pid, pid, pid);
+  const void *groups[64] = {0}; /* communicators, numbered in the order first seen */
   for (size_t i = 0; i < tr.n; i++) {
     const struct trace_event *e = &tr.ev[i];
     fprintf(f,
             ",\n{\"name\": \"%s\", \"cat\": \"%s\", \"ph\": \"X\", \"pid\": %d, \"tid\": %d, "
             "\"ts\": %.3f, \"dur\": %.3f",
             e->name, e->cat, pid, e->lane, e->ts, e->dur);
-    if (e->bytes > 0) fprintf(f, ", \"args\": {\"bytes\": %.0f}", e->bytes);
+    int g = 0;
+    while (e->group && g < 63 && groups[g] && groups[g] != e->group) g++;
+    if (e->group && !groups[g]) groups[g] = e->group;
+    if (e->group) fprintf(f, ", \"args\": {\"bytes\": %.0f, \"group\": %d}", e->bytes, g);
     fprintf(f, "}");
   }
   fprintf(f, "\n], \"otherData\": {\"dropped_events\": %zu}}\n", tr.dropped);
@@ -114,8 +122,9 @@ static void copy_name(char *dst, size_t n, const char *src) {
   dst[i] = 0;
 }
 
-void rtp__trace_span(int lane, const struct rtp_tensor *t, const char *cat, double t0,
-                     double t1) {
+/* Appends one span; past TRACE_MAX_EVENTS it is counted as dropped. */
+static void trace_event(int lane, const char *name, const char *cat, double t0, double t1,
+                        double bytes, const void *group) {
   pthread_mutex_lock(&tr.mu);
   if (tr.n == tr.cap && tr.cap < TRACE_MAX_EVENTS) {
     size_t cap = tr.cap ? 2 * tr.cap : 4096;
@@ -127,19 +136,33 @@ void rtp__trace_span(int lane, const struct rtp_tensor *t, const char *cat, doub
   }
   if (tr.n < tr.cap) {
     struct trace_event *e = &tr.ev[tr.n++];
-    char what[sizeof(e->name)];
-    if (t->op == RTP_OP_COMM)
-      rtp__comm_node_describe(t, what, sizeof(what));
-    else
-      snprintf(what, sizeof(what), "%s", t->name[0] ? t->name : rtp_op_name(t->op));
-    copy_name(e->name, sizeof(e->name), what);
+    copy_name(e->name, sizeof(e->name), name);
     e->cat = cat;
     e->ts = 1e6 * t0;
     e->dur = t1 > t0 ? 1e6 * (t1 - t0) : 0;
-    e->bytes = t->op == RTP_OP_COMM ? rtp__comm_node_bytes(t) : 0;
+    e->bytes = bytes;
     e->lane = lane;
+    e->group = group;
   } else {
     tr.dropped++;
   }
   pthread_mutex_unlock(&tr.mu);
+}
+
+void rtp__trace_span(int lane, const struct rtp_tensor *t, const char *cat, double t0,
+                     double t1) {
+  char what[64];
+  if (t->op == RTP_OP_COMM)
+    rtp__comm_node_describe(t, what, sizeof(what));
+  else
+    snprintf(what, sizeof(what), "%s", t->name[0] ? t->name : rtp_op_name(t->op));
+  bool comm = t->op == RTP_OP_COMM;
+  trace_event(lane, what, cat, t0, t1, comm ? rtp__comm_node_bytes(t) : 0,
+              comm ? rtp__comm_node_comm(t) : NULL);
+}
+
+void rtp__trace_graph(const struct rtp_graph *g, double t0, double t1) {
+  char what[64];
+  snprintf(what, sizeof(what), "graph of %d nodes", g->n_nodes);
+  trace_event(2, what, "graph", t0, t1, 0, NULL);
 }
