@@ -459,8 +459,8 @@ TEST(TrainGptPipeline, ReadmeCommand) {
 }
 
 // RTP_TRACE: every rank of a pipelined run writes its Chrome trace (its compute, waits and
-// transfers, the pipe's sends and recvs among them), and scripts/trace-merge puts the
-// four in one file with a line per rank.
+// transfers, the pipe's sends and recvs among them), scripts/trace-merge puts the four in
+// one file with a line per rank, and scripts/trace-timeline draws a step of it.
 TEST(TrainGptPipeline, TraceShowsEveryRank) {
   std::string prefix = tmp_dir() + "trace", merged = prefix + ".json";
   ASSERT_EQ(std::system(("rm -f " + quote(prefix) + ".*").c_str()), 0);
@@ -480,6 +480,14 @@ TEST(TrainGptPipeline, TraceShowsEveryRank) {
   EXPECT_EQ(lines(m.out).size(), 5u) << m.out;
   EXPECT_NE(m.out.find("events from 4 ranks"), std::string::npos) << m.out;
   EXPECT_NE(slurp(merged).find("\"traceEvents\""), std::string::npos);
+  std::string svg = tmp_dir() + "trace.svg";
+  Result t = run({RTP_TEST_DIR "/../scripts/trace-timeline", merged, svg});
+  ASSERT_EQ(t.code, 0) << t.err;
+  std::string pic = slurp(svg);
+  for (int rank = 0; rank < 4; rank++)  // a row per rank, with its bubble
+    EXPECT_NE(pic.find(">rank " + std::to_string(rank) + ": bubble 0."), std::string::npos)
+        << rank;
+  EXPECT_NE(pic.find("fill=\"#d62728\""), std::string::npos) << "no wait on the pipe drawn";
 }
 
 // A pipeline's export is the model it evaluated, and its eval loss, decoding and
