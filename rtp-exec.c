@@ -287,7 +287,7 @@ static void compute_job(const struct rtp_compute_params *base, void *arg) {
   for (int i = 0; i < g->n_nodes; i++) {
     struct rtp_tensor *t = g->nodes[i];
     if (rtp__is_view_op(t->op)) continue;
-    double t0 = timed ? job_now(job) : 0, wait0 = job->waited;
+    double t0 = timed ? job_now(job) : 0, wait0 = timed ? job->waited : 0;
     if (t->op == RTP_OP_COMM) {
       if (p.ith == 0) comm_post(job, t);
     } else {
