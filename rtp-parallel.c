@@ -478,7 +478,10 @@ struct rtp_parallel *rtp_parallel_new(struct rtp_context *ctx, const struct rtp_
       pp->pipe_comm && rtp_comm_size(pp->pipe_comm) > 1 ? pp->pipe_comm : NULL;
   int graph_size = pp->graph_size > 0 ? pp->graph_size : 16384 * M;
   int rc = world > 1 || pipe ? check_same_model(p, pipe, pp->schedule) : RTP_OK;
-  if (!rc && (pipe || pp->recompute)) {
+  /* One stage takes the pipeline's path where it needs its segments: for recomputation,
+   * or for zeropp's units (its weights move once per unit of micro-batches). */
+  bool units = pp->schedule == RTP_SCHEDULE_ZEROPP && pp->unit > 1;
+  if (!rc && (pipe || pp->recompute || units)) {
     p->phases = 2 * M;
     rc = rtp__pipeline_build(p, pipe, pp->schedule, pp->unit, pp->recompute, pp->stage_blocks,
                              graph_size);

@@ -299,7 +299,7 @@ static int unit_forward(struct rtp_parallel *p, struct rtp_pipe *pp, int u) {
   int m0 = u * pp->U, m1 = m0 + pp->U, rc = RTP_OK;
   for (int m = m0; m < m1 && !rc; m++) rc = rtp__stage_forward_begin(p, pp, m);
   for (int q = pp->seg_lo; q <= pp->seg_hi && !rc; q++)
-    for (int m = m0; m < m1 && !rc; m++) rc = rtp__stage_forward_segment(p, pp, m, q);
+    rc = rtp__stage_forward_segment(p, pp, m0, m1, q);
   for (int m = m0; m < m1 && !rc; m++) rc = rtp__stage_forward_end(p, pp, m);
   return rc;
 }
@@ -308,7 +308,7 @@ static int unit_backward(struct rtp_parallel *p, struct rtp_pipe *pp, int u) {
   int m0 = u * pp->U, m1 = m0 + pp->U, rc = RTP_OK;
   for (int m = m0; m < m1 && !rc; m++) rc = rtp__stage_backward_begin(p, pp, m);
   for (int q = pp->seg_hi; q >= pp->seg_lo && !rc; q--)
-    for (int m = m0; m < m1 && !rc; m++) rc = rtp__stage_backward_segment(p, pp, m, q);
+    rc = rtp__stage_backward_segment(p, pp, m0, m1, q);
   for (int m = m0; m < m1 && !rc; m++) rc = rtp__stage_backward_end(p, pp, m);
   return rc;
 }

@@ -395,6 +395,7 @@ static void rot_optimizer(const struct rtp_parallel *p, struct rtp_optimizer *op
 
 const struct rtp_strategy_i rtp__strategy_rtp = {
     .name = "rtp",
+    .unit_ops = true,
     .prepare = rot_prepare,
     .shard = rot_shard,
     .micro = rot_micro,

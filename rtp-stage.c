@@ -9,7 +9,9 @@
  * a later stage sent back, or the loss (rtp__graph_build_backward_seeded), and the
  * schedule can order segments and micro-batches as it likes: ZeroPP runs a unit's
  * micro-batches through one segment before the next, so a stage gathers each block once
- * per unit. With recompute, a segment's forward is built again just before its backward,
+ * per unit; under rtp they go through each op that reads a parameter together, so each
+ * block rotates once per unit (clone_unit_op), and their backward is built at once. With
+ * recompute, a segment's forward is built again just before its backward,
  * from its placeholders, and the backward reads that copy: the first forward's
  * activations die as soon as the next segment has read its inputs.
  */
@@ -79,36 +81,152 @@ static bool crosses(const struct rtp_pipe *pp, int j, int q) {
   return pp->node_stage[j] != pp->s || pp->node_seg[j] != q;
 }
 
-/* Segment q's nodes of micro-batch m cloned into p->map (the micro-batch's map, or a copy
- * for a recomputation), each reading earlier segments through placeholders. */
-static int clone_segment(struct rtp_parallel *p, struct rtp_pipe *pp, int m, int q) {
+/* What segment q of micro-batch m reads for entry `row` of its map: the entry, or its
+ * placeholder when an earlier segment or stage made it; NULL if out of memory. */
+static struct rtp_tensor *read_of(struct rtp_parallel *p, struct rtp_pipe *pp, int m, int q,
+                                  int row, struct rtp_tensor **map) {
+  if (row >= p->src->n_nodes || !crosses(pp, row, q)) return map[row];
+  struct rtp_xing *x = xing(p, pp, m, row, q);
+  return x ? x->ph : NULL;
+}
+
+/* Node i of micro-batch m cloned into `map`, reading earlier segments through
+ * placeholders. */
+static int clone_one(struct rtp_parallel *p, struct rtp_pipe *pp, int m, int q, int i,
+                     struct rtp_tensor **map) {
+  const struct rtp_tensor *t = p->src->nodes[i];
+  int swapped[RTP_MAX_SRC], n = 0, rc = RTP_OK;
+  struct rtp_tensor *saved[RTP_MAX_SRC];
+  p->map = map;
+  for (int k = 0; k < RTP_MAX_SRC && !rc; k++) {
+    const struct rtp_tensor *u = t->src[k];
+    int j = u && u->op != RTP_OP_NONE ? rtp__graph_index(p->src, u) : -1;
+    if (j < 0 || !crosses(pp, j, q)) continue;
+    bool seen = false;
+    for (int e = 0; e < n; e++) seen |= swapped[e] == j;
+    if (seen) continue;
+    struct rtp_tensor *ph = read_of(p, pp, m, q, j, map);
+    if (!ph) {
+      rc = rtp_context_error(p->ctx, NULL);
+      break;
+    }
+    swapped[n] = j;
+    saved[n++] = map[j];
+    map[j] = ph;
+  }
+  if (!rc) rc = rtp__parallel_clone_node(p, i);
+  for (int e = n - 1; e >= 0; e--) map[swapped[e]] = saved[e];
+  return rc;
+}
+
+/* The dimension a unit's inputs to node t stack along (a new outermost one), or -1 when
+ * t's micro-batches cannot go through it together: it reads no parameter, reads more than
+ * one other tensor (returned in *k), or that tensor fills every dimension (get_rows takes
+ * indices of up to 3). */
+static int unit_dim(const struct rtp_tensor *t, int *k) {
+  *k = -1;
+  if (!rtp__param_read(t)) return -1;
+  for (int s = 0; s < RTP_MAX_SRC; s++) {
+    if (!t->src[s] || rtp__param_leaf(t->src[s])) continue;
+    if (*k >= 0) return -1;
+    *k = s;
+  }
+  if (*k < 0) return -1;
+  const struct rtp_tensor *x = t->src[*k];
+  int top = RTP_MAX_DIMS - 1;
+  while (top > 0 && x->ne[top] == 1) top--;
+  return top + 1 < (t->op == RTP_OP_GET_ROWS ? 3 : RTP_MAX_DIMS) ? top + 1 : -1;
+}
+
+/* The unit's inputs xs[0..U) stacked along dimension d: the memory they already share when
+ * they are the consecutive parts of one node's result (the unit op before), else a copy. */
+static struct rtp_tensor *stack(struct rtp_context *ctx, struct rtp_tensor **xs, int U, int d) {
+  struct rtp_tensor *h = xs[0]->op == RTP_OP_VIEW ? xs[0]->src[0] : NULL;
+  size_t bytes = rtp_tensor_nbytes(xs[0]);
+  bool shared = h && rtp_tensor_is_contiguous(h) && rtp_tensor_nbytes(h) == bytes * (size_t)U;
+  for (int m = 0; m < U && shared; m++)
+    shared = xs[m]->op == RTP_OP_VIEW && xs[m]->src[0] == h &&
+             rtp_tensor_is_contiguous(xs[m]) &&
+             rtp__get_param_u64(xs[m], 0) == (uint64_t)m * bytes;
+  int64_t ne[4];
+  memcpy(ne, xs[0]->ne, sizeof(ne));
+  ne[d] *= U;
+  if (shared) {
+    size_t nb[4] = {rtp_type_size(h->type)};
+    for (int i = 1; i < 4; i++) nb[i] = nb[i - 1] * (size_t)ne[i - 1];
+    return rtp_view(ctx, h, RTP_MAX_DIMS, ne, nb, 0);
+  }
+  struct rtp_tensor *x = xs[0];
+  for (int m = 1; m < U && x; m++) x = rtp_concat(ctx, x, xs[m], d);
+  return x;
+}
+
+/* Node i (reading a parameter) for the unit's micro-batches m0 .. m0 + U - 1 at once: their
+ * inputs stacked, one node over them (rtp: one rotation of the parameter for them all), and
+ * each micro-batch's map entry its part of the result. */
+static int clone_unit_op(struct rtp_parallel *p, struct rtp_pipe *pp, int m0, int U, int q,
+                         int i, int k, int d, struct rtp_tensor **maps) {
+  const struct rtp_tensor *t = p->src->nodes[i];
+  size_t R = rows(p);
+  int row = rtp__parallel_index(p, t->src[k]), rc = RTP_OK;
+  struct rtp_tensor **xs = malloc(sizeof(*xs) * (size_t)U);
+  if (!xs) return rtp__ctx_error(p->ctx, RTP_ENOMEM, "pipeline: out of memory");
+  for (int m = 0; m < U && !rc; m++)
+    if (!(xs[m] = read_of(p, pp, m0 + m, q, row, maps + (size_t)m * R)))
+      rc = rtp_context_error(p->ctx, NULL);
+  struct rtp_tensor *x = rc ? NULL : stack(p->ctx, xs, U, d);
+  free(xs);
+  if (!rc && !x) rc = rtp_context_error(p->ctx, NULL);
+  if (rc) return rc;
+  struct rtp_tensor *saved = maps[row];
+  maps[row] = x;
+  p->map = maps;
+  rc = rtp__parallel_clone_node(p, i);
+  maps[row] = saved;
+  if (rc) return rc;
+  struct rtp_tensor *y = maps[i];
+  if (!rtp_tensor_is_contiguous(y) ||
+      rtp_tensor_nelements(y) != (int64_t)U * rtp_tensor_nelements(t))
+    return rtp__ctx_error(p->ctx, RTP_EINVAL, "pipeline: %s '%s' does not split by micro-batch",
+                          rtp_op_name(t->op), t->name);
+  size_t nb[4] = {rtp_type_size(t->type)}, bytes = rtp_tensor_nbytes(t);
+  for (int e = 1; e < 4; e++) nb[e] = nb[e - 1] * (size_t)t->ne[e - 1];
+  for (int m = 0; m < U; m++) { /* the flags (output, loss) go with each part */
+    struct rtp_tensor *v = rtp_view(p->ctx, y, RTP_MAX_DIMS, t->ne, nb, (size_t)m * bytes);
+    if (!v) return rtp_context_error(p->ctx, NULL);
+    v->flags |= t->flags & (RTP_FLAG_OUTPUT | RTP_FLAG_LOSS);
+    rtp_tensor_set_name(v, "%.50s.%d", t->name, m0 + m);
+    maps[(size_t)m * R + (size_t)i] = v;
+  }
+  y->flags &= ~(RTP_FLAG_OUTPUT | RTP_FLAG_LOSS);
+  return RTP_OK;
+}
+
+/* Segment q's nodes of micro-batches m0 .. m1 - 1 cloned into their maps (consecutive rows
+ * from `maps`: theirs, or copies for a recomputation), node by node. Under a strategy with
+ * unit_ops, each node that reads a parameter takes them together (clone_unit_op). */
+static int clone_segment(struct rtp_parallel *p, struct rtp_pipe *pp, int m0, int m1, int q,
+                         struct rtp_tensor **maps) {
   const struct rtp_graph *src = p->src;
-  int rc = RTP_OK;
+  size_t R = rows(p);
+  int rc = RTP_OK, U = m1 - m0;
   for (int i = 0; i < src->n_nodes && !rc; i++) {
     if (pp->node_stage[i] != pp->s || pp->node_seg[i] != q) continue;
-    const struct rtp_tensor *t = src->nodes[i];
-    int swapped[RTP_MAX_SRC], n = 0;
-    struct rtp_tensor *saved[RTP_MAX_SRC];
-    for (int k = 0; k < RTP_MAX_SRC && !rc; k++) {
-      const struct rtp_tensor *u = t->src[k];
-      int j = u && u->op != RTP_OP_NONE ? rtp__graph_index(src, u) : -1;
-      if (j < 0 || !crosses(pp, j, q)) continue;
-      bool seen = false;
-      for (int e = 0; e < n; e++) seen |= swapped[e] == j;
-      if (seen) continue;
-      struct rtp_xing *x = xing(p, pp, m, j, q);
-      if (!x) {
-        rc = rtp_context_error(p->ctx, NULL);
-        break;
-      }
-      swapped[n] = j;
-      saved[n++] = p->map[j];
-      p->map[j] = x->ph;
+    int k, d = U > 1 && p->iface->unit_ops ? unit_dim(src->nodes[i], &k) : -1;
+    if (d >= 0) {
+      rc = clone_unit_op(p, pp, m0, U, q, i, k, d, maps);
+      continue;
     }
-    if (!rc) rc = rtp__parallel_clone_node(p, i);
-    for (int e = n - 1; e >= 0; e--) p->map[swapped[e]] = saved[e];
+    for (int m = m0; m < m1 && !rc; m++)
+      rc = clone_one(p, pp, m, q, i, maps + (size_t)(m - m0) * R);
   }
   return rc;
+}
+
+/* Whether a unit's micro-batches share each op that reads a parameter (and so their forward
+ * is cloned node by node for them all, and their backward is built at once). */
+static int unit_step(const struct rtp_parallel *p, int m0, int m1) {
+  return p->iface->unit_ops ? m1 - m0 : 1;
 }
 
 /* ---- forward ----------------------------------------------------------------------- */
@@ -127,15 +245,21 @@ int rtp__stage_forward_begin(struct rtp_parallel *p, struct rtp_pipe *pp, int m)
   return rc;
 }
 
-int rtp__stage_forward_segment(struct rtp_parallel *p, struct rtp_pipe *pp, int m, int q) {
-  p->map = map_of(p, m);
-  if (p->iface->segment) p->iface->segment(p);
-  int rc = clone_segment(p, pp, m, q);
+int rtp__stage_forward_segment(struct rtp_parallel *p, struct rtp_pipe *pp, int m0, int m1,
+                               int q) {
+  int rc = RTP_OK, step = unit_step(p, m0, m1);
+  for (int m = m0; m < m1 && !rc; m += step) {
+    if (p->iface->segment) p->iface->segment(p);
+    rc = clone_segment(p, pp, m, m + step, q, map_of(p, m));
+  }
   /* The model's outputs are kept (to the end of the step) for the first micro-batch
    * only: all M of a pipeline's logits would outweigh its stash. */
-  for (int i = 0; i < p->src->n_nodes && !rc && m > 0; i++)
-    if (pp->node_stage[i] == pp->s && pp->node_seg[i] == q && p->map[i])
-      p->map[i]->flags &= ~RTP_FLAG_OUTPUT;
+  for (int m = m0 > 0 ? m0 : 1; m < m1 && !rc; m++) {
+    struct rtp_tensor **map = map_of(p, m);
+    for (int i = 0; i < p->src->n_nodes; i++)
+      if (pp->node_stage[i] == pp->s && pp->node_seg[i] == q && map[i])
+        map[i]->flags &= ~RTP_FLAG_OUTPUT;
+  }
   return rc;
 }
 
@@ -199,34 +323,38 @@ static int add_seed(struct rtp_context *ctx, struct rtp_tensor *out, struct rtp_
   return RTP_OK;
 }
 
-/* Segment q's backward for micro-batch m: seeded with the gradients that its readers left
- * (later segments' placeholders, later stages) and, on the last stage, the loss's 1/(D M);
- * with recompute, through a copy of its forward built here. */
-int rtp__stage_backward_segment(struct rtp_parallel *p, struct rtp_pipe *pp, int m, int q) {
+/* Segment q's backward for micro-batches m0 .. m1 - 1, built at once: seeded with the
+ * gradients that their readers left (later segments' placeholders, later stages) and, on
+ * the last stage, the loss's 1/(D M) each; with recompute, through a copy of their forward
+ * built here. */
+static int backward_range(struct rtp_parallel *p, struct rtp_pipe *pp, int m0, int m1, int q) {
   const struct rtp_graph *src = p->src;
   struct rtp_context *ctx = p->ctx;
-  struct rtp_tensor **map = map_of(p, m);
-  int cap = pp->n_xs + pp->n_out + 2, n = 0, rc = RTP_OK, li = rtp__parallel_index(p, p->loss);
+  size_t R = rows(p);
+  int U = m1 - m0, li = rtp__parallel_index(p, p->loss);
+  int cap = pp->n_xs + U * (pp->n_out + 1) + 1, n = 0, rc = RTP_OK;
   struct rtp_tensor **outs = calloc((size_t)cap, sizeof(*outs));
   struct rtp_tensor **seeds = calloc((size_t)cap, sizeof(*seeds));
-  int *idx = calloc((size_t)cap, sizeof(int));
-  struct rtp_tensor **rmap = NULL;
+  int *idx = calloc((size_t)cap, sizeof(int)); /* the seed's map entry, U rows in */
+  struct rtp_tensor **rmap = NULL, **maps = map_of(p, m0);
   if (!outs || !seeds || !idx) rc = rtp__ctx_error(ctx, RTP_ENOMEM, "pipeline: out of memory");
   for (int k = 0; k < pp->n_xs && !rc; k++) { /* what later segments left */
     struct rtp_xing *x = &pp->xs[k];
-    if (x->m != m || x->grad == NULL || pp->node_stage[x->j] != pp->s ||
+    if (x->m < m0 || x->m >= m1 || x->grad == NULL || pp->node_stage[x->j] != pp->s ||
         pp->node_seg[x->j] != q)
       continue;
-    idx[n] = x->j;
-    rc = add_seed(ctx, map[x->j], x->grad, outs, seeds, &n);
+    idx[n] = (int)((size_t)(x->m - m0) * R) + x->j;
+    rc = add_seed(ctx, maps[idx[n]], x->grad, outs, seeds, &n);
   }
-  for (int k = 0; k < pp->n_out && !rc; k++) { /* what later stages sent back */
-    struct rtp_tensor *g = pp->out_grad[(size_t)m * (size_t)pp->n_out + (size_t)k];
-    if (pp->node_seg[pp->out[k]] != q || !g) continue;
-    idx[n] = pp->out[k];
-    rc = add_seed(ctx, map[pp->out[k]], g, outs, seeds, &n);
-  }
-  if (!rc && pp->s == pp->S - 1 && pp->node_seg[li] == q) { /* the loss: its mean's share */
+  for (int m = m0; m < m1; m++)
+    for (int k = 0; k < pp->n_out && !rc; k++) { /* what later stages sent back */
+      struct rtp_tensor *g = pp->out_grad[(size_t)m * (size_t)pp->n_out + (size_t)k];
+      if (pp->node_seg[pp->out[k]] != q || !g) continue;
+      idx[n] = (int)((size_t)(m - m0) * R) + pp->out[k];
+      rc = add_seed(ctx, maps[idx[n]], g, outs, seeds, &n);
+    }
+  for (int m = m0; m < m1 && !rc && pp->s == pp->S - 1 && pp->node_seg[li] == q; m++) {
+    /* the loss: its mean's share */
     struct rtp_tensor *seed = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 1);
     if (!seed || (!seed->data && !rtp__tensor_alloc(ctx, seed, RTP_ROLE_INPUT)))
       rc = rtp_context_error(ctx, NULL);
@@ -235,22 +363,24 @@ int rtp__stage_backward_segment(struct rtp_parallel *p, struct rtp_pipe *pp, int
       rc = rtp_tensor_fill_f32(rtp_tensor_set_name(seed, "loss.seed.%d", m),
                                1.0f / (float)(D * pp->M));
     if (!rc) rc = rtp_graph_build(p->graph, seed);
-    idx[n] = li;
-    if (!rc) rc = add_seed(ctx, map[li], seed, outs, seeds, &n);
+    idx[n] = (int)((size_t)(m - m0) * R) + li;
+    if (!rc) rc = add_seed(ctx, maps[idx[n]], seed, outs, seeds, &n);
   }
   if (!rc && n > 0 && p->iface->segment) p->iface->segment(p);
   if (!rc && n > 0 && pp->recompute && q >= 0) { /* the forward again, read by backward */
-    if (!(rmap = malloc(sizeof(*rmap) * rows(p))))
+    if (!(rmap = malloc(sizeof(*rmap) * R * (size_t)U)))
       rc = rtp__ctx_error(ctx, RTP_ENOMEM, "pipeline: out of memory");
     if (!rc) {
-      memcpy(rmap, map, sizeof(*rmap) * rows(p));
-      p->map = rmap;
-      rc = clone_segment(p, pp, m, q);
-      p->map = map;
+      memcpy(rmap, maps, sizeof(*rmap) * R * (size_t)U);
+      rc = clone_segment(p, pp, m0, m1, q, rmap);
+      p->map = map_of(p, m0);
     }
-    for (int i = 0; i < src->n_nodes && !rc; i++) /* the copies are not kept to the end */
-      if (pp->node_stage[i] == pp->s && pp->node_seg[i] == q && rmap[i] != map[i])
-        rmap[i]->flags &= ~RTP_FLAG_OUTPUT;
+    for (size_t e = 0; e < R * (size_t)U && !rc; e++) { /* the copies are not kept to the end */
+      int i = (int)(e % R);
+      if (i < src->n_nodes && pp->node_stage[i] == pp->s && pp->node_seg[i] == q &&
+          rmap[e] != maps[e])
+        rmap[e]->flags &= ~RTP_FLAG_OUTPUT;
+    }
     for (int k = 0; k < n && !rc; k++) outs[k] = rmap[idx[k]];
   }
   for (int k = 0; k < n && !rc; k++) rc = rtp_graph_build(p->graph, outs[k]);
@@ -258,12 +388,20 @@ int rtp__stage_backward_segment(struct rtp_parallel *p, struct rtp_pipe *pp, int
   if (!rc && n > 0) rc = rtp__graph_build_backward_seeded(ctx, p->graph, n, outs, seeds);
   for (int k = 0; k < pp->n_xs && !rc; k++) { /* what this segment leaves to the ones before */
     struct rtp_xing *x = &pp->xs[k];
-    if (x->m == m && x->q == q) x->grad = x->ph->grad ? rtp_cont(ctx, x->ph->grad) : NULL;
+    if (x->m >= m0 && x->m < m1 && x->q == q)
+      x->grad = x->ph->grad ? rtp_cont(ctx, x->ph->grad) : NULL;
   }
   free(outs);
   free(seeds);
   free(idx);
   free(rmap);
+  return rc;
+}
+
+int rtp__stage_backward_segment(struct rtp_parallel *p, struct rtp_pipe *pp, int m0, int m1,
+                                int q) {
+  int rc = RTP_OK, step = unit_step(p, m0, m1);
+  for (int m = m0; m < m1 && !rc; m += step) rc = backward_range(p, pp, m, m + step, q);
   return rc;
 }
 

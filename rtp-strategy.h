@@ -27,6 +27,9 @@ struct rtp_strategy_i {
   /* Every rank computes the whole batch's loss (tp): backward is seeded with 1 and the
    * loss needs no reduction. Otherwise each rank's loss is the mean over its own batch. */
   bool whole_batch;
+  /* A ZeroPP unit's micro-batches go through each op that reads a parameter together, as
+   * one op over their stacked inputs (rtp: one rotation per unit, not per micro-batch). */
+  bool unit_ops;
   /* (optional) checks the model and makes the strategy's state (p->state) */
   int (*prepare)(struct rtp_parallel *p);
   /* (optional) what this rank holds of parameter t; NULL: all of it */
@@ -135,14 +138,16 @@ struct rtp_comm *rtp__pipeline_comm(const struct rtp_parallel *p);
 int rtp__pipeline_forward(const struct rtp_parallel *p, int i, struct rtp_graph *g);
 
 /* rtp-stage.c: micro-batch m's forward in three parts: its leaves and the tensors it
- * receives; segment q's nodes; its sends (and the last stage's loss). Its backward: the
- * gradients it receives; segment q's (recomputing its forward first with recompute); the
- * gradients it sends back. */
+ * receives; segment q's nodes (for the micro-batches m0 .. m1 - 1 of a unit); its sends
+ * (and the last stage's loss). Its backward: the gradients it receives; segment q's
+ * (recomputing its forward first with recompute); the gradients it sends back. */
 int rtp__stage_forward_begin(struct rtp_parallel *p, struct rtp_pipe *pp, int m);
-int rtp__stage_forward_segment(struct rtp_parallel *p, struct rtp_pipe *pp, int m, int q);
+int rtp__stage_forward_segment(struct rtp_parallel *p, struct rtp_pipe *pp, int m0, int m1,
+                               int q);
 int rtp__stage_forward_end(struct rtp_parallel *p, struct rtp_pipe *pp, int m);
 int rtp__stage_backward_begin(struct rtp_parallel *p, struct rtp_pipe *pp, int m);
-int rtp__stage_backward_segment(struct rtp_parallel *p, struct rtp_pipe *pp, int m, int q);
+int rtp__stage_backward_segment(struct rtp_parallel *p, struct rtp_pipe *pp, int m0, int m1,
+                                int q);
 int rtp__stage_backward_end(struct rtp_parallel *p, struct rtp_pipe *pp, int m);
 
 /* Index of t among src's nodes, then leaves; -1 if it is neither. */

@@ -3,7 +3,10 @@
  * Runs as one rank of a job (rtp-run, or scripts/bench-pipeline-netns.sh, which makes the
  * job 2 emulated hosts of 2 ranks each). For each layout of --layouts, in turn: "rtp",
  * "fsdp", "ddp" over all N ranks (one micro-batch), or "ppS-rtp", "ppS-fsdp", "ppS-ddp": S
- * stages of N/S ranks with that strategy inside, --micro-batches M in --schedule's order.
+ * stages of N/S ranks with that strategy inside (S = 1: the strategy alone, but with the
+ * pipeline's micro-batches), --micro-batches M in --schedule's order (zeropp: in units of
+ * --unit U; a layout "...@U" runs zeropp in units of U whatever --schedule says, so
+ * units compare in one run: "pp1-rtp pp1-rtp@2").
  * Every layout trains on --global-batch sequences per step (each data-parallel rank its
  * share), so tokens/s compare. Rank 0 prints one JSON line per layout:
  *   tokens_per_s, step_ms (median) and steps_ms (all), over the whole job;
@@ -18,7 +21,8 @@
  * then one "summary" line with the goals' ratios where their layouts ran.
  *
  *   rtp-run -n 4 -- bench-pipeline [--model tiny|small|medium] [--global-batch G]
- *       [--micro-batches M] [--schedule 1f1b] [--layouts "rtp fsdp ddp pp2-rtp pp2-fsdp"]
+ *       [--micro-batches M] [--schedule 1f1b] [--unit 1]
+ *       [--layouts "rtp fsdp ddp pp2-rtp pp2-fsdp"]
  *       [--steps S] [--threads T] [--net LABEL]
  */
 #include <stdio.h>
@@ -35,7 +39,7 @@
 struct opts {
   struct gpt_config cfg;
   const char *model, *net, *schedule;
-  int global_batch, micro, steps, threads;
+  int global_batch, micro, unit, steps, threads;
   char layouts[128];
 };
 
@@ -43,6 +47,8 @@ struct layout {
   char name[16];
   enum rtp_strategy strategy;
   int stages;
+  bool pipelined; /* "ppS-...": M micro-batches in the schedule's order (S may be 1) */
+  int unit;       /* "...@U": zeropp in units of U, whatever --schedule says; else 0 */
 };
 
 struct result {
@@ -98,7 +104,7 @@ static void fill_inputs(struct run *u, const struct gpt *m, int M) {
 static void run_setup(const struct opts *o, const struct layout *l, struct rtp_comm *job,
                       struct run *u) {
   memset(u, 0, sizeof(*u));
-  int world = rtp_comm_size(job), D = world / l->stages, M = l->stages > 1 ? o->micro : 1;
+  int world = rtp_comm_size(job), D = world / l->stages, M = l->pipelined ? o->micro : 1;
   int B = o->global_batch / D;
   struct rtp_comm *group = job;
   if (l->stages > 1) {
@@ -116,8 +122,9 @@ static void run_setup(const struct opts *o, const struct layout *l, struct rtp_c
                                    .comm = group,
                                    .micro_batches = M,
                                    .pipe_comm = u->pipe,
+                                   .unit = l->unit ? l->unit : o->unit,
                                    .graph_size = 16384 * M};
-  if (rtp_schedule_parse(o->schedule, &pp.schedule)) die("--schedule");
+  if (rtp_schedule_parse(l->unit ? "zeropp" : o->schedule, &pp.schedule)) die("--schedule");
   u->par = u->ctx ? rtp_parallel_new(u->ctx, fwd, m.loss, &pp) : NULL;
   if (!u->par) die(l->name);
   u->g = rtp_parallel_graph(u->par);
@@ -212,7 +219,7 @@ static struct report gather(const struct opts *o, struct rtp_comm *job,
 
 static void print_layout(const struct opts *o, const struct layout *l, int world,
                          const struct result *r, const struct report *rep) {
-  int M = l->stages > 1 ? o->micro : 1;
+  int M = l->pipelined ? o->micro : 1;
   char nic[32] = "null", steps[MAX_STEPS * 12] = "", peaks[64 * 16] = "";
   if (getenv("RTP_BENCH_NIC")) snprintf(nic, sizeof(nic), "%.0f", rep->nic_per_step);
   for (int s = 0, n = 0; s < r->n; s++)
@@ -223,14 +230,21 @@ static void print_layout(const struct opts *o, const struct layout *l, int world
   printf(
       "{\"bench\":\"pipeline\",\"model\":\"%s\",\"net\":\"%s\",\"layout\":\"%s\","
       "\"stages\":%d,\"per_stage\":%d,\"strategy\":\"%s\",\"schedule\":\"%s\","
-      "\"micro_batches\":%d,\"global_batch\":%d,\"threads\":%d,\"step_ms\":%.1f,"
+      "\"micro_batches\":%d,\"unit\":%d,\"global_batch\":%d,\"threads\":%d,\"step_ms\":%.1f,"
       "\"tokens_per_s\":%.1f,\"bubble\":%.4f,\"bubble_theory\":%.4f,\"other_waits\":%.4f,"
       "\"slow_link_bytes_per_step\":%s,\"peak_rss_max\":%.0f,\"peak_rss\":[%s],"
       "\"steps_ms\":[%s]}\n",
       o->model, o->net, l->name, l->stages, world / l->stages, rtp_strategy_name(l->strategy),
-      l->stages > 1 ? o->schedule : "none", M, o->global_batch, o->threads, rep->step_s * 1e3,
-      rep->tokens_per_s, rep->bubble, (double)(l->stages - 1) / (M + l->stages - 1),
-      rep->other_waits, nic, rep->peak_max, peaks, steps);
+      !l->pipelined ? "none"
+      : l->unit     ? "zeropp"
+                    : o->schedule,
+      M,
+      l->unit        ? l->unit
+      : l->pipelined ? o->unit
+                     : 1,
+      o->global_batch, o->threads, rep->step_s * 1e3, rep->tokens_per_s, rep->bubble,
+      (double)(l->stages - 1) / (M + l->stages - 1), rep->other_waits, nic, rep->peak_max,
+      peaks, steps);
   fflush(stdout);
 }
 
@@ -266,16 +280,24 @@ static int parse_layouts(const struct opts *o, int world, struct layout *ls) {
     struct layout *l = &ls[n++];
     snprintf(l->name, sizeof(l->name), "%s", tok);
     l->stages = 1;
+    l->pipelined = !strncmp(tok, "pp", 2);
+    char *at = strchr(tok, '@');
+    l->unit = 0;
+    if (at) { /* "...@U" */
+      *at = '\0';
+      l->unit = atoi(at + 1);
+      if (!l->pipelined || l->unit < 1 || o->micro % l->unit) return -1;
+    }
     const char *s = tok;
     if (!strncmp(tok, "pp", 2)) {
       char *end;
       l->stages = (int)strtol(tok + 2, &end, 10);
-      if (*end != '-' || l->stages < 2 || world % l->stages) return -1;
+      if (*end != '-' || l->stages < 1 || world % l->stages) return -1;
       s = end + 1;
     }
     if (rtp_strategy_parse(s, &l->strategy) || l->strategy == RTP_STRATEGY_TP) return -1;
     if ((world / l->stages) > 0 && o->global_batch % (world / l->stages)) return -1;
-    if (l->stages > 1 && (o->global_batch / (world / l->stages)) % o->micro) return -1;
+    if (l->pipelined && (o->global_batch / (world / l->stages)) % o->micro) return -1;
   }
   return n;
 }
@@ -293,6 +315,8 @@ static int parse_args(struct opts *o, int argc, char **argv) {
       o->micro = atoi(v);
     else if (!strcmp(a, "--schedule"))
       o->schedule = v;
+    else if (!strcmp(a, "--unit"))
+      o->unit = atoi(v);
     else if (!strcmp(a, "--layouts"))
       snprintf(o->layouts, sizeof(o->layouts), "%s", v);
     else if (!strcmp(a, "--steps"))
@@ -305,8 +329,8 @@ static int parse_args(struct opts *o, int argc, char **argv) {
       return -1;
   }
   enum rtp_schedule s;
-  return o->global_batch < 1 || o->micro < 1 || o->steps < 1 || o->threads < 1 ||
-                 rtp_schedule_parse(o->schedule, &s)
+  return o->global_batch < 1 || o->micro < 1 || o->unit < 1 || o->micro % o->unit ||
+                 o->steps < 1 || o->threads < 1 || rtp_schedule_parse(o->schedule, &s)
              ? -1
              : 0;
 }
@@ -318,6 +342,7 @@ int main(int argc, char **argv) {
                    .schedule = "1f1b",
                    .global_batch = 16,
                    .micro = 4,
+                   .unit = 1,
                    .steps = 3,
                    .threads = 1,
                    .layouts = "rtp fsdp ddp pp2-rtp pp2-fsdp"};
@@ -329,8 +354,8 @@ int main(int argc, char **argv) {
   if (n < 1) {
     fprintf(stderr,
             "usage: rtp-run -n N -- bench-pipeline [--model tiny|small|medium] "
-            "[--global-batch G] [--micro-batches M] [--schedule NAME] [--layouts \"rtp fsdp "
-            "ddp pp2-rtp pp2-fsdp\"] [--steps S] [--threads T] [--net LABEL]\n"
+            "[--global-batch G] [--micro-batches M] [--schedule NAME] [--unit U] [--layouts "
+            "\"rtp fsdp ddp pp2-rtp pp2-fsdp\"] [--steps S] [--threads T] [--net LABEL]\n"
             "  (runs as one rank of a job; G must split among each layout's data-parallel "
             "ranks, and a pipeline's share into M micro-batches)\n");
     return 2;

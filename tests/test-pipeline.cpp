@@ -248,6 +248,12 @@ TEST_P(Schedules, TwoByTwoMatchOneProcess) {
     run_case({2, 2, 2, GetParam(), st});
 }
 
+// One stage of two ranks, two units of zeropp (whose rtp rotates once per unit).
+TEST_P(Schedules, OneByTwoMatchOneProcess) {
+  for (rtp_strategy st : {RTP_STRATEGY_RTP, RTP_STRATEGY_FSDP, RTP_STRATEGY_DDP})
+    run_case({1, 2, 4, GetParam(), st});
+}
+
 TEST_P(Schedules, RecomputeMatchesOneProcess) {
   run_case({2, 1, 4, GetParam(), RTP_STRATEGY_NONE, true});
   for (rtp_strategy st : {RTP_STRATEGY_RTP, RTP_STRATEGY_FSDP, RTP_STRATEGY_DDP})
@@ -439,6 +445,73 @@ size_t activation_peak(rtp_comm *stage, rtp_comm *pipe, rtp_strategy st, rtp_sch
   rtp_context_free(ctx);
   rtp_context_free(meta);
   return peak;
+}
+
+// Bytes the graph of one step moves (every transfer node's), on a stage of D ranks of
+// one-stage pipe, under `st` with M micro-batches in units of U (zeropp; U = 1: 1f1b).
+double step_transfer_bytes(rtp_comm *stage, rtp_comm *pipe, rtp_strategy st, int M, int U) {
+  gpt m{};
+  rtp_graph *fwd = nullptr;
+  rtp_context *meta = rtptest::gpt_forward(kCfg, 1, &m, &fwd);
+  for (int i = 0; meta && i < kCfg.n_layer; i++)
+    for (rtp_tensor **p = &m.blocks[i].ln_1_w; p <= &m.blocks[i].mlp_proj_b; p++)
+      rtp_tensor_set_fsdp_unit(*p, i + 1);
+  rtp_init_params ip = {gpt_arena_size(kCfg, M) * 2, nullptr, false, nullptr, 0};
+  rtp_context *ctx = meta ? rtp_context_new(ip) : nullptr;
+  rtp_parallel_params pp{};
+  pp.strategy = st;
+  pp.comm = stage;
+  pp.micro_batches = M;
+  pp.pipe_comm = pipe;
+  pp.schedule = U > 1 ? RTP_SCHEDULE_ZEROPP : RTP_SCHEDULE_1F1B;
+  pp.unit = U;
+  rtp_parallel *par = ctx ? rtp_parallel_new(ctx, fwd, m.loss, &pp) : nullptr;
+  double bytes = -1;
+  if (par) {
+    rtp_graph *g = rtp_parallel_graph(par);
+    bytes = 0;
+    for (int i = 0; i < g->n_nodes; i++)
+      if (g->nodes[i]->op == RTP_OP_COMM) bytes += (double)rtp_tensor_nbytes(g->nodes[i]);
+  } else {
+    fprintf(stderr, "build: %s\n", rtp_last_error());
+  }
+  rtp_context_free(ctx);
+  rtp_context_free(meta);
+  return bytes;
+}
+
+// ZeroPP's point: inside a stage the weights move once per unit of U micro-batches, not
+// once per micro-batch. Under rtp a unit's micro-batches go through each rotation
+// together, and under fsdp through each gather; so a step's transfers shrink with U. (The
+// same step trains exactly like one process: Schedules.*/zeropp.)
+TEST(PipelineUnits, WeightsMoveOncePerUnit) {
+  const int M = 4;
+  int port = rtptest::free_port();
+  auto res = rtptest::run_procs(2, [&](int rank) {
+    rtp_comm_params cp = rtptest::params(rank, 2, port);
+    rtp_comm *job = nullptr, *stage = nullptr, *pipe = nullptr;
+    CHECK_OK(rtp_comm_init(&cp, &job));
+    CHECK_OK(rtp_comm_mesh_2d(job, 1, 2, &stage, &pipe));
+    for (rtp_strategy st : {RTP_STRATEGY_RTP, RTP_STRATEGY_FSDP}) {
+      double u1 = step_transfer_bytes(stage, pipe, st, M, 1);
+      double u2 = step_transfer_bytes(stage, pipe, st, M, 2);
+      double u4 = step_transfer_bytes(stage, pipe, st, M, 4);
+      fprintf(stderr, "%s: %.0f bytes a step in units of 1, %.0f of 2, %.0f of 4\n",
+              rtp_strategy_name(st), u1, u2, u4);
+      CHECK(u1 > 0 && u2 > 0 && u4 > 0, "building failed");
+      if (st == RTP_STRATEGY_RTP)  // blocks and their gradients both travel per unit
+        CHECK(std::fabs(u2 - u1 / 2) < 1e-3 * u1 && std::fabs(u4 - u1 / 4) < 1e-3 * u1,
+              "rtp: %.0f, %.0f, %.0f bytes", u1, u2, u4);
+      else  // the gathers shrink as 1/U; the gradients are reduce-scattered once a step
+        CHECK(u2 < u1 && std::fabs((u1 - u2) - 2 * (u2 - u4)) < 1e-3 * u1,
+              "fsdp: %.0f, %.0f, %.0f bytes", u1, u2, u4);
+    }
+    rtp_comm_free(stage);
+    rtp_comm_free(pipe);
+    rtp_comm_free(job);
+    return 0;
+  });
+  for (int r = 0; r < 2; r++) EXPECT_EQ(res[r].code, 0) << "rank " << r;
 }
 
 TEST(PipelineMemory, StashAsTheScheduleSays) {
