@@ -248,16 +248,16 @@ static void print_layout(const struct opts *o, const struct layout *l, int world
   fflush(stdout);
 }
 
-/* The goals' ratios: pp2 x rtp against the best flat layout's tokens/s, and its peak
- * memory per rank against flat rtp's. */
+/* The goals' ratios: pp2 x rtp (the first such layout) against the best flat layout's
+ * tokens/s (one micro-batch, no stages), and its peak memory per rank against flat rtp's. */
 static void print_summary(const struct opts *o, const struct layout *ls,
                           const struct report *reps, int n) {
   int pp = -1, rtp = -1, best = -1;
   for (int k = 0; k < n; k++) {
-    if (ls[k].stages == 2 && ls[k].strategy == RTP_STRATEGY_RTP) pp = k;
-    if (ls[k].stages == 1 && ls[k].strategy == RTP_STRATEGY_RTP) rtp = k;
-    if (ls[k].stages == 1 && (best < 0 || reps[k].tokens_per_s > reps[best].tokens_per_s))
-      best = k;
+    bool flat = !ls[k].pipelined;
+    if (pp < 0 && ls[k].stages == 2 && ls[k].strategy == RTP_STRATEGY_RTP) pp = k;
+    if (flat && ls[k].strategy == RTP_STRATEGY_RTP) rtp = k;
+    if (flat && (best < 0 || reps[k].tokens_per_s > reps[best].tokens_per_s)) best = k;
   }
   if (pp < 0 || best < 0) return;
   printf(

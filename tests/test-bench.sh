@@ -63,19 +63,23 @@ PY
 
 # bench-pipeline: 4 local ranks under rtp-run, each layout once on the tiny model: a
 # well-formed line per layout and the summary; flat layouts have no bubble, the pipelines
-# 2 stages of 2 ranks with the schedule's theory beside what they measured.
+# 2 stages of 2 ranks with the schedule's theory beside what they measured, and "@2" runs
+# one stage in zeropp's units of 2.
 "$build/tools/rtp-run" -n 4 -- "$(dirname "$bench")/bench-pipeline" --model tiny \
-  --global-batch 8 --micro-batches 2 --steps 1 | sed 's/^\[0\] //' > "$scratch/pp.jsonl"
+  --global-batch 8 --micro-batches 2 --steps 1 \
+  --layouts "rtp fsdp ddp pp2-rtp pp2-fsdp pp1-rtp@2" | sed 's/^\[0\] //' > "$scratch/pp.jsonl"
 /usr/bin/python3 - "$scratch/pp.jsonl" <<'PY'
 import json, sys
 lines = [json.loads(l) for l in open(sys.argv[1])]
 layouts = [l["layout"] for l in lines if "layout" in l]
-assert layouts == ["rtp", "fsdp", "ddp", "pp2-rtp", "pp2-fsdp"], layouts
+assert layouts == ["rtp", "fsdp", "ddp", "pp2-rtp", "pp2-fsdp", "pp1-rtp@2"], layouts
 for l in lines:
     if "layout" not in l:
         continue
     assert l["tokens_per_s"] > 0 and l["peak_rss_max"] > 0 and len(l["peak_rss"]) == 4, l
     assert l["slow_link_bytes_per_step"] is None, l  # no RTP_BENCH_NIC
+    if l["layout"] == "pp1-rtp@2":  # one stage of 4 ranks, zeropp in units of 2
+        assert l["schedule"] == "zeropp" and l["unit"] == 2 and l["micro_batches"] == 2, l
     if l["stages"] == 1:
         assert l["bubble"] == 0 and l["bubble_theory"] == 0, l
     else:
@@ -83,5 +87,6 @@ for l in lines:
         assert 0 < l["bubble"] < 1, l
 summary = [l for l in lines if l.get("summary")]
 assert len(summary) == 1 and summary[0]["pp2_rtp_vs_best_flat_tokens"] > 0, summary
+assert summary[0]["best_flat"] in ("rtp", "fsdp", "ddp"), summary
 print(f"bench-pipeline: {len(lines)} lines ok")
 PY
