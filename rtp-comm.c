@@ -471,6 +471,23 @@ int rtp_comm_params_from_env(struct rtp_comm_params *p) {
 }
 
 /* Checks p and fills its defaults; *local: whether the job needs no sockets. */
+/* About how many bits a token carries if it was drawn at random from the characters it
+ * uses: 4 a character if they are all hex digits (`openssl rand -hex`), else 6 (base64 and
+ * the like), and nothing for a token of fewer than 8 distinct characters ("aaaa...").
+ * Guessing is what it guards against: the handshake gives an attacker who joins the
+ * network one proof to test guesses against offline (docs/transport.md). */
+static int token_bits(const char *t) {
+  bool hex = true, seen[256] = {false};
+  int distinct = 0, n = 0;
+  for (; t[n]; n++) {
+    unsigned char ch = (unsigned char)t[n];
+    hex &= (ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'f') || (ch >= 'A' && ch <= 'F');
+    distinct += !seen[ch];
+    seen[ch] = true;
+  }
+  return distinct < 8 ? 0 : n * (hex ? 4 : 6);
+}
+
 static int params_check(struct rtp_comm_params *p, bool *local) {
   p->backend[sizeof(p->backend) - 1] = 0;
   p->token[sizeof(p->token) - 1] = 0;
@@ -506,6 +523,13 @@ static int params_check(struct rtp_comm_params *p, bool *local) {
     return rtp__error(RTP_EINVAL,
                       "the tcp backend needs a job token (RTP_TOKEN; rtp-run "
                       "makes one)");
+  int bits = token_bits(p->token);
+  if (!*local && bits < 128)
+    return rtp__error(RTP_EINVAL,
+                      "RTP_TOKEN can be guessed: %zu characters give about %d bits, 128 are "
+                      "needed; make one with `openssl rand -hex 32` (rtp-run makes one on a "
+                      "single host)",
+                      strlen(p->token), bits);
   if (!*local && (p->master_port <= 0 || p->master_port > 65535))
     return rtp__error(RTP_EINVAL, "master port %d out of range", p->master_port);
   return RTP_OK;

@@ -10,6 +10,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <netinet/in.h>
+#include <unistd.h>
+
 #include <openssl/crypto.h>
 
 static void link_up(struct rc_link *l);
@@ -56,21 +59,16 @@ int rtp__tcp_send_ctrl(struct rc_link *l, const struct rc_hdr *h, const void *pa
   return 0;
 }
 
-/* Sends raw bytes (handshake) through a control slot. */
-static int send_raw(struct rc_link *l, const void *p, size_t n) {
-  struct rc_cslot *s = l->cfree;
-  if (!s || n > sizeof(s->buf)) return UV_ENOBUFS;
-  l->cfree = s->next;
-  s->link = l;
-  s->heartbeat = false;
-  memcpy(s->buf, p, n);
-  uv_buf_t b = uv_buf_init((char *)s->buf, (unsigned)n);
-  int rc = uv_write(&s->w, (uv_stream_t *)&l->tcp, &b, 1, cslot_cb);
-  if (rc < 0) {
-    s->next = l->cfree;
-    l->cfree = s;
-  }
-  return rc;
+static void hs_write_cb(uv_write_t *w, int status) {
+  (void)w;
+  (void)status; /* a failed write shows as the connection's error or close */
+}
+
+/* Writes n bytes of the handshake, from l->hs (which outlives the write): write k of the
+ * two each side makes. */
+static int hs_write(struct rc_link *l, int k, size_t offs, size_t n) {
+  uv_buf_t b = uv_buf_init((char *)l->hs + offs, (unsigned)n);
+  return uv_write(&l->hs_w[k], (uv_stream_t *)&l->tcp, &b, 1, hs_write_cb);
 }
 
 static void link_free(struct rc_link *l) {
@@ -100,6 +98,10 @@ void rtp__tcp_link_close(struct rc_link *l) {
   if (l->state == LS_CLOSING) return;
   l->aborting = false;
   l->state = LS_CLOSING;
+  if (l->pending) {
+    l->pending = false;
+    c->n_pending--;
+  }
   if (l->rank >= 0 && l->rank < c->size && c->links[l->rank] == l) {
     c->links[l->rank] = NULL;
     c->n_up--;
@@ -116,6 +118,26 @@ void rtp__tcp_link_close(struct rc_link *l) {
     uv_close((uv_handle_t *)&l->retry, link_handle_closed);
 }
 
+/* A connection's control slots, RTR table and control buffer, made once it is
+ * authenticated: a stranger's connection costs only the link itself. */
+static int link_alloc_buffers(struct rc_link *l) {
+  struct tcp *c = l->comm;
+  int nslots = 2 * c->params.max_requests + 16;
+  l->cslots = calloc((size_t)nslots, sizeof(*l->cslots));
+  l->cap_rtrs = 2 * c->params.max_requests + 16;
+  l->rtrs = calloc((size_t)l->cap_rtrs, sizeof(*l->rtrs));
+  l->ctrl_cap = (size_t)c->size * RC_ADDR_REC + RC_MSG;
+  l->ctrl = malloc(l->ctrl_cap);
+  l->scratch_cap = RC_SEGMENT + 64;
+  l->scratch = malloc(l->scratch_cap);
+  if (!l->cslots || !l->rtrs || !l->ctrl || !l->scratch) return -1;
+  for (int i = 0; i < nslots; i++) {
+    l->cslots[i].next = l->cfree;
+    l->cfree = &l->cslots[i];
+  }
+  return 0;
+}
+
 static struct rc_link *link_new(struct tcp *c, bool connector, int rank) {
   struct rc_link *l = calloc(1, sizeof(*l));
   if (!l) return NULL;
@@ -123,24 +145,6 @@ static struct rc_link *link_new(struct tcp *c, bool connector, int rank) {
   l->connector = connector;
   l->rank = rank;
   l->state = LS_HANDSHAKE;
-  int nslots = 2 * c->params.max_requests + 16;
-  l->cslots = calloc((size_t)nslots, sizeof(*l->cslots));
-  l->cap_rtrs = 2 * c->params.max_requests + 16;
-  l->rtrs = calloc((size_t)l->cap_rtrs, sizeof(*l->rtrs));
-  l->ctrl_cap = (size_t)c->size * RC_ADDR_REC + RC_MSG;
-  l->ctrl = malloc(l->ctrl_cap);
-  if (!l->cslots || !l->rtrs || !l->ctrl) {
-    free(l->cslots);
-    free(l->rtrs);
-    free(l->ctrl);
-    free(l->scratch);
-    free(l);
-    return NULL;
-  }
-  for (int i = 0; i < nslots; i++) {
-    l->cslots[i].next = l->cfree;
-    l->cfree = &l->cslots[i];
-  }
   l->tcp.data = l;
   l->retry.data = l;
   l->next = c->links_all;
@@ -193,15 +197,21 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
   buf->len = n;
 }
 
+static void connect_retry(struct rc_link *l);
+
 static void link_lost(struct rc_link *l, ssize_t err) {
   struct tcp *c = l->comm;
   const char *why = err == UV_EOF ? "connection closed" : uv_strerror((int)err);
   if (l->state == LS_UP && !l->bye_rx && !c->shutting_down) {
     rtp__tcp_comm_fail(c, RTP_EPEER, "lost rank %d (%s): %s", l->rank, l->addr, why);
   } else if (l->state == LS_HANDSHAKE && l->connector && !c->ready) {
+    /* Closed before it answered: the acceptor sheds load (strangers' connections), so
+     * knock again until the rendezvous's deadline. Closed after our proof: it refused the
+     * proof. */
+    if (l->rstate == R_HELLO_A) return connect_retry(l);
     rtp__tcp_comm_fail(c, RTP_EAUTH,
-                       "rank %d (%s) closed the connection during the handshake: different "
-                       "RTP_TOKEN, job or world size? (see rank %d's log)",
+                       "rank %d (%s) refused this rank's proof of the job token: different "
+                       "RTP_TOKEN? (see rank %d's log)",
                        l->rank, l->addr, l->rank);
   } else if (l->state == LS_HANDSHAKE && !l->connector) {
     RTP_LOG_WARN("comm rank %d: connection from %s refused: %s during the handshake", c->rank,
@@ -231,6 +241,18 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
     rtp__tcp_link_set_lowat(l);
 }
 
+void rtp__tcp_shed(struct rc_link *l, const char *why) {
+  struct tcp *c = l->comm;
+  long n = ++c->n_shed;
+  while (n % 10 == 0) n /= 10;
+  if (n == 1) /* a flood would fill the log: the 1st, 10th, 100th ... */
+    RTP_LOG_WARN(
+        "comm rank %d: connection from %s dropped: %s (%ld unproven connections "
+        "dropped so far)",
+        c->rank, l->addr, why, c->n_shed);
+  rtp__tcp_link_close(l);
+}
+
 void rtp__tcp_refuse(struct rc_link *l, const char *why) {
   RTP_LOG_WARN("comm rank %d: connection from %s refused: %s", l->comm->rank, l->addr, why);
   rtp__tcp_link_close(l);
@@ -248,64 +270,124 @@ void rtp__tcp_protocol_error(struct rc_link *l, const char *fmt, ...) {
 }
 
 /* Direct writes need both sides to offer them from the same host and namespaces. The
- * hello is covered by the handshake's MAC, so no one but the peer can claim this. */
+ * hello is covered by the handshake's MACs, so no one but the peer can claim this. */
 static void hello_note_peer(struct rc_link *l, const uint8_t *p) {
   uint64_t key = rtp__tcp_get64(p + 56);
   l->direct = l->comm->host_key && (p[5] & RC_HELLO_DIRECT) && key == l->comm->host_key;
   l->peer_pid = (int)rtp__tcp_get32(p + 64);
 }
 
-static void hs_acceptor_hello1(struct rc_link *l) {
-  struct tcp *c = l->comm;
-  int rank = -1;
-  const char *why = rtp__tcp_hello_check(l->hs, c->job_id, c->size, c->rank, &rank);
-  if (why) return rtp__tcp_refuse(l, why);
-  /* rank 0 hears from everyone; rank r > 0 only from higher ranks */
-  if (c->rank != 0 && rank < c->rank) return rtp__tcp_refuse(l, "unexpected rank");
-  if (c->links[rank]) return rtp__tcp_refuse(l, "duplicate rank");
-  l->rank = rank;
-  rtp__tcp_hello_fill(l->hs + RC_HELLO_SIZE, c->job_id, c->size, c->rank, c->host_key);
-  rtp__tcp_hmac(c->params.token, "rtp-hs-acceptor", l->hs, 2 * RC_HELLO_SIZE,
-                l->hs + 2 * RC_HELLO_SIZE);
-  if (send_raw(l, l->hs + RC_HELLO_SIZE, RC_HELLO_SIZE + RC_MAC_SIZE) < 0)
-    return rtp__tcp_refuse(l, "write failed");
-  rtp__tcp_reader_expect(l, R_HELLO3, l->hs + 2 * RC_HELLO_SIZE + RC_MAC_SIZE, RC_MAC_SIZE);
+/* The failures remembered for address a, made (or the stalest entry reused) if asked. */
+static struct rc_source *source_of(struct tcp *c, const char *a, bool make) {
+  struct rc_source *oldest = &c->sources[0];
+  uint64_t now = rtp__tcp_now_ms(c);
+  for (int i = 0; i < RC_SOURCES; i++) {
+    struct rc_source *s = &c->sources[i];
+    if (s->addr[0] && now - s->since > RC_FAILS_WINDOW_MS) s->addr[0] = 0; /* forgiven */
+    if (s->addr[0] && strcmp(s->addr, a) == 0) return s;
+    if (!s->addr[0] || s->since < oldest->since) oldest = s;
+  }
+  if (!make) return NULL;
+  snprintf(oldest->addr, sizeof(oldest->addr), "%s", a);
+  oldest->fails = 0;
+  oldest->since = now;
+  return oldest;
 }
 
-static void hs_acceptor_hello3(struct rc_link *l) {
+/* Refuses an accepted connection whose proof of the token was wrong, counting it against
+ * its address: online guessing runs into RC_FAILS_MAX. */
+static void refuse_guess(struct rc_link *l, const char *why) {
+  source_of(l->comm, l->src, true)->fails++;
+  rtp__tcp_refuse(l, why);
+}
+
+static void refusal_sent(uv_write_t *w, int status) {
+  (void)status;
+  rtp__tcp_link_close(((struct rc_link *)w->handle->data));
+}
+
+/* The acceptor has HELLO_c: answers with its own hello (or a refusal that says why), and
+ * waits for the connector's proof. It proves nothing itself before that. */
+static void hs_acceptor_hello_c(struct rc_link *l) {
+  struct tcp *c = l->comm;
+  int rank = -1, refusal = 0;
+  const char *why = rtp__tcp_hello_check(l->hs, c->size, c->rank, &rank, &refusal);
+  /* rank 0 hears from everyone; rank r > 0 only from higher ranks */
+  if (!why && c->rank != 0 && rank < c->rank) {
+    why = "unexpected rank";
+    refusal = RC_REFUSE_RANK;
+  }
+  if (!why && c->links[rank]) {
+    why = "duplicate rank";
+    refusal = RC_REFUSE_DUPLICATE;
+  }
+  if (why && refusal) { /* hello-level facts, no secret: say which, then close */
+    RTP_LOG_WARN("comm rank %d: connection from %s refused: %s", c->rank, l->addr, why);
+    rtp__tcp_hello_refuse(l->hs + RC_HELLO_SIZE, refusal, (uint32_t)c->size);
+    uv_read_stop((uv_stream_t *)&l->tcp);
+    uv_buf_t b = uv_buf_init((char *)l->hs + RC_HELLO_SIZE, RC_HELLO_SIZE);
+    if (uv_write(&l->hs_w[0], (uv_stream_t *)&l->tcp, &b, 1, refusal_sent) < 0)
+      rtp__tcp_link_close(l);
+    return;
+  }
+  if (why) return rtp__tcp_refuse(l, why);
+  l->rank = rank;
+  rtp__tcp_hello_fill(l->hs + RC_HELLO_SIZE, c->size, c->rank, c->host_key);
+  if (hs_write(l, 0, RC_HELLO_SIZE, RC_HELLO_SIZE) < 0)
+    return rtp__tcp_refuse(l, "write failed");
+  rtp__tcp_reader_expect(l, R_MAC_C, l->hs + 2 * RC_HELLO_SIZE, RC_MAC_SIZE);
+}
+
+/* The acceptor has the connector's proof: checks it, then proves itself. */
+static void hs_acceptor_mac_c(struct rc_link *l) {
   struct tcp *c = l->comm;
   uint8_t mac[RC_MAC_SIZE];
-  rtp__tcp_hmac(c->params.token, "rtp-hs-connector", l->hs, 2 * RC_HELLO_SIZE + RC_MAC_SIZE,
-                mac);
-  if (CRYPTO_memcmp(mac, l->hs + 2 * RC_HELLO_SIZE + RC_MAC_SIZE, RC_MAC_SIZE) != 0)
-    return rtp__tcp_refuse(l, "authentication failed (wrong RTP_TOKEN)");
+  rtp__tcp_hmac(c->params.token, "rtp-hs-connector", l->hs, 2 * RC_HELLO_SIZE, mac);
+  if (CRYPTO_memcmp(mac, l->hs + 2 * RC_HELLO_SIZE, RC_MAC_SIZE) != 0)
+    return refuse_guess(l, "authentication failed (wrong RTP_TOKEN)");
   if (c->links[l->rank]) return rtp__tcp_refuse(l, "duplicate rank");
+  rtp__tcp_hmac(c->params.token, "rtp-hs-acceptor", l->hs, 2 * RC_HELLO_SIZE + RC_MAC_SIZE,
+                l->hs + 2 * RC_HELLO_SIZE + RC_MAC_SIZE);
+  if (hs_write(l, 1, 2 * RC_HELLO_SIZE + RC_MAC_SIZE, RC_MAC_SIZE) < 0)
+    return rtp__tcp_refuse(l, "write failed");
   hello_note_peer(l, l->hs);
   link_up(l);
 }
 
-static void hs_connector_hello2(struct rc_link *l) {
+/* The connector has HELLO_a: a refusal ends the join with its reason; else it proves it
+ * knows the token. */
+static void hs_connector_hello_a(struct rc_link *l) {
   struct tcp *c = l->comm;
-  int rank = -1;
-  const char *why =
-      rtp__tcp_hello_check(l->hs + RC_HELLO_SIZE, c->job_id, c->size, c->rank, &rank);
+  const uint8_t *h = l->hs + RC_HELLO_SIZE;
+  char reason[96];
+  if (rtp__tcp_hello_refusal(h, reason, sizeof(reason)))
+    return rtp__tcp_comm_fail(c, RTP_EAUTH, "rank %d (%s) refused this rank: %s", l->rank,
+                              l->addr, reason);
+  int rank = -1, refusal;
+  const char *why = rtp__tcp_hello_check(h, c->size, c->rank, &rank, &refusal);
   if (!why && rank != l->rank) why = "answered with another rank";
+  if (why)
+    return rtp__tcp_comm_fail(c, RTP_EAUTH, "handshake with rank %d (%s) failed: %s", l->rank,
+                              l->addr, why);
+  rtp__tcp_hmac(c->params.token, "rtp-hs-connector", l->hs, 2 * RC_HELLO_SIZE,
+                l->hs + 2 * RC_HELLO_SIZE);
+  if (hs_write(l, 1, 2 * RC_HELLO_SIZE, RC_MAC_SIZE) < 0)
+    return rtp__tcp_comm_fail(c, RTP_ECOMM, "handshake with rank %d (%s): write failed",
+                              l->rank, l->addr);
+  rtp__tcp_reader_expect(l, R_MAC_A, l->hs + 2 * RC_HELLO_SIZE + RC_MAC_SIZE, RC_MAC_SIZE);
+}
+
+/* The connector has the acceptor's proof. */
+static void hs_connector_mac_a(struct rc_link *l) {
+  struct tcp *c = l->comm;
   uint8_t mac[RC_MAC_SIZE];
-  rtp__tcp_hmac(c->params.token, "rtp-hs-acceptor", l->hs, 2 * RC_HELLO_SIZE, mac);
-  if (!why && CRYPTO_memcmp(mac, l->hs + 2 * RC_HELLO_SIZE, RC_MAC_SIZE) != 0)
-    why = "authentication failed (wrong RTP_TOKEN)";
-  if (why) {
-    rtp__tcp_comm_fail(c, RTP_EAUTH, "handshake with rank %d (%s) failed: %s", l->rank, l->addr,
-                       why);
-    return;
-  }
-  rtp__tcp_hmac(c->params.token, "rtp-hs-connector", l->hs, 2 * RC_HELLO_SIZE + RC_MAC_SIZE,
+  rtp__tcp_hmac(c->params.token, "rtp-hs-acceptor", l->hs, 2 * RC_HELLO_SIZE + RC_MAC_SIZE,
                 mac);
-  if (send_raw(l, mac, RC_MAC_SIZE) < 0) {
-    rtp__tcp_comm_fail(c, RTP_ECOMM, "handshake with rank %d (%s): write failed", l->rank,
-                       l->addr);
-    return;
-  }
+  if (CRYPTO_memcmp(mac, l->hs + 2 * RC_HELLO_SIZE + RC_MAC_SIZE, RC_MAC_SIZE) != 0)
+    return rtp__tcp_comm_fail(c, RTP_EAUTH,
+                              "handshake with rank %d (%s) failed: authentication failed "
+                              "(wrong RTP_TOKEN)",
+                              l->rank, l->addr);
   hello_note_peer(l, l->hs + RC_HELLO_SIZE);
   link_up(l);
 }
@@ -317,9 +399,11 @@ static void check_ready(struct tcp *c) {
 
 static void link_up(struct rc_link *l) {
   struct tcp *c = l->comm;
-  l->scratch_cap = RC_SEGMENT + 64;
-  l->scratch = malloc(l->scratch_cap);
-  if (!l->scratch) return rtp__tcp_comm_fail(c, RTP_ENOMEM, "out of memory");
+  if (link_alloc_buffers(l)) return rtp__tcp_comm_fail(c, RTP_ENOMEM, "out of memory");
+  if (l->pending) {
+    l->pending = false;
+    c->n_pending--;
+  }
   l->state = LS_UP;
   c->links[l->rank] = l;
   c->n_up++;
@@ -491,12 +575,14 @@ static void on_hdr(struct rc_link *l) {
 
 void rtp__tcp_reader_step(struct rc_link *l) {
   switch (l->rstate) {
-    case R_HELLO1:
-      return hs_acceptor_hello1(l);
-    case R_HELLO2:
-      return hs_connector_hello2(l);
-    case R_HELLO3:
-      return hs_acceptor_hello3(l);
+    case R_HELLO_C:
+      return hs_acceptor_hello_c(l);
+    case R_HELLO_A:
+      return hs_connector_hello_a(l);
+    case R_MAC_C:
+      return hs_acceptor_mac_c(l);
+    case R_MAC_A:
+      return hs_connector_mac_a(l);
     case R_HDR:
       return on_hdr(l);
     case R_PAYLOAD:
@@ -519,6 +605,33 @@ static void tune_socket(uv_tcp_t *t) {
   }
 }
 
+/* The unproven connection to drop for a new one: the oldest of those that have not yet
+ * sent a whole hello (a rank sends its hello at once; idle and trickling strangers never
+ * do), else the oldest; of address a only (NULL: of all). */
+static struct rc_link *eviction_pick(struct tcp *c, const char *a) {
+  struct rc_link *oldest = NULL, *oldest_silent = NULL; /* links_all is newest first */
+  for (struct rc_link *l = c->links_all; l; l = l->next) {
+    if (!l->pending || (a && strcmp(l->src, a) != 0)) continue;
+    oldest = l;
+    if (l->rstate == R_HELLO_C) oldest_silent = l;
+  }
+  return oldest_silent ? oldest_silent : oldest;
+}
+
+/* Room for one more unproven connection from address a: one goes if a has
+ * RC_PENDING_PER_SOURCE, or if there are as many in all as the job may legitimately open
+ * at once and a margin. So strangers hold a bounded number of descriptors and bytes, and
+ * a rank's handshake, which takes a round trip, outlives a flood's connections. */
+static void make_room(struct tcp *c, const char *a) {
+  int mine = 0;
+  for (struct rc_link *l = c->links_all; l; l = l->next)
+    mine += l->pending && !strcmp(l->src, a);
+  if (mine >= RC_PENDING_PER_SOURCE)
+    rtp__tcp_shed(eviction_pick(c, a), "too many unproven connections from its address");
+  else if (c->n_pending >= RC_PENDING_BASE + 2 * c->size)
+    rtp__tcp_shed(eviction_pick(c, NULL), "too many unproven connections");
+}
+
 static void on_connection(uv_stream_t *server, int status) {
   struct tcp *c = server->data;
   if (status < 0 || c->shutting_down) return;
@@ -533,14 +646,21 @@ static void on_connection(uv_stream_t *server, int status) {
   }
   struct sockaddr_storage ss;
   int n = sizeof(ss);
-  if (uv_tcp_getpeername(&l->tcp, (struct sockaddr *)&ss, &n) == 0)
+  if (uv_tcp_getpeername(&l->tcp, (struct sockaddr *)&ss, &n) == 0) {
     rtp__tcp_sa_to_str((struct sockaddr *)&ss, l->addr, sizeof(l->addr));
-  if (c->loop_failed) {
+    rtp__tcp_sa_ip(&ss, l->src, sizeof(l->src));
+  }
+  struct rc_source *src = source_of(c, l->src, false);
+  if (c->loop_failed || (src && src->fails >= RC_FAILS_MAX)) { /* closed on sight */
     rtp__tcp_link_close(l);
     return;
   }
+  make_room(c, l->src);
+  l->pending = true;
+  c->n_pending++;
+  l->deadline = rtp__tcp_now_ms(c) + RC_ACCEPT_MS;
   tune_socket(&l->tcp);
-  rtp__tcp_reader_expect(l, R_HELLO1, l->hs, RC_HELLO_SIZE);
+  rtp__tcp_reader_expect(l, R_HELLO_C, l->hs, RC_HELLO_SIZE);
   uv_read_start((uv_stream_t *)&l->tcp, on_alloc, on_read);
 }
 
@@ -585,15 +705,26 @@ static void on_connect(uv_connect_t *req, int status) {
   }
   tune_socket(&l->tcp);
   l->state = LS_HANDSHAKE;
-  rtp__tcp_hello_fill(l->hs, c->job_id, c->size, c->rank, c->host_key);
-  if (send_raw(l, l->hs, RC_HELLO_SIZE) < 0) {
+  rtp__tcp_hello_fill(l->hs, c->size, c->rank, c->host_key);
+  if (hs_write(l, 0, 0, RC_HELLO_SIZE) < 0) {
     rtp__tcp_comm_fail(c, RTP_ECOMM, "handshake with rank %d (%s): write failed", l->rank,
                        l->addr);
     return;
   }
   l->deadline = rtp__tcp_now_ms(c) + RC_HANDSHAKE_MS;
-  rtp__tcp_reader_expect(l, R_HELLO2, l->hs + RC_HELLO_SIZE, RC_HELLO_SIZE + RC_MAC_SIZE);
+  rtp__tcp_reader_expect(l, R_HELLO_A, l->hs + RC_HELLO_SIZE, RC_HELLO_SIZE);
   uv_read_start((uv_stream_t *)&l->tcp, on_alloc, on_read);
+}
+
+/* The acceptor closed before answering: connect again, as after a refused connection,
+ * until the rendezvous's deadline. */
+static void connect_retry(struct rc_link *l) {
+  struct tcp *c = l->comm;
+  l->refusals++;
+  l->state = LS_CONNECTING;
+  l->deadline = c->init_deadline;
+  uv_read_stop((uv_stream_t *)&l->tcp);
+  uv_close((uv_handle_t *)&l->tcp, retry_closed);
 }
 
 static void connect_to(struct tcp *c, int rank, const struct sockaddr_storage *sa) {
@@ -656,6 +787,35 @@ static int resolve_bind(struct tcp *c) {
   return 0;
 }
 
+static bool is_loopback(const struct sockaddr_storage *sa) {
+  if (sa->ss_family == AF_INET)
+    return (ntohl(((const struct sockaddr_in *)sa)->sin_addr.s_addr) >> 24) == 127;
+  return sa->ss_family == AF_INET6 &&
+         IN6_IS_ADDR_LOOPBACK(&((const struct sockaddr_in6 *)sa)->sin6_addr);
+}
+
+/* Where to listen when the job names no address (RTP_BIND_ADDR, RTP_IFNAME): where the
+ * job lives, not on every interface. Rank 0 listens on the master address when it was
+ * given as one (127.0.0.1 for a job on one host); the others on their address that routes
+ * to the master, which is also the one they register. False: on every interface, as when
+ * the master is a name (it may resolve to 127.0.1.1 here and to the LAN address
+ * elsewhere) or no route is known. */
+static bool job_address(struct tcp *c, struct sockaddr_storage *la) {
+  if (c->rank == 0) {
+    *la = c->master;
+    return rtp__tcp_parse_ip(c->params.master_addr, 0, la) == 0 &&
+           (is_loopback(la) || !is_loopback(&c->master));
+  }
+  int fd = socket(c->master.ss_family, SOCK_DGRAM, 0); /* connecting sends nothing */
+  socklen_t n = sizeof(*la);
+  socklen_t len = c->master.ss_family == AF_INET6 ? sizeof(struct sockaddr_in6)
+                                                  : sizeof(struct sockaddr_in);
+  bool ok = fd >= 0 && connect(fd, (const struct sockaddr *)&c->master, len) == 0 &&
+            getsockname(fd, (struct sockaddr *)la, &n) == 0;
+  if (fd >= 0) close(fd);
+  return ok;
+}
+
 void rtp__tcp_loop_start(struct tcp *c) {
   struct rtp_comm_params *p = &c->params;
   int rc = resolve(c, p->master_addr, p->master_port, &c->master);
@@ -668,9 +828,9 @@ void rtp__tcp_loop_start(struct tcp *c) {
         c, RTP_EINVAL, "bind '%s' is neither an address nor an interface with one", p->bind);
   /* listen: rank 0 on the master port, others on any port */
   struct sockaddr_storage la;
-  if (c->have_bind) {
-    la = c->bind_sa;
-  } else {
+  bool wild = !c->have_bind && !job_address(c, &la);
+  if (c->have_bind) la = c->bind_sa;
+  if (wild) {
     memset(&la, 0, sizeof(la));
     rtp__tcp_parse_ip(c->master.ss_family == AF_INET6 ? "::" : "0.0.0.0", 0, &la);
   }
@@ -679,6 +839,11 @@ void rtp__tcp_loop_start(struct tcp *c) {
   c->listener.data = c;
   c->listener_open = true;
   rc = uv_tcp_bind(&c->listener, (struct sockaddr *)&la, 0);
+  if (rc == UV_EADDRNOTAVAIL && !c->have_bind && !wild) { /* the master's name is not ours */
+    memset(&la, 0, sizeof(la));
+    rtp__tcp_parse_ip(c->master.ss_family == AF_INET6 ? "::" : "0.0.0.0", p->master_port, &la);
+    rc = uv_tcp_bind(&c->listener, (struct sockaddr *)&la, 0);
+  }
   if (rc == 0) rc = uv_listen((uv_stream_t *)&c->listener, 128, on_connection);
   if (rc < 0) {
     char s[96];

@@ -73,14 +73,6 @@ void rtp__tcp_hmac(const char *token, const char *label, const uint8_t *data, si
   RTP_ASSERT(HMAC(EVP_sha256(), token, (int)strlen(token), buf, ll + n, out, &outlen) != NULL);
 }
 
-/* Tells a rank of another job (or a wrong token) apart from a stranger, in clear text,
- * without revealing the token. */
-uint64_t rtp__tcp_job_id(const char *token) {
-  uint8_t id[RC_MAC_SIZE];
-  rtp__tcp_hmac(token, "rtp-job-id", NULL, 0, id);
-  return rtp__tcp_get64(id);
-}
-
 static uint64_t fnv1a(uint64_t h, const void *p, size_t n) {
   for (size_t i = 0; i < n; i++) h = (h ^ ((const uint8_t *)p)[i]) * 0x100000001b3ull;
   return h;
@@ -110,14 +102,15 @@ uint64_t rtp__tcp_host_key(void) {
   return h ? h : 1;
 }
 
-/* HELLO: magic, version u8, flags u8, u16 0, job id u64, world size u32, rank u32,
- * nonce[32], host key u64, pid u32, zero padding to 80 bytes. */
-void rtp__tcp_hello_fill(uint8_t *p, uint64_t job_id, int size, int rank, uint64_t host_key) {
+/* HELLO: magic, version u8, flags u8, u16 0, u64 0 (refusing: the reason u32 and what the
+ * acceptor has u32), world size u32, rank u32, nonce[32], host key u64, pid u32, zero
+ * padding to 80 bytes. Nothing in it derives from the token: a stranger learns nothing
+ * of it before the connector's proof (docs/transport.md). */
+void rtp__tcp_hello_fill(uint8_t *p, int size, int rank, uint64_t host_key) {
   memset(p, 0, RC_HELLO_SIZE);
   rtp__tcp_put32(p, RC_HELLO_MAGIC);
   p[4] = RC_VERSION;
   p[5] = host_key ? RC_HELLO_DIRECT : 0;
-  rtp__tcp_put64(p + 8, job_id);
   rtp__tcp_put32(p + 16, (uint32_t)size);
   rtp__tcp_put32(p + 20, (uint32_t)rank);
   RTP_ASSERT(RAND_bytes(p + 24, RC_NONCE_SIZE) == 1);
@@ -125,17 +118,52 @@ void rtp__tcp_hello_fill(uint8_t *p, uint64_t job_id, int size, int rank, uint64
   rtp__tcp_put32(p + 64, (uint32_t)getpid());
 }
 
-const char *rtp__tcp_hello_check(const uint8_t *p, uint64_t job_id, int size, int me,
-                                 int *rank) {
+void rtp__tcp_hello_refuse(uint8_t *p, int why, uint32_t have) {
+  memset(p, 0, RC_HELLO_SIZE);
+  rtp__tcp_put32(p, RC_HELLO_MAGIC);
+  p[4] = RC_VERSION;
+  p[5] = RC_HELLO_REFUSED;
+  rtp__tcp_put32(p + 8, (uint32_t)why);
+  rtp__tcp_put32(p + 12, have);
+}
+
+const char *rtp__tcp_hello_check(const uint8_t *p, int size, int me, int *rank, int *refusal) {
+  *refusal = 0;
   if (rtp__tcp_get32(p) != RC_HELLO_MAGIC) return "not an rtp handshake (bad magic)";
-  if (p[4] != RC_VERSION || (p[5] & ~RC_HELLO_DIRECT) || p[6] || p[7])
-    return "protocol version mismatch";
-  if (rtp__tcp_get64(p + 8) != job_id) return "different job (wrong RTP_TOKEN?)";
-  if (rtp__tcp_get32(p + 16) != (uint32_t)size) return "different world size";
+  /* Another version's hello may be laid out otherwise: closed unanswered, as garbage. */
+  if (p[4] != RC_VERSION) return "protocol version mismatch";
+  if ((p[5] & ~RC_HELLO_DIRECT) || p[6] || p[7] || rtp__tcp_get64(p + 8))
+    return "malformed hello";
+  if (rtp__tcp_get32(p + 16) != (uint32_t)size) {
+    *refusal = RC_REFUSE_SIZE;
+    return "different world size";
+  }
   uint32_t r = rtp__tcp_get32(p + 20);
-  if (r >= (uint32_t)size || (int)r == me) return "bad rank";
+  if (r >= (uint32_t)size || (int)r == me) {
+    *refusal = RC_REFUSE_RANK;
+    return "bad rank";
+  }
   *rank = (int)r;
   return NULL;
+}
+
+const char *rtp__tcp_hello_refusal(const uint8_t *p, char *buf, size_t n) {
+  if (rtp__tcp_get32(p) != RC_HELLO_MAGIC || !(p[5] & RC_HELLO_REFUSED)) return NULL;
+  uint32_t have = rtp__tcp_get32(p + 12);
+  switch (rtp__tcp_get32(p + 8)) {
+    case RC_REFUSE_SIZE:
+      snprintf(buf, n, "its world size is %u", have);
+      break;
+    case RC_REFUSE_RANK:
+      snprintf(buf, n, "this rank is out of range or not one that connects to it");
+      break;
+    case RC_REFUSE_DUPLICATE:
+      snprintf(buf, n, "another process already joined as this rank");
+      break;
+    default:
+      snprintf(buf, n, "refused");
+  }
+  return buf;
 }
 
 void rtp__tcp_sa_to_str(const struct sockaddr *sa, char *out, size_t n) {

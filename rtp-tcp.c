@@ -597,22 +597,28 @@ static void on_tick(uv_timer_t *t) {
   }
   if (c->loop_failed) return;
   if (!c->ready && now > c->init_deadline) {
-    char missing[128] = "";
+    char missing[128] = "", shed[128] = "";
     size_t off = 0;
     for (int q = 0; q < c->size && off < sizeof(missing) - 12; q++)
       if (q != c->rank && !c->links[q])
         off += (size_t)snprintf(missing + off, sizeof(missing) - off, " %d", q);
+    for (struct rc_link *l = c->links_all; l && !shed[0]; l = l->next)
+      if (l->connector && l->refusals)
+        snprintf(shed, sizeof(shed),
+                 "; rank %d closed %d handshakes unanswered (flooded with connections by "
+                 "strangers? see its log)",
+                 l->rank, l->refusals);
     rtp__tcp_comm_fail(
         c, RTP_ETIMEDOUT,
-        "rendezvous timed out after %d ms (master %s); not connected to rank(s)%s%s",
+        "rendezvous timed out after %d ms (master %s); not connected to rank(s)%s%s%s",
         c->params.timeout_ms, c->master_str, missing,
-        c->rank == 0 ? "" : " (or rank 0 still waits for others)");
+        c->rank == 0 ? "" : " (or rank 0 still waits for others)", shed);
     return;
   }
   for (struct rc_link *l = c->links_all, *nx; l; l = nx) {
     nx = l->next;
     if (l->state == LS_HANDSHAKE && !l->connector && now > l->deadline) {
-      rtp__tcp_refuse(l, "handshake timed out");
+      rtp__tcp_shed(l, "handshake timed out");
     } else if (l->state == LS_HANDSHAKE && l->connector && now > l->deadline) {
       rtp__tcp_comm_fail(c, RTP_ETIMEDOUT, "handshake with rank %d (%s) timed out", l->rank,
                          l->addr);
@@ -778,7 +784,6 @@ int rtp__tcp_new(struct rtp_comm_world *w, struct rtp_transport **out) {
   if (!st) st = group_add(c, 0, all, c->size); /* the world */
   free(all);
   if (!st) {
-    c->job_id = rtp__tcp_job_id(p->token);
     c->host_key = rtp__tcp_host_key();
     st = tcp_start(c);
   }

@@ -10,20 +10,33 @@
 
 #include <uv.h>
 
-#define RC_VERSION 3
+#define RC_VERSION 4
 #define RC_FRAME_MAGIC 0x46505452u /* "RTPF" on the wire (little-endian) */
 #define RC_HELLO_MAGIC 0x48505452u /* "RTPH" */
 #define RC_HDR_SIZE 56
 #define RC_HELLO_SIZE 80
-#define RC_HELLO_DIRECT 1 /* HELLO flag: this rank accepts direct writes (RC_T_DONE) */
+#define RC_HELLO_DIRECT 1  /* HELLO flag: this rank accepts direct writes (RC_T_DONE) */
+#define RC_HELLO_REFUSED 2 /* HELLO flag: the acceptor refuses (reason in byte 8) */
 #define RC_MAC_SIZE 32
 #define RC_NONCE_SIZE 32
 #define RC_SEGMENT ((uint64_t)1 << 20) /* ring collectives: bytes per pipelined segment */
 #define RC_P2P_FRAME ((uint64_t)8 << 20)
 #define RC_WINDOW 4 /* data frames in flight per request and direction */
 #define RC_MSG RTP_COMM_MSG
-#define RC_ADDR_REC 64 /* REGISTER payload and PEERS record: u16 port, address string */
-#define RC_HANDSHAKE_MS 10000
+#define RC_ADDR_REC 64        /* REGISTER payload and PEERS record: u16 port, address string */
+#define RC_HANDSHAKE_MS 10000 /* a connector's, from its connection to the acceptor's proof */
+/* An acceptor's defences against strangers (docs/transport.md, "Strangers"): each
+ * connection must prove the token within RC_ACCEPT_MS; at most RC_PENDING_PER_SOURCE
+ * unproven connections per address and RC_PENDING_BASE + 2 x world size in all (the oldest
+ * goes when a new one comes: a rank's handshake takes a round trip, a flood's lasts); and
+ * an address that fails RC_FAILS_MAX handshakes within RC_FAILS_WINDOW_MS is closed on
+ * sight for the rest of that window. */
+#define RC_ACCEPT_MS 3000
+#define RC_PENDING_PER_SOURCE 16
+#define RC_PENDING_BASE 32
+#define RC_FAILS_MAX 5
+#define RC_FAILS_WINDOW_MS 60000
+#define RC_SOURCES 32           /* addresses whose failures are remembered */
 #define RC_RCVLOWAT (256 << 10) /* bytes a read waits for, at most (link_set_lowat) */
 
 enum rc_type {
@@ -61,14 +74,18 @@ void rtp__tcp_hdr_get(const uint8_t *p, struct rc_hdr *h);
 /* HMAC-SHA256(token, label | data). */
 void rtp__tcp_hmac(const char *token, const char *label, const uint8_t *data, size_t n,
                    uint8_t out[RC_MAC_SIZE]);
-uint64_t rtp__tcp_job_id(const char *token);
 /* This host and its namespaces (docs/transport.md, direct writes); 0: unknown or off. */
 uint64_t rtp__tcp_host_key(void);
-/* HELLO of (job, world size, rank), with a fresh nonce. */
-void rtp__tcp_hello_fill(uint8_t *p, uint64_t job_id, int size, int rank, uint64_t host_key);
-/* NULL if p is a hello of this job from another rank (in *rank), else why not. */
-const char *rtp__tcp_hello_check(const uint8_t *p, uint64_t job_id, int size, int me,
-                                 int *rank);
+/* HELLO of (world size, rank), with a fresh nonce. */
+void rtp__tcp_hello_fill(uint8_t *p, int size, int rank, uint64_t host_key);
+/* A HELLO that refuses, saying why (enum rc_refusal) and what this rank has (its world
+ * size). */
+void rtp__tcp_hello_refuse(uint8_t *p, int why, uint32_t have);
+/* NULL if p is a hello from another rank of a job of this size (in *rank), else why not;
+ * *refusal: the rc_refusal to answer with (0: close without answering). */
+const char *rtp__tcp_hello_check(const uint8_t *p, int size, int me, int *rank, int *refusal);
+/* The reason an acceptor's refusing HELLO gives, as text; NULL if p does not refuse. */
+const char *rtp__tcp_hello_refusal(const uint8_t *p, char *buf, size_t n);
 void rtp__tcp_sa_to_str(const struct sockaddr *sa, char *out, size_t n);
 int rtp__tcp_parse_ip(const char *s, int port, struct sockaddr_storage *out);
 void rtp__tcp_sa_set_port(struct sockaddr_storage *sa, int port);
@@ -136,7 +153,11 @@ struct rc_rtr {
 };
 
 enum rc_link_state { LS_CONNECTING, LS_HANDSHAKE, LS_UP, LS_CLOSING };
-enum rc_read_state { R_HELLO1, R_HELLO2, R_HELLO3, R_HDR, R_PAYLOAD, R_CTRL };
+/* Why an acceptor refuses a hello, in its refusing HELLO (byte 8). */
+enum rc_refusal { RC_REFUSE_SIZE = 1, RC_REFUSE_RANK, RC_REFUSE_DUPLICATE };
+/* The handshake's reads: the acceptor's of HELLO_c, then mac_c; the connector's of
+ * HELLO_a, then mac_a (docs/transport.md). */
+enum rc_read_state { R_HELLO_C, R_HELLO_A, R_MAC_C, R_MAC_A, R_HDR, R_PAYLOAD, R_CTRL };
 
 struct rc_link {
   uv_tcp_t tcp;
@@ -158,7 +179,11 @@ struct rc_link {
   int lowat; /* the socket's SO_RCVLOWAT as last set; 0: the default */
   uint8_t hdrbuf[RC_HDR_SIZE];
   struct rc_hdr hdr;
-  uint8_t hs[RC_HELLO_SIZE * 2 + RC_MAC_SIZE * 2];
+  uint8_t hs[RC_HELLO_SIZE * 2 + RC_MAC_SIZE * 2]; /* HELLO_c, HELLO_a, mac_c, mac_a */
+  uv_write_t hs_w[2]; /* the handshake's writes, straight from hs */
+  char src[64];       /* an accepted connection's address (no port) */
+  bool pending;       /* accepted, still unproven: counted in comm->n_pending */
+  int refusals;       /* a connector's: times the acceptor closed before answering */
   uint8_t *ctrl;
   size_t ctrl_cap;
   float *scratch;
@@ -202,7 +227,6 @@ struct tcp {
   struct rtp_comm_world *w;
   int rank, size; /* in the world */
   struct rtp_comm_params params;
-  uint64_t job_id;
   uint64_t host_key; /* this host and its namespaces; 0: direct writes off */
 
   pthread_mutex_t qmu; /* the submission queue and the flags below */
@@ -228,6 +252,13 @@ struct tcp {
   uint64_t shutdown_deadline, init_deadline;
   struct rc_link *links_all;
   int n_links_alive;
+  int n_pending; /* accepted connections still in the handshake */
+  long n_shed;   /* of them, dropped for room or time (rtp__tcp_shed) */
+  struct rc_source {
+    char addr[64];
+    int fails;
+    uint64_t since;
+  } sources[RC_SOURCES];  /* failed handshakes by address (RC_FAILS_MAX) */
   struct rc_link **links; /* authenticated, by rank */
   int n_up;
   struct rc_peer *peers;
@@ -267,6 +298,9 @@ void rtp__tcp_reader_expect(struct rc_link *l, int state, void *ptr, size_t n);
 void rtp__tcp_reader_step(struct rc_link *l);
 void rtp__tcp_protocol_error(struct rc_link *l, const char *fmt, ...) RTP_PRINTF(2, 3);
 void rtp__tcp_refuse(struct rc_link *l, const char *why);
+/* Drops an unproven connection that a flood may have opened (evicted, or out of time),
+ * logging a sample of them. */
+void rtp__tcp_shed(struct rc_link *l, const char *why);
 /* Listens, then (rank > 0) connects to rank 0: the rendezvous, on the comm thread. */
 void rtp__tcp_loop_start(struct tcp *c);
 

@@ -25,6 +25,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench-util.h"
 #include "rtp.h"
 
 static double now_s(void) {
@@ -158,6 +159,8 @@ int main(int argc, char **argv) {
   int rc = 0;
   for (int w = 0; w < nworlds; w++) {
     int n = worlds[w], port = free_port();
+    char token[RTP_COMM_MAX_TOKEN];
+    bench_token(token, sizeof(token));
     fflush(stdout);
     for (int r = 0; r < n; r++) {
       if (fork() == 0) {
@@ -166,7 +169,7 @@ int main(int argc, char **argv) {
         p.rank = r;
         p.world_size = n;
         p.master_port = port;
-        snprintf(p.token, sizeof(p.token), "bench-%d-%d", (int)getppid(), port);
+        snprintf(p.token, sizeof(p.token), "%s", token);
         _exit(bench_rank(&p, sizes, nsizes, ops, label ? label : "loopback"));
       }
     }

@@ -285,6 +285,8 @@ static void run_interleaved(const struct opts *o, struct rtp_comm *comm) {
 static int run_strategy(const struct opts *o, enum rtp_strategy s, double compute_s) {
   int port = o->port + (int)s * 7 + (int)(getpid() % 97) * 13;
   pid_t pids[RTP_MAX_WORLD];
+  char token[RTP_COMM_MAX_TOKEN];
+  bench_token(token, sizeof(token));
   for (int r = 0; r < o->ranks; r++) {
     if ((pids[r] = fork()) != 0) continue;
     struct rtp_comm_params cp = rtp_comm_params_default();
@@ -293,7 +295,7 @@ static int run_strategy(const struct opts *o, enum rtp_strategy s, double comput
     cp.world_size = o->ranks;
     snprintf(cp.master_addr, sizeof(cp.master_addr), "127.0.0.1");
     cp.master_port = port;
-    snprintf(cp.token, sizeof(cp.token), "bench-%d", (int)getppid());
+    snprintf(cp.token, sizeof(cp.token), "%s", token);
     struct rtp_comm *comm;
     if (rtp_comm_init(&cp, &comm)) die("comm");
     if (o->interleave) {

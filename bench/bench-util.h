@@ -1,5 +1,5 @@
 /* bench-util.h - what the benchmarks share: a clock, the process's memory from /proc, the
- * model presets, a median. */
+ * model presets, a median, a job token. */
 #ifndef RTP_BENCH_UTIL_H
 #define RTP_BENCH_UTIL_H
 
@@ -9,6 +9,19 @@
 #include <time.h>
 
 #include "gpt.h"
+
+/* A fresh job token (64 hex digits from /dev/urandom) for ranks forked from this
+ * process; exits if there is none to be had. */
+static inline void bench_token(char *out, size_t n) {
+  unsigned char b[32];
+  FILE *f = fopen("/dev/urandom", "rb");
+  if (!f || fread(b, 1, sizeof(b), f) != sizeof(b) || n < 2 * sizeof(b) + 1) {
+    fprintf(stderr, "bench: no random token (/dev/urandom)\n");
+    exit(1);
+  }
+  fclose(f);
+  for (size_t i = 0; i < sizeof(b); i++) snprintf(out + 2 * i, 3, "%02x", b[i]);
+}
 
 static inline double bench_now_s(void) {
   struct timespec ts;

@@ -5,6 +5,10 @@
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 
+#include <sys/resource.h>
+
+#include <cerrno>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -165,7 +169,7 @@ bool read_all(int fd, void *p, size_t n) {
 }
 
 // The wire's version and frame header size (docs/transport.md, "Frames").
-const uint8_t kProtocolVersion = 3;
+const uint8_t kProtocolVersion = 4;
 const size_t kHeaderSize = 56;
 
 void put32(uint8_t *p, uint32_t v) {
@@ -183,20 +187,21 @@ void mac(const std::string &token, const std::string &label, const uint8_t *d, s
   HMAC(EVP_sha256(), token.data(), (int)token.size(), buf.data(), buf.size(), out, &len);
 }
 
-// The connector's side of the handshake (docs/transport.md), done by hand.
+// The connector's side of the handshake (docs/transport.md), done by hand: HELLO_c, read
+// HELLO_a, the connector's proof, read the acceptor's. 0 when the acceptor proved itself.
 int handshake(int fd, const std::string &token, int world, int rank) {
-  uint8_t t[80 + 112 + 32] = {0};
-  uint8_t id[32];
-  mac(token, "rtp-job-id", nullptr, 0, id);
+  uint8_t t[80 + 80 + 32 + 32] = {0};
   put32(t, 0x48505452u);
   t[4] = kProtocolVersion;  // no direct writes offered
-  memcpy(t + 8, id, 8);
   put32(t + 16, (uint32_t)world);
   put32(t + 20, (uint32_t)rank);
   for (int i = 0; i < 32; i++) t[24 + i] = (uint8_t)rand();
-  if (!write_all(fd, t, 80) || !read_all(fd, t + 80, 112)) return -1;
-  mac(token, "rtp-hs-connector", t, 192, t + 192);
-  return write_all(fd, t + 192, 32) ? 0 : -1;
+  if (!write_all(fd, t, 80) || !read_all(fd, t + 80, 80)) return -1;
+  mac(token, "rtp-hs-connector", t, 160, t + 160);
+  if (!write_all(fd, t + 160, 32) || !read_all(fd, t + 192, 32)) return -1;
+  uint8_t want[32];
+  mac(token, "rtp-hs-acceptor", t, 192, want);
+  return memcmp(want, t + 192, 32) == 0 ? 0 : -1;
 }
 
 // A job of two ranks carries on while strangers knock: a process with the wrong token,
@@ -224,7 +229,7 @@ TEST(CommFaults, StrangersRefused) {
           return 0;
         }
         if (who == 2) {  // the right protocol, the wrong token
-          rtp_comm_params p = params(1, 2, port, 15000, "not-the-token");
+          rtp_comm_params p = params(1, 2, port, 15000, "not-the-token-of-this-test-job");
           rtp_comm *c;
           int st = rtp_comm_init(&p, &c);
           fprintf(stderr, "stranger: %s\n", rtp_last_error());
@@ -258,6 +263,163 @@ TEST(CommFaults, StrangersRefused) {
   for (int i = 0; i < 7; i++) EXPECT_EQ(res[i].code, 0) << "process " << i;
 }
 
+// A stranger who sends a well-formed hello gets the acceptor's hello, in which nothing
+// derives from the token (the bytes that once held a token-derived job id are zero), and
+// no proof: after a wrong proof of its own the connection closes with no byte more. So a
+// stranger cannot test guesses of the token against anything the acceptor sent.
+TEST(CommFaults, StrangerLearnsNothingBeforeItsProof) {
+  int port = free_port();
+  auto res = run_procs(3, [&](int who) {
+    if (who == 2) {  // the stranger, while ranks 0 and 1 train
+      usleep(200000);
+      int fd = connect_to(port);
+      uint8_t t[80 + 80 + 32] = {0}, extra;
+      put32(t, 0x48505452u);
+      t[4] = kProtocolVersion;
+      put32(t + 16, 2);
+      put32(t + 20, 1);
+      if (fd < 0 || !write_all(fd, t, 80) || !read_all(fd, t + 80, 80)) return 5;
+      for (int i = 8; i < 16; i++)
+        if (t[80 + i]) return 6;
+      memset(t + 160, 0x5a, 32);  // a wrong proof
+      if (!write_all(fd, t + 160, 32)) return 7;
+      ssize_t r = recv(fd, &extra, 1, 0);
+      close(fd);
+      return r <= 0 ? 0 : 8;
+    }
+    rtp_comm_params p = params(who, 2, port, 15000);
+    rtp_comm *c;
+    if (who == 1) usleep(600000);  // after the stranger
+    if (rtp_comm_init(&p, &c) != RTP_OK) return 2;
+    float v = 1.0f;
+    int st = rtp_comm_allreduce(c, &v, 1, nullptr);
+    rtp_comm_free(c);
+    return st == RTP_OK && v == 2.0f ? 0 : 3;
+  });
+  for (int i = 0; i < 3; i++) EXPECT_EQ(res[i].code, 0) << "process " << i;
+}
+
+// Guessing online: after 5 wrong proofs from one address (127.0.0.2), its next
+// connection is closed unanswered (for a minute); the ranks already joined carry on, and a
+// rank from another address (127.0.0.1) still joins.
+TEST(CommFaults, WrongProofsLockOutTheirAddress) {
+  int port = free_port();
+  auto res = run_procs(4, [&](int who) {
+    if (who == 3) {
+      usleep(300000);  // after ranks 0 and 1, before rank 2
+      for (int k = 0; k < 6; k++) {
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        sockaddr_in a{};
+        a.sin_family = AF_INET;
+        a.sin_addr.s_addr = htonl(0x7f000002);  // 127.0.0.2
+        if (fd < 0 || bind(fd, (sockaddr *)&a, sizeof(a))) return 4;
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        a.sin_port = htons((uint16_t)port);
+        if (connect(fd, (sockaddr *)&a, sizeof(a))) return 4;
+        uint8_t t[80 + 80 + 32] = {0}, extra;
+        put32(t, 0x48505452u);
+        t[4] = kProtocolVersion;
+        put32(t + 16, 3);
+        put32(t + 20, 2);
+        bool answered = write_all(fd, t, 80) && read_all(fd, t + 80, 80);
+        if (k == 5) {
+          close(fd);
+          return answered ? 6 : 0;  // locked out: closed before any answer
+        }
+        if (!answered || !write_all(fd, t + 160, 32) || recv(fd, &extra, 1, 0) > 0) return 5;
+        close(fd);
+      }
+      return 7;
+    }
+    rtp_comm_params p = params(who, 3, port, 15000);
+    rtp_comm *c;
+    if (who == 2) usleep(1000000);  // after the guesses
+    if (rtp_comm_init(&p, &c) != RTP_OK) return 2;
+    float v = 1.0f;
+    int st = rtp_comm_allreduce(c, &v, 1, nullptr);
+    rtp_comm_free(c);
+    return st == RTP_OK && v == 3.0f ? 0 : 3;
+  });
+  for (int i = 0; i < 4; i++) EXPECT_EQ(res[i].code, 0) << "process " << i;
+}
+
+// A flood during rendezvous and training: a stranger keeps 600 connections open to rank
+// 0 (nonblocking connects, reopened as they are dropped), 30 of them trickling a byte at a
+// time, while rank 0 has a descriptor limit of 256 (`ulimit -n 256`). The others still
+// join, and the job's sums come out right: unproven connections are bounded in number
+// and time, and a rank's handshake outlives the flood's.
+TEST(CommFaults, FloodOfIdleAndTricklingConnections) {
+  int port = free_port();
+  auto res = run_procs(
+      4,
+      [&](int who) {
+        if (who == 3) {  // the flood, for 5 s
+          std::vector<int> fds;
+          double end = now_s() + 5.0;
+          long opened = 0;
+          while (now_s() < end) {
+            while (fds.size() < 600) {
+              int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+              sockaddr_in a{};
+              a.sin_family = AF_INET;
+              a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+              a.sin_port = htons((uint16_t)port);
+              if (fd < 0) break;
+              if (connect(fd, (sockaddr *)&a, sizeof(a)) < 0 && errno != EINPROGRESS) {
+                close(fd);
+                break;
+              }
+              fds.push_back(fd);
+              opened++;
+            }
+            for (size_t i = 0; i < fds.size(); i++) {
+              char ch;
+              if (i < 30) send(fds[i], "R", 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+              ssize_t r = recv(fds[i], &ch, 1, MSG_DONTWAIT);
+              if (r == 0 ||
+                  (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != ENOTCONN)) {
+                close(fds[i]);
+                fds[i] = -1;
+              }
+            }
+            std::vector<int> open;
+            for (int fd : fds)
+              if (fd >= 0) open.push_back(fd);
+            fds.swap(open);
+            usleep(20000);
+          }
+          for (int fd : fds) close(fd);
+          fprintf(stderr, "flood: %ld connections opened\n", opened);
+          return opened > 1000 ? 0 : 9;  // it did flood
+        }
+        if (who == 0) {
+          rlimit lim{256, 256};
+          if (setrlimit(RLIMIT_NOFILE, &lim)) return 8;
+        } else {
+          usleep(1000000);  // join in the middle of the flood
+        }
+        rtp_comm_params p = params(who, 3, port, 15000);
+        rtp_comm *c;
+        if (rtp_comm_init(&p, &c) != RTP_OK) {
+          fprintf(stderr, "rank %d: %s\n", who, rtp_last_error());
+          return 2;
+        }
+        int st = RTP_OK;
+        for (int i = 0; i < 50 && st == RTP_OK; i++) {  // training, still flooded
+          std::vector<float> v(1000, (float)(who + i));
+          st = rtp_comm_allreduce(c, v.data(), v.size(), nullptr);
+          for (float x : v)
+            if (x != (float)(3 + 3 * i)) st = -100;
+          usleep(40000);
+        }
+        if (st != RTP_OK) fprintf(stderr, "rank %d: %d %s\n", who, st, rtp_last_error());
+        rtp_comm_free(c);
+        return st == RTP_OK ? 0 : 3;
+      },
+      60);
+  for (int i = 0; i < 4; i++) EXPECT_EQ(res[i].code, 0) << "process " << i;
+}
+
 // A peer that passed the handshake sends a malformed frame: rank 0 fails cleanly with
 // RTP_EFORMAT naming rank 1, whatever the frame says.
 TEST(CommFaults, MalformedFrames) {
@@ -275,7 +437,7 @@ TEST(CommFaults, MalformedFrames) {
       }
       (void)rank;
       int fd = connect_to(port);
-      if (fd < 0 || handshake(fd, "test-token", 2, 1) != 0) return 5;
+      if (fd < 0 || handshake(fd, kTestToken, 2, 1) != 0) return 5;
       uint8_t h[kHeaderSize] = {0};
       put32(h, 0x46505452u);
       h[4] = kProtocolVersion;

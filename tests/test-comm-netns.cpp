@@ -46,7 +46,7 @@ TEST(Netns, RingOverEmulatedEthernet) {
         setenv("RTP_WORLD_SIZE", "3", 1);
         setenv("RTP_MASTER_ADDR", "10.231.0.1", 1);
         setenv("RTP_MASTER_PORT", "29500", 1);
-        setenv("RTP_TOKEN", "netns-test-token", 1);
+        setenv("RTP_TOKEN", "netns-test-token-of-the-emulated-hosts", 1);
         setenv("RTP_TIMEOUT_MS", "20000", 1);
         execlp("ip", "ip", "netns", "exec", ns.c_str(), exe.c_str(),
                "--gtest_filter=NetnsWorker.Job", (char *)nullptr);

@@ -2,6 +2,12 @@
 // 127.0.0.1 (world sizes 1-5, odd counts, checked element by element), and the local
 // backend.
 #include <gtest/gtest.h>
+#include <cstring>
+#include <unistd.h>
+#include <sstream>
+#include <set>
+#include <fstream>
+#include <dirent.h>
 
 #include <cmath>
 #include <cstdint>
@@ -291,6 +297,78 @@ TEST(Comm, Params) {
   p = params(0, 2, 5000, 1000, "");
   rtp_comm *c;
   EXPECT_EQ(rtp_comm_init(&p, &c), RTP_EINVAL);  // no token
+}
+
+// A token that could be guessed is refused with a message that says how to make one:
+// short, 31 hex digits (124 bits), few distinct characters; 32 hex digits (128 bits) join.
+TEST(Comm, GuessableTokensRefused) {
+  for (const char *t : {"abc", "0123456789abcdef0123456789abcde",
+                        "abababababababababababababababab", "short-but-not-hex-21c"}) {
+    rtp_comm_params p = params(0, 2, 5000, 1000, t);
+    rtp_comm *c;
+    EXPECT_EQ(rtp_comm_init(&p, &c), RTP_EINVAL) << t;
+    EXPECT_NE(std::string(rtp_last_error()).find("openssl rand -hex 32"), std::string::npos)
+        << rtp_last_error();
+  }
+  int port = free_port();
+  auto res = run_procs(2, [&](int rank) {
+    rtp_comm_params p = params(rank, 2, port, 10000, "0123456789abcdef0123456789abcdef");
+    rtp_comm *c;
+    if (rtp_comm_init(&p, &c) != RTP_OK) return 2;
+    int st = rtp_comm_barrier(c, nullptr);
+    rtp_comm_free(c);
+    return st == RTP_OK ? 0 : 3;
+  });
+  for (int r = 0; r < 2; r++) EXPECT_EQ(res[r].code, 0) << "rank " << r;
+}
+
+// The addresses (hex, as /proc/net/tcp{,6} print them) of this process's listening
+// TCP sockets.
+std::vector<std::string> own_listeners() {
+  std::set<std::string> inodes;
+  if (DIR *d = opendir("/proc/self/fd")) {
+    while (dirent *e = readdir(d)) {
+      char link[256] = {0};
+      std::string path = std::string("/proc/self/fd/") + e->d_name;
+      if (readlink(path.c_str(), link, sizeof(link) - 1) > 0 && !strncmp(link, "socket:[", 8))
+        inodes.insert(std::string(link + 8, strlen(link) - 9));
+    }
+    closedir(d);
+  }
+  std::vector<std::string> out;
+  for (const char *table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream f(table);
+    std::string line;
+    std::getline(f, line);  // the header
+    while (std::getline(f, line)) {
+      std::istringstream in(line);
+      std::string sl, local, remote, st, queues, tr, retr, uid, timeout, inode;
+      in >> sl >> local >> remote >> st >> queues >> tr >> retr >> uid >> timeout >> inode;
+      if (st == "0A" && inodes.count(inode)) out.push_back(local.substr(0, local.find(':')));
+    }
+  }
+  return out;
+}
+
+// A job whose master is 127.0.0.1 listens on the loopback only, rank 0 and the others
+// alike (no RTP_BIND_ADDR): nothing of it is reachable from another host.
+TEST(Comm, ListensWhereTheJobLives) {
+  int port = free_port();
+  auto res = run_procs(3, [&](int rank) {
+    rtp_comm_params p = params(rank, 3, port, 10000);
+    rtp_comm *c;
+    if (rtp_comm_init(&p, &c) != RTP_OK) return 2;
+    std::vector<std::string> ls = own_listeners();
+    int rc = ls.empty() ? 3 : 0;
+    for (const std::string &a : ls) {
+      fprintf(stderr, "rank %d listens on %s\n", rank, a.c_str());
+      if (a != "0100007F") rc = 4;  // 127.0.0.1
+    }
+    rtp_comm_barrier(c, nullptr);
+    rtp_comm_free(c);
+    return rc;
+  });
+  for (int r = 0; r < 3; r++) EXPECT_EQ(res[r].code, 0) << "rank " << r;
 }
 
 TEST(Comm, World1) {

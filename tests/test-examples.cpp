@@ -627,7 +627,7 @@ TEST(TrainGptMultiHost, ReadmeCommandsTrainLikeOneProcess) {
     std::stringstream ss(readme[node]);
     for (std::string w; ss >> w; cmd += w + " ") {
       std::string was = w;
-      if (w == "RTP_TOKEN=...") w = "RTP_TOKEN=multi-host-test-token";
+      if (w == "RTP_TOKEN=...") w = "RTP_TOKEN=multi-host-test-token-of-the-readme";
       if (w == "rtp-run") w = quote(RTP_RUN);
       if (w == "train-gpt") w = quote(TRAIN_GPT);
       if (w.rfind("host0:", 0) == 0) w = "127.0.0.1:" + std::to_string(port);

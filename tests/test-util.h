@@ -130,8 +130,11 @@ inline int expect_failure(int rank, int st, double t0, double max_s,
   return expect_failure(rank, st, t0, max_s, statuses, std::vector<std::string>{word}, c);
 }
 
+// The tests' job token: long enough for rtp_comm_init, which refuses guessable ones.
+inline constexpr const char *kTestToken = "test-token-of-the-rtp-unit-tests";
+
 inline rtp_comm_params params(int rank, int size, int port, int timeout_ms = 20000,
-                              const char *token = "test-token") {
+                              const char *token = kTestToken) {
   rtp_comm_params p = rtp_comm_params_default();
   snprintf(p.backend, sizeof(p.backend), "tcp");
   p.rank = rank;

@@ -416,7 +416,7 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId i
   p.rank = rank;
   p.world_size = nranks;
   p.master_port = port;
-  snprintf(p.token, sizeof(p.token), "fake-nccl");
+  snprintf(p.token, sizeof(p.token), "fake-nccl-token-of-the-fake-cuda-tests");
   p.timeout_ms = 60000;  // the layer under test must notice failures first
   auto *c = new fake_nccl_comm;
   c->rank = rank;
