@@ -506,7 +506,10 @@ RTP_API struct rtp_tensor *rtp_safetensors_load(struct rtp_context *ctx,
  * last one that is not 1 (at least one); views of any strides are copied row by row.
  * Atomic: writes a temporary file next to path, fsyncs it, renames it over path and
  * fsyncs the directory; on any failure (RTP_EIO for a full disk, RTP_EINVAL for bad
- * tensors) path is untouched and no temporary file is left.
+ * tensors) path is untouched and no temporary file is left. A write past the file size
+ * limit (ulimit -f) fails with RTP_EIO instead of raising SIGXFSZ, whose default action
+ * would kill the process; an ignored or handled SIGXFSZ is left as the program set it
+ * (docs/checkpoints.md, "The file size limit and SIGXFSZ").
  */
 RTP_API int rtp_safetensors_save(const char *path, struct rtp_tensor *const *tensors, int n,
                                  const char *const *meta_kv);
@@ -920,7 +923,9 @@ struct rtp_ckpt_params {
   const char *const *state_kv;
 };
 
-/* Collective: writes dir/step-<step>; RTP_ESTATE if that step is already complete there. */
+/* Collective: writes dir/step-<step>; RTP_ESTATE if that step is already complete there.
+ * A failed write (a full disk, the file size limit) fails the save on every rank and
+ * leaves latest on the previous checkpoint, as rtp_safetensors_save describes. */
 RTP_API int rtp_ckpt_save(const struct rtp_ckpt_params *p, int64_t step);
 
 struct rtp_ckpt;

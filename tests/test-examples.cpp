@@ -9,7 +9,9 @@
 // train-gpt-cpp run and save.
 #include <dirent.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/mount.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -70,16 +72,41 @@ class ScratchCleanup : public testing::Environment {
 testing::Environment *const scratch_cleanup =
     testing::AddGlobalTestEnvironment(new ScratchCleanup);
 
-Result run(const std::vector<std::string> &argv) {
+// argv's shell command line, its output going to files under tmp_dir().
+std::string command(const std::vector<std::string> &argv) {
   std::string cmd;
   for (const std::string &a : argv) cmd += quote(a) + " ";
-  std::string out = tmp_dir() + "stdout", err = tmp_dir() + "stderr";
-  int st = std::system((cmd + ">" + quote(out) + " 2>" + quote(err)).c_str());
+  return cmd + ">" + quote(tmp_dir() + "stdout") + " 2>" + quote(tmp_dir() + "stderr");
+}
+
+Result result(int status) {
   Result r;
-  if (WIFEXITED(st)) r.code = WEXITSTATUS(st);
-  r.out = slurp(out);
-  r.err = slurp(err);
+  if (WIFEXITED(status)) r.code = WEXITSTATUS(status);
+  r.out = slurp(tmp_dir() + "stdout");
+  r.err = slurp(tmp_dir() + "stderr");
   return r;
+}
+
+Result run(const std::vector<std::string> &argv) {
+  return result(std::system(command(argv).c_str()));
+}
+
+// run, where no file may grow past `bytes` (RLIMIT_FSIZE) and SIGXFSZ has its default
+// action, which kills the process: a shell after ulimit -f, whatever this one inherited.
+Result run_fsize_limited(const std::vector<std::string> &argv, rlim_t bytes) {
+  std::string cmd = command(argv);
+  std::fflush(nullptr);
+  pid_t pid = fork();
+  if (pid == 0) {
+    rlimit rl = {bytes, bytes};
+    signal(SIGXFSZ, SIG_DFL);
+    if (setrlimit(RLIMIT_FSIZE, &rl) == 0)
+      execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char *>(nullptr));
+    _exit(127);
+  }
+  int st = 0;
+  if (pid < 0 || waitpid(pid, &st, 0) != pid) return Result();
+  return result(st);
 }
 
 // A flat JSON object of numbers, strings and null, as train-gpt writes; false if malformed.
@@ -991,9 +1018,9 @@ TEST(TrainGptCkpt, FullDiskLosesNothing) {
   EXPECT_EQ(ckpt_step(dir), 20);
 }
 
-// Any user: 2 ranks whose files may not grow past 128 KiB (RLIMIT_FSIZE, with SIGXFSZ
-// ignored, as the shell's ulimit -f sets it): step 10's files fail with EFBIG on both
-// ranks, which stop together; nothing of step 5 is lost.
+// Any user: 2 ranks whose files may not grow past 128 KiB (RLIMIT_FSIZE, with SIGXFSZ's
+// default action, as after ulimit -f): step 10's files fail with EFBIG on both ranks,
+// which stop together; nothing of step 5 is lost.
 TEST(TrainGptCkpt, FileSizeLimitLosesNothing) {
   std::string flags = kCkptFlags + " --batch 2 --strategy rtp --steps 20 --ckpt-every 5";
   std::string ref = tmp_dir() + "fsize-ref.jsonl", ref_dir = tmp_dir() + "fsize-ref",
@@ -1006,11 +1033,9 @@ TEST(TrainGptCkpt, FileSizeLimitLosesNothing) {
     ASSERT_EQ(r.code, 0) << r.err;
     ASSERT_EQ(ckpt_step(d), 5);
   }
-  std::vector<std::string> limited = {"sh", "-c", "trap '' XFSZ; ulimit -f 256; exec \"$@\"",
-                                      "sh"};
-  std::vector<std::string> job = on_ranks(2, flags + " --resume", {"--ckpt-dir", dir});
-  limited.insert(limited.end(), job.begin(), job.end());
-  Result failed = run(limited);  // rtp-run exits with the status of the first rank to stop
+  // rtp-run exits with the status of the first rank to stop
+  Result failed =
+      run_fsize_limited(on_ranks(2, flags + " --resume", {"--ckpt-dir", dir}), 128 << 10);
   for (const char *rank : {"0", "1"}) {  // each rank says why its own file failed
     std::string line = std::string("[") + rank + "] train-gpt: checkpoint of step 10";
     size_t at = failed.err.find(line);
@@ -1028,6 +1053,46 @@ TEST(TrainGptCkpt, FileSizeLimitLosesNothing) {
   EXPECT_EQ(metric(resumed, "loss"), losses_after(ref, 5));
   EXPECT_EQ(metric(resumed + ".rank1", "loss"), losses_after(ref, 5));
   EXPECT_EQ(ckpt_step(dir), 20);
+}
+
+// One process under the same limit, SIGXFSZ not ignored: the checkpoint of step 10 and an
+// --export fail with the EFBIG message and status 1, and what was saved before stays and
+// loads; the trace file written at exit fails with a message.
+TEST(TrainGptCkpt, FileSizeLimitStopsWithAMessageNotASignal) {
+  std::string dir = tmp_dir() + "fsize-one", model = tmp_dir() + "fsize-one.safetensors";
+  Result r = run(train_gpt(kCkptFlags + " --steps 5", {"--ckpt-dir", dir, "--export", model}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  std::string exported = slurp(model);
+  Result failed = run_fsize_limited(
+      train_gpt(kCkptFlags + " --steps 20 --ckpt-every 5 --resume", {"--ckpt-dir", dir}),
+      128 << 10);
+  EXPECT_EQ(failed.code, 1) << "stopped with status 1, not killed: " << failed.err;
+  EXPECT_NE(
+      failed.err.find("checkpoint of step 10 in " + dir + " (the previous one is intact)"),
+      std::string::npos)
+      << failed.err;
+  EXPECT_NE(failed.err.find("write failed: File too large (EFBIG: no file may grow past "
+                            "131072 bytes here, ulimit -f)"),
+            std::string::npos)
+      << failed.err;
+  EXPECT_EQ(ckpt_step(dir), 5);
+  Result exp = run_fsize_limited(
+      train_gpt(kCkptFlags + " --steps 1", {"--init", model, "--export", model}), 128 << 10);
+  EXPECT_EQ(exp.code, 1) << exp.err;
+  EXPECT_NE(exp.err.find("--export " + model), std::string::npos) << exp.err;
+  EXPECT_NE(exp.err.find("File too large (EFBIG"), std::string::npos) << exp.err;
+  EXPECT_TRUE(slurp(model) == exported) << "the previous export is replaced";
+  Result again = run(train_gpt(kCkptFlags + " --steps 6 --resume", {"--ckpt-dir", dir}));
+  EXPECT_EQ(again.code, 0) << again.err;
+  EXPECT_NE(again.out.find("resumed from " + dir + "/step-00000005"), std::string::npos)
+      << again.out;
+  // RTP_TRACE's file, written at exit (about 20 KiB here): reported, not a crash.
+  std::string trace = tmp_dir() + "fsize-trace";
+  std::vector<std::string> traced = {"env", "RTP_TRACE=" + trace};
+  for (const std::string &a : train_gpt(kCkptFlags + " --steps 1")) traced.push_back(a);
+  Result t = run_fsize_limited(traced, 8 << 10);
+  EXPECT_EQ(t.code, 0) << t.err;
+  EXPECT_NE(t.err.find("rtp: RTP_TRACE: writing " + trace), std::string::npos) << t.err;
 }
 
 TEST(TrainGptHelp, ListsTheIssueFlags) {
