@@ -1172,6 +1172,6 @@ int rtp_ckpt_load(const struct rtp_ckpt *c, const struct rtp_ckpt_params *p) {
   rc = ck_open_files(c, &f);
   if (!rc) rc = ck_load_tensors(p, &f);
   ck_close_files(&f);
-  if (!rc && p->opt) rtp_optimizer_set_steps(p->opt, c->adam_steps);
+  if (!rc && p->opt) rc = rtp_optimizer_set_steps(p->opt, c->adam_steps);
   return ck_any_failed(p, rc, "to load the checkpoint");
 }

@@ -401,7 +401,8 @@ RTP_API void rtp_mem_report_get(const struct rtp_context *ctx, struct rtp_mem_re
 
 struct rtp_threadpool;
 struct rtp_comm;
-/* n_threads <= 0 picks the number of cores. */
+/* n_threads <= 0 picks the number of cores; at most 256 threads run, which
+ * rtp_threadpool_size tells. */
 RTP_API struct rtp_threadpool *rtp_threadpool_new(int n_threads);
 RTP_API void rtp_threadpool_free(struct rtp_threadpool *tp);
 RTP_API int rtp_threadpool_size(const struct rtp_threadpool *tp);
@@ -436,18 +437,23 @@ struct rtp_optimizer;
 /* Adam states (role OPTIM) for every parameter of g, zeroed, from the arena. */
 RTP_API struct rtp_optimizer *rtp_optimizer_new(struct rtp_context *ctx, struct rtp_graph *g,
                                                 struct rtp_adamw_params params);
-/* One update of every parameter from its gradient. */
+/* One update of every parameter from its gradient. RTP_EINVAL, changing nothing, when the
+ * global gradient norm is not finite (the message names this rank's first parameter whose
+ * weights, else gradients, hold NaN or infinity, and the step), when the learning rate over
+ * the bias correction overflows a float, or after INT64_MAX steps. */
 RTP_API int rtp_optimizer_step(struct rtp_optimizer *opt, struct rtp_threadpool *tp);
-RTP_API void rtp_optimizer_set_lr(struct rtp_optimizer *opt, float lr);
+/* RTP_EINVAL, keeping the rate, unless lr is finite and >= 0. */
+RTP_API int rtp_optimizer_set_lr(struct rtp_optimizer *opt, float lr);
 RTP_API int64_t rtp_optimizer_steps(const struct rtp_optimizer *opt);
 /* For checkpoints: the number of parameters opt updates, and the i-th one with its Adam
  * states m and v (same shape; any output may be NULL); RTP_EINVAL if i is out of range.
- * set_steps restores the step count that the bias corrections depend on. */
+ * set_steps restores the step count that the bias corrections depend on (RTP_EINVAL if
+ * negative). */
 RTP_API int rtp_optimizer_count(const struct rtp_optimizer *opt);
 RTP_API int rtp_optimizer_state(const struct rtp_optimizer *opt, int i,
                                 struct rtp_tensor **param, struct rtp_tensor **m,
                                 struct rtp_tensor **v);
-RTP_API void rtp_optimizer_set_steps(struct rtp_optimizer *opt, int64_t steps);
+RTP_API int rtp_optimizer_set_steps(struct rtp_optimizer *opt, int64_t steps);
 /* The L2 norm of all gradients (over every rank) at the last step, before clipping. */
 RTP_API float rtp_optimizer_grad_norm(const struct rtp_optimizer *opt);
 
