@@ -751,12 +751,12 @@ static int trainer_init(struct trainer *tr, struct gpt_config c, const struct op
   if (!rc) rc = parallelize(tr, c, o);
   if (!rc) rc = build_graphs(tr, !o->eval_only);
   if (rc) return rc;
-  warn_threads(o);
   tr->tp = rtp_threadpool_new(thread_count(o));
   if (!tr->tp) return fail(RTP_ENOMEM, "starting %d threads", thread_count(o));
   if (o->threads > 0 && rtp_threadpool_size(tr->tp) != o->threads)
     return usage_error("--threads %d: the library runs at most %d", o->threads,
                        rtp_threadpool_size(tr->tp));
+  warn_threads(o);
   if (o->eval_only) return RTP_OK;
   struct rtp_adamw_params hp = rtp_adamw_params_default();
   hp.lr = o->lr;
