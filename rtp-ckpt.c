@@ -138,7 +138,7 @@ static int ck_sync_dir(const char *dir) {
 }
 
 /* dir/name = text, atomically: a temporary file, fsync, rename, fsync of dir. */
-static int ck_write_atomic(const char *dir, const char *name, const char *text) {
+static int ck_replace(const char *dir, const char *name, const char *text) {
   char path[CK_PATH], tmp[CK_PATH + 32];
   int rc = ck_path(path, dir, name);
   if (rc) return rc;
@@ -160,6 +160,14 @@ static int ck_write_atomic(const char *dir, const char *name, const char *text) 
     return rtp__error(RTP_EIO, "%s: %s", path, strerror(err));
   }
   return ck_sync_dir(dir);
+}
+
+/* ck_replace, where a file size limit (ulimit -f) fails the write instead of the process. */
+static int ck_write_atomic(const char *dir, const char *name, const char *text) {
+  bool blocked = rtp__fsize_guard_begin();
+  int rc = ck_replace(dir, name, text);
+  rtp__fsize_guard_end(blocked);
+  return rc;
 }
 
 /* The whole of a small file, NUL-terminated, and its length (len may be NULL); *text NULL
@@ -1164,6 +1172,6 @@ int rtp_ckpt_load(const struct rtp_ckpt *c, const struct rtp_ckpt_params *p) {
   rc = ck_open_files(c, &f);
   if (!rc) rc = ck_load_tensors(p, &f);
   ck_close_files(&f);
-  if (!rc && p->opt) rtp_optimizer_set_steps(p->opt, c->adam_steps);
+  if (!rc && p->opt) rc = rtp_optimizer_set_steps(p->opt, c->adam_steps);
   return ck_any_failed(p, rc, "to load the checkpoint");
 }

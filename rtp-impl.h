@@ -260,6 +260,13 @@ struct rtp_plan {
   struct rtp_plan_wait waits[RTP__PLAN_WAIT_GROUPS];
 };
 
+/* ---- rtp-io.c: files ---- */
+/* Around each file the library writes: a write past the file size limit (ulimit -f) then
+ * fails with EFBIG, which the writer reports, instead of killing the process with
+ * SIGXFSZ. begin returns whether it blocked the signal; pass that to end. */
+bool rtp__fsize_guard_begin(void);
+void rtp__fsize_guard_end(bool blocked);
+
 /* ---- rtp-trace.c: RTP_TRACE ---- */
 bool rtp__trace_on(void);
 /* Wall-clock seconds (CLOCK_REALTIME): the trace's time base. */

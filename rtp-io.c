@@ -14,10 +14,13 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -137,6 +140,19 @@ static int st_pread(const struct rtp_safetensors *st, void *dst, size_t size, ui
   return RTP_OK;
 }
 
+/* strerror's "File too large" does not say which limit: past RLIMIT_FSIZE, name it. */
+static int st_write_failed(const char *path, int err) {
+  char eb[128];
+  struct rlimit rl;
+  st_errno_str(err, eb, sizeof(eb));
+  if (err == EFBIG && getrlimit(RLIMIT_FSIZE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY)
+    return rtp__error(RTP_EIO,
+                      "%s: write failed: %s (EFBIG: no file may grow past %llu bytes here, "
+                      "ulimit -f)",
+                      path, eb, (unsigned long long)rl.rlim_cur);
+  return rtp__error(RTP_EIO, "%s: write failed: %s", path, eb);
+}
+
 static int st_write_all(int fd, const void *src, size_t size, const char *path) {
   const char *p = src;
   while (size > 0) {
@@ -144,9 +160,7 @@ static int st_write_all(int fd, const void *src, size_t size, const char *path) 
     ssize_t r = write(fd, p, chunk);
     if (r < 0) {
       if (errno == EINTR) continue;
-      char eb[128];
-      return rtp__error(RTP_EIO, "%s: write failed: %s", path,
-                        st_errno_str(errno, eb, sizeof(eb)));
+      return st_write_failed(path, errno);
     }
     if (r == 0) return rtp__error(RTP_EIO, "%s: write failed: no progress", path);
     p += r;
@@ -669,6 +683,42 @@ struct rtp_tensor *rtp_safetensors_load(struct rtp_context *ctx, struct rtp_safe
   return t;
 }
 
+/* ---- the file size limit --------------------------------------------------------- */
+
+/*
+ * A write that would pass RLIMIT_FSIZE (ulimit -f) raises SIGXFSZ in the writing thread,
+ * and by default the signal kills the process: one file too large would lose the whole
+ * run instead of failing one save. Blocked in that thread, the signal stays pending and
+ * the write fails with EFBIG, which the writer reports. Only the calling thread's mask
+ * changes, and only while it writes, so the process's disposition, other threads and
+ * children keep what the program chose; a handler of its own, an ignored signal or one
+ * already blocked is left as it is.
+ */
+bool rtp__fsize_guard_begin(void) {
+  struct sigaction sa;
+  sigset_t xfsz, old;
+  sigemptyset(&xfsz);
+  sigaddset(&xfsz, SIGXFSZ);
+  if (sigaction(SIGXFSZ, NULL, &sa) || (sa.sa_flags & SA_SIGINFO) || sa.sa_handler != SIG_DFL)
+    return false;
+  return pthread_sigmask(SIG_BLOCK, &xfsz, &old) == 0 && !sigismember(&old, SIGXFSZ);
+}
+
+void rtp__fsize_guard_end(bool blocked) {
+  if (!blocked) return;
+  int saved = errno;
+  sigset_t xfsz;
+  sigemptyset(&xfsz);
+  sigaddset(&xfsz, SIGXFSZ);
+  /* The signal of a write that failed, whose failure the writer has reported: unblocked,
+   * it would kill the process after all. */
+  struct timespec now = {0, 0};
+  while (sigtimedwait(&xfsz, NULL, &now) < 0 && errno == EINTR) {
+  }
+  pthread_sigmask(SIG_UNBLOCK, &xfsz, NULL);
+  errno = saved;
+}
+
 /* ---- writing --------------------------------------------------------------------- */
 
 struct st_buf {
@@ -913,10 +963,9 @@ static int st_sync_dir(const char *path) {
   return rc;
 }
 
-int rtp_safetensors_save(const char *path, struct rtp_tensor *const *tensors, int n,
-                         const char *const *meta_kv) {
+static int st_save(const char *path, struct rtp_tensor *const *tensors, int n,
+                   const char *const *meta_kv) {
   static _Atomic unsigned counter;
-  if (!path || !*path) return rtp__error(RTP_EINVAL, "rtp_safetensors_save: no path");
   int rc = st_check_save(path, tensors, n, meta_kv);
   if (rc) return rc;
   struct st_buf hdr = {0};
@@ -971,5 +1020,14 @@ int rtp_safetensors_save(const char *path, struct rtp_tensor *const *tensors, in
   }
   free(tmp);
   free(hdr.p);
+  return rc;
+}
+
+int rtp_safetensors_save(const char *path, struct rtp_tensor *const *tensors, int n,
+                         const char *const *meta_kv) {
+  if (!path || !*path) return rtp__error(RTP_EINVAL, "rtp_safetensors_save: no path");
+  bool blocked = rtp__fsize_guard_begin();
+  int rc = st_save(path, tensors, n, meta_kv);
+  rtp__fsize_guard_end(blocked);
   return rc;
 }

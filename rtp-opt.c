@@ -2,6 +2,7 @@
  * parameters it holds, so the optimizer needs no communication. */
 #include "rtp-backend.h"
 
+#include <inttypes.h>
 #include <math.h>
 
 struct rtp_optimizer {
@@ -31,9 +32,10 @@ struct rtp_optimizer *rtp_optimizer_new(struct rtp_context *ctx, struct rtp_grap
     return NULL;
   }
   if (!(hp.lr >= 0) || !(hp.beta1 >= 0 && hp.beta1 < 1) || !(hp.beta2 >= 0 && hp.beta2 < 1) ||
-      !(hp.eps > 0) || !(hp.weight_decay >= 0) || !(hp.clip_norm >= 0)) {
+      !(hp.eps > 0) || !(hp.weight_decay >= 0) || !(hp.clip_norm >= 0) || !isfinite(hp.lr) ||
+      !isfinite(hp.eps) || !isfinite(hp.weight_decay) || !isfinite(hp.clip_norm)) {
     rtp__ctx_error(ctx, RTP_EINVAL,
-                   "rtp_optimizer_new: need lr >= 0, 0 <= betas < 1, eps > 0, "
+                   "rtp_optimizer_new: need finite lr >= 0, 0 <= betas < 1, eps > 0, "
                    "weight_decay >= 0, clip_norm >= 0");
     return NULL;
   }
@@ -190,24 +192,82 @@ float rtp_optimizer_grad_norm(const struct rtp_optimizer *opt) {
   return opt ? opt->norm : 0.0f;
 }
 
+/* Whether n floats at data (in the optimizer's memory) are all finite: their sum of
+ * squares in double is, as a float's square is below 2^256. */
+static int all_finite(const struct rtp_optimizer *opt, const float *data, int64_t n,
+                      bool *finite) {
+  double s = 0;
+  if (opt->backend) {
+    int rc = opt->backend->i->sumsq(opt->backend, data, n, &s);
+    if (rc) return rc;
+  } else {
+    for (int64_t i = 0; i < n; i++) s += (double)data[i] * data[i];
+  }
+  *finite = isfinite(s);
+  return RTP_OK;
+}
+
+/* The refusal of a step whose global gradient norm is not finite, naming the first of this
+ * rank's parameters whose weights, else whose gradient, holds NaN or infinity: weights
+ * first, as NaN weights make every gradient NaN. */
+static int refuse_not_finite(const struct rtp_optimizer *opt) {
+  int64_t step = opt->t + 1;
+  for (int pass = 0; pass < 2; pass++)
+    for (int k = 0; k < opt->n; k++) {
+      const struct rtp_tensor *p = pass ? opt->params[k]->grad : opt->params[k];
+      bool finite = true;
+      int rc = all_finite(opt, p->data, rtp_tensor_nelements(p), &finite);
+      if (rc) return rc;
+      if (!finite)
+        return rtp__error(RTP_EINVAL,
+                          "rtp_optimizer_step: step %" PRId64
+                          ": the %s of '%s' are not finite (NaN or infinity)%s; no weight "
+                          "was changed",
+                          step, pass ? "gradients" : "weights", opt->params[k]->name,
+                          pass ? ": the loss diverged (a lower learning rate may help)" : "");
+    }
+  return rtp__error(RTP_EINVAL,
+                    "rtp_optimizer_step: step %" PRId64
+                    ": the gradient norm is %g: another rank's gradients are not finite, or "
+                    "too large to sum in a float; no weight was changed",
+                    step, (double)opt->norm);
+}
+
 int rtp_optimizer_step(struct rtp_optimizer *opt, struct rtp_threadpool *tp) {
   if (!opt) return rtp__error(RTP_EINVAL, "rtp_optimizer_step: NULL optimizer");
+  if (opt->t == INT64_MAX)
+    return rtp__error(
+        RTP_EINVAL, "rtp_optimizer_step: %" PRId64 " steps taken, the most there are", opt->t);
   int rc = grad_norm(opt, tp);
   if (rc) return rc;
+  /* A step on NaN or infinity would spread it to every weight and Adam state for good. */
+  if (!isfinite(opt->norm)) return refuse_not_finite(opt);
   float clip = opt->hp.clip_norm;
   opt->gscale = clip > 0 && opt->norm > clip ? clip / opt->norm : 1.0f;
-  opt->t++;
   /* PyTorch's form: step = lr / (1 - b1^t), denom = sqrt(v) / sqrt(1 - b2^t) + eps. */
-  opt->bc1 = 1.0f - (float)pow(opt->hp.beta1, (double)opt->t);
-  opt->bc2 = (float)sqrt(1.0 - pow(opt->hp.beta2, (double)opt->t));
+  double t = (double)(opt->t + 1);
+  opt->bc1 = 1.0f - (float)pow(opt->hp.beta1, t);
+  opt->bc2 = (float)sqrt(1.0 - pow(opt->hp.beta2, t));
   opt->lr_t = opt->hp.lr / opt->bc1;
+  if (!isfinite(opt->lr_t))
+    return rtp__error(RTP_EINVAL,
+                      "rtp_optimizer_step: step %" PRId64
+                      ": the learning rate %g over the bias correction %g is not a float; no "
+                      "weight was changed",
+                      opt->t + 1, (double)opt->hp.lr, (double)opt->bc1);
+  opt->t++;
   if (opt->backend) return adam_device(opt);
   rtp__threadpool_run(tp, adam_job, opt);
   return RTP_OK;
 }
 
-void rtp_optimizer_set_lr(struct rtp_optimizer *opt, float lr) {
-  if (opt && lr >= 0) opt->hp.lr = lr;
+int rtp_optimizer_set_lr(struct rtp_optimizer *opt, float lr) {
+  if (!opt || !(lr >= 0) || !isfinite(lr))
+    return rtp__error(RTP_EINVAL,
+                      "rtp_optimizer_set_lr: need an optimizer and a finite lr >= 0, not %g",
+                      (double)lr);
+  opt->hp.lr = lr;
+  return RTP_OK;
 }
 
 int64_t rtp_optimizer_steps(const struct rtp_optimizer *opt) {
@@ -228,6 +288,11 @@ int rtp_optimizer_state(const struct rtp_optimizer *opt, int i, struct rtp_tenso
   return RTP_OK;
 }
 
-void rtp_optimizer_set_steps(struct rtp_optimizer *opt, int64_t steps) {
-  if (opt && steps >= 0) opt->t = steps;
+int rtp_optimizer_set_steps(struct rtp_optimizer *opt, int64_t steps) {
+  if (!opt || steps < 0)
+    return rtp__error(RTP_EINVAL,
+                      "rtp_optimizer_set_steps: need an optimizer and steps >= 0, not %" PRId64,
+                      steps);
+  opt->t = steps;
+  return RTP_OK;
 }

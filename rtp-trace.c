@@ -45,7 +45,7 @@ double rtp__trace_now(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static void trace_write(void) {
+static void trace_write_file(void) {
   char path[1100];
   const char *rank = getenv("RTP_RANK");
   if (rank && *rank)
@@ -85,7 +85,15 @@ static void trace_write(void) {
     fprintf(f, "}");
   }
   fprintf(f, "\n], \"otherData\": {\"dropped_events\": %zu}}\n", tr.dropped);
-  if (fclose(f)) fprintf(stderr, "rtp: RTP_TRACE: writing %s failed\n", path);
+  bool failed = ferror(f);
+  if (fclose(f) || failed) fprintf(stderr, "rtp: RTP_TRACE: writing %s failed\n", path);
+}
+
+/* At exit: a trace past the file size limit (ulimit -f) is reported, not a crash. */
+static void trace_write(void) {
+  bool blocked = rtp__fsize_guard_begin();
+  trace_write_file();
+  rtp__fsize_guard_end(blocked);
 }
 
 /* A forked child traces only what it runs itself. */

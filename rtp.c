@@ -143,7 +143,10 @@ struct rtp_context *rtp_context_new(struct rtp_init_params p) {
   ctx->no_alloc = p.no_alloc;
   ctx->mem = p.mem_buffer;
   if (!ctx->mem && p.mem_size > 0) {
-    ctx->mem = aligned_alloc(RTP_ALIGN, RTP_PAD(p.mem_size, RTP_ALIGN));
+    /* Padding a size near SIZE_MAX would wrap to a tiny block. */
+    ctx->mem = p.mem_size <= SIZE_MAX - RTP_ALIGN
+                   ? aligned_alloc(RTP_ALIGN, RTP_PAD(p.mem_size, RTP_ALIGN))
+                   : NULL;
     ctx->own_mem = true;
     if (!ctx->mem) {
       rtp__error(RTP_ENOMEM, "rtp_context_new: cannot allocate an arena of %zu bytes",

@@ -401,7 +401,8 @@ RTP_API void rtp_mem_report_get(const struct rtp_context *ctx, struct rtp_mem_re
 
 struct rtp_threadpool;
 struct rtp_comm;
-/* n_threads <= 0 picks the number of cores. */
+/* n_threads <= 0 picks the number of cores; at most 256 threads run, which
+ * rtp_threadpool_size tells. */
 RTP_API struct rtp_threadpool *rtp_threadpool_new(int n_threads);
 RTP_API void rtp_threadpool_free(struct rtp_threadpool *tp);
 RTP_API int rtp_threadpool_size(const struct rtp_threadpool *tp);
@@ -436,18 +437,23 @@ struct rtp_optimizer;
 /* Adam states (role OPTIM) for every parameter of g, zeroed, from the arena. */
 RTP_API struct rtp_optimizer *rtp_optimizer_new(struct rtp_context *ctx, struct rtp_graph *g,
                                                 struct rtp_adamw_params params);
-/* One update of every parameter from its gradient. */
+/* One update of every parameter from its gradient. RTP_EINVAL, changing nothing, when the
+ * global gradient norm is not finite (the message names this rank's first parameter whose
+ * weights, else gradients, hold NaN or infinity, and the step), when the learning rate over
+ * the bias correction overflows a float, or after INT64_MAX steps. */
 RTP_API int rtp_optimizer_step(struct rtp_optimizer *opt, struct rtp_threadpool *tp);
-RTP_API void rtp_optimizer_set_lr(struct rtp_optimizer *opt, float lr);
+/* RTP_EINVAL, keeping the rate, unless lr is finite and >= 0. */
+RTP_API int rtp_optimizer_set_lr(struct rtp_optimizer *opt, float lr);
 RTP_API int64_t rtp_optimizer_steps(const struct rtp_optimizer *opt);
 /* For checkpoints: the number of parameters opt updates, and the i-th one with its Adam
  * states m and v (same shape; any output may be NULL); RTP_EINVAL if i is out of range.
- * set_steps restores the step count that the bias corrections depend on. */
+ * set_steps restores the step count that the bias corrections depend on (RTP_EINVAL if
+ * negative). */
 RTP_API int rtp_optimizer_count(const struct rtp_optimizer *opt);
 RTP_API int rtp_optimizer_state(const struct rtp_optimizer *opt, int i,
                                 struct rtp_tensor **param, struct rtp_tensor **m,
                                 struct rtp_tensor **v);
-RTP_API void rtp_optimizer_set_steps(struct rtp_optimizer *opt, int64_t steps);
+RTP_API int rtp_optimizer_set_steps(struct rtp_optimizer *opt, int64_t steps);
 /* The L2 norm of all gradients (over every rank) at the last step, before clipping. */
 RTP_API float rtp_optimizer_grad_norm(const struct rtp_optimizer *opt);
 
@@ -506,7 +512,10 @@ RTP_API struct rtp_tensor *rtp_safetensors_load(struct rtp_context *ctx,
  * last one that is not 1 (at least one); views of any strides are copied row by row.
  * Atomic: writes a temporary file next to path, fsyncs it, renames it over path and
  * fsyncs the directory; on any failure (RTP_EIO for a full disk, RTP_EINVAL for bad
- * tensors) path is untouched and no temporary file is left.
+ * tensors) path is untouched and no temporary file is left. A write past the file size
+ * limit (ulimit -f) fails with RTP_EIO instead of raising SIGXFSZ, whose default action
+ * would kill the process; an ignored or handled SIGXFSZ is left as the program set it
+ * (docs/checkpoints.md, "The file size limit and SIGXFSZ").
  */
 RTP_API int rtp_safetensors_save(const char *path, struct rtp_tensor *const *tensors, int n,
                                  const char *const *meta_kv);
@@ -920,7 +929,9 @@ struct rtp_ckpt_params {
   const char *const *state_kv;
 };
 
-/* Collective: writes dir/step-<step>; RTP_ESTATE if that step is already complete there. */
+/* Collective: writes dir/step-<step>; RTP_ESTATE if that step is already complete there.
+ * A failed write (a full disk, the file size limit) fails the save on every rank and
+ * leaves latest on the previous checkpoint, as rtp_safetensors_save describes. */
 RTP_API int rtp_ckpt_save(const struct rtp_ckpt_params *p, int64_t step);
 
 struct rtp_ckpt;

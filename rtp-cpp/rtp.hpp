@@ -203,7 +203,7 @@ class optimizer {
     check(rtp_optimizer_step(opt_, tp));
   }
   void set_lr(float lr) {
-    rtp_optimizer_set_lr(opt_, lr);
+    check(rtp_optimizer_set_lr(opt_, lr));
   }
   int64_t steps() const {
     return rtp_optimizer_steps(opt_);

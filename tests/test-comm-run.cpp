@@ -101,6 +101,29 @@ TEST(Run, BadUsage) {
   EXPECT_TRUE(has(o.text, "rank 0 exited with status 127")) << o.text;
 }
 
+// Numbers out of range are refused with exit 2 and the range before any rank starts:
+// atoi would have read "2x" as 2, "1e3" as 1 and a bad --timeout-ms as none at all, and a
+// world too large for the library would have started its ranks only for them to fail.
+TEST(Run, BadNumbersAreRefused) {
+  const std::pair<std::string, std::string> cases[] = {
+      {"-n 0", "-n wants an integer from 1 to 65536, not '0'"},
+      {"-n 2x", "-n wants an integer from 1 to 65536, not '2x'"},
+      {"--nproc-per-node -1", "--nproc-per-node wants an integer from 1 to 65536, not '-1'"},
+      {"-n 2 --timeout-ms 0", "--timeout-ms wants an integer from 1 to 86400000, not '0'"},
+      {"-n 2 --timeout-ms -5", "--timeout-ms wants an integer from 1 to 86400000, not '-5'"},
+      {"-n 2 --timeout-ms 1e3", "--timeout-ms wants an integer from 1 to 86400000, not '1e3'"},
+      {"-n 2 --nnodes 0", "--nnodes wants an integer from 1 to 65536, not '0'"},
+      {"-n 256 --nnodes 512 --node-rank 0 --master h:1", "-n 256 x --nnodes 512 is more than"},
+      {"-n 1 --nnodes 2 --node-rank 2 --master h:1", "--node-rank 2 must be below --nnodes 2"},
+  };
+  for (const auto &c : cases) {
+    Out o = run("RTP_TOKEN=t " + kRun + " " + c.first + " -- echo started");
+    EXPECT_EQ(o.code, 2) << c.first << ": " << o.text;
+    EXPECT_TRUE(has(o.text, "rtp-run: " + c.second)) << c.first << ": " << o.text;
+    EXPECT_FALSE(has(o.text, "started")) << c.first << ": " << o.text;
+  }
+}
+
 // A real job: the ranks are this binary running the RunWorker tests.
 TEST(Run, CommJob) {
   std::string cmd =

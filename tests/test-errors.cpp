@@ -2,8 +2,12 @@
 // nothing aborts, nothing writes out of bounds (this suite also runs under ASan/UBSan).
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
+#include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "gpt.h"
 #include "rtp.h"
@@ -229,6 +233,148 @@ TEST(Errors, ParallelComputeType) {
     rtp_context_free(ctx);
     rtp_context_free(meta);
   }
+}
+
+// A two-layer model with its optimizer, for the refusals of bad numbers below.
+struct SmallModel {
+  rtp_context *ctx = new_ctx(4 << 20);
+  rtp_tensor *x = rtp_tensor_set_name(rtp_tensor_new_2d(ctx, RTP_TYPE_F32, 4, 8), "x");
+  rtp_tensor *y = rtp_tensor_new_1d(ctx, RTP_TYPE_I32, 8);
+  rtp_tensor *w1 = rtp_tensor_set_name(rtp_tensor_new_2d(ctx, RTP_TYPE_F32, 4, 6), "w1");
+  rtp_tensor *w2 = rtp_tensor_set_name(rtp_tensor_new_2d(ctx, RTP_TYPE_F32, 6, 3), "w2");
+  rtp_tensor *loss = nullptr;
+  rtp_graph *g = nullptr;
+  rtp_optimizer *opt = nullptr;
+  SmallModel() {
+    for (rtp_tensor *t : {x, w1, w2})
+      for (int64_t i = 0; i < rtp_tensor_nelements(t); i++)
+        ((float *)t->data)[i] = 0.1f * (float)((i * 7) % 11) - 0.5f;
+    for (int i = 0; i < 8; i++) ((int32_t *)y->data)[i] = i % 3;
+    rtp_tensor_set_param(w1);
+    rtp_tensor_set_param(w2);
+    loss =
+        rtp_cross_entropy(ctx, rtp_mul_mat(ctx, w2, rtp_gelu(ctx, rtp_mul_mat(ctx, w1, x))), y);
+    g = rtp_graph_new(ctx, 256);
+    if (rtp_graph_build(g, loss) || rtp_graph_build_backward(ctx, g, loss) ||
+        rtp_graph_plan(ctx, g))
+      return;
+    opt = rtp_optimizer_new(ctx, g, rtp_adamw_params_default());
+  }
+  ~SmallModel() {
+    rtp_context_free(ctx);
+  }
+  std::vector<float> weights() const {
+    std::vector<float> v;
+    for (const rtp_tensor *t : {w1, w2})
+      v.insert(v.end(), (float *)t->data, (float *)t->data + rtp_tensor_nelements(t));
+    return v;
+  }
+};
+
+// A step on NaN or infinity would spread it to every weight: it is refused, naming the
+// step and the tensor (its weights before its gradients), and nothing changes.
+TEST(Errors, OptimizerRefusesNonFiniteNumbers) {
+  SmallModel m;
+  ASSERT_NE(m.opt, nullptr) << rtp_last_error();
+  ASSERT_EQ(rtp_graph_compute(m.g, nullptr), RTP_OK);
+  ASSERT_EQ(rtp_optimizer_step(m.opt, nullptr), RTP_OK);
+  ((float *)m.w2->data)[5] = NAN;
+  std::vector<float> before = m.weights();
+  ASSERT_EQ(rtp_graph_compute(m.g, nullptr), RTP_OK);
+  EXPECT_EQ(rtp_optimizer_step(m.opt, nullptr), RTP_EINVAL);
+  EXPECT_NE(std::string(rtp_last_error())
+                .find("step 2: the weights of 'w2' are not finite (NaN or infinity); no weight "
+                      "was changed"),
+            std::string::npos)
+      << rtp_last_error();
+  std::vector<float> after = m.weights();
+  EXPECT_EQ(std::memcmp(after.data(), before.data(), after.size() * sizeof(float)), 0);
+  EXPECT_EQ(rtp_optimizer_steps(m.opt), 1);
+  // Finite weights, an infinite input: the gradients are not.
+  ((float *)m.w2->data)[5] = 0.25f;
+  ((float *)m.x->data)[3] = INFINITY;
+  ASSERT_EQ(rtp_graph_compute(m.g, nullptr), RTP_OK);
+  EXPECT_EQ(rtp_optimizer_step(m.opt, nullptr), RTP_EINVAL);
+  EXPECT_NE(std::string(rtp_last_error()).find("step 2: the gradients of 'w"),
+            std::string::npos)
+      << rtp_last_error();
+  ((float *)m.x->data)[3] = 0.5f;
+  // A rate that overflows once divided by the bias correction (1 - 0.9 at step 2).
+  ASSERT_EQ(rtp_optimizer_set_lr(m.opt, 1e38f), RTP_OK);
+  ASSERT_EQ(rtp_graph_compute(m.g, nullptr), RTP_OK);
+  EXPECT_EQ(rtp_optimizer_step(m.opt, nullptr), RTP_EINVAL);
+  EXPECT_NE(
+      std::string(rtp_last_error()).find("the learning rate 1e+38 over the bias correction"),
+      std::string::npos)
+      << rtp_last_error();
+  EXPECT_EQ(rtp_optimizer_steps(m.opt), 1);
+  for (float lr : {-1.0f, NAN, INFINITY}) {
+    EXPECT_EQ(rtp_optimizer_set_lr(m.opt, lr), RTP_EINVAL) << lr;
+    EXPECT_NE(std::string(rtp_last_error()).find("rtp_optimizer_set_lr"), std::string::npos);
+  }
+  EXPECT_EQ(rtp_optimizer_set_steps(m.opt, -1), RTP_EINVAL);
+  EXPECT_EQ(rtp_optimizer_steps(m.opt), 1);
+  rtp_adamw_params hp = rtp_adamw_params_default();
+  hp.lr = INFINITY;
+  EXPECT_EQ(rtp_optimizer_new(m.ctx, m.g, hp), nullptr);
+}
+
+// A step count restored at the end of int64 (a checkpoint's adam_steps) cannot go on.
+TEST(Errors, OptimizerStepCountHasAnEnd) {
+  SmallModel m;
+  ASSERT_NE(m.opt, nullptr) << rtp_last_error();
+  ASSERT_EQ(rtp_optimizer_set_steps(m.opt, INT64_MAX), RTP_OK);
+  ASSERT_EQ(rtp_graph_compute(m.g, nullptr), RTP_OK);
+  std::vector<float> before = m.weights();
+  EXPECT_EQ(rtp_optimizer_step(m.opt, nullptr), RTP_EINVAL);
+  EXPECT_NE(std::string(rtp_last_error()).find("9223372036854775807 steps taken"),
+            std::string::npos)
+      << rtp_last_error();
+  EXPECT_EQ(rtp_optimizer_steps(m.opt), INT64_MAX);
+  EXPECT_TRUE(m.weights() == before);
+}
+
+// NaN through the kernels built on exp (softmax, GELU, cross-entropy) comes out NaN, so a
+// diverged model is seen; no exponent bits are made from it.
+TEST(Errors, NanThroughExpKernelsStaysNan) {
+  rtp_context *ctx = new_ctx();
+  rtp_tensor *x = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, 4, 2);
+  rtp_tensor *y = rtp_tensor_new_1d(ctx, RTP_TYPE_I32, 2);
+  float v[8] = {NAN, 1, 2, 3, 0.5f, INFINITY, -INFINITY, 1};
+  std::memcpy(x->data, v, sizeof(v));
+  ((int32_t *)y->data)[0] = 1;
+  ((int32_t *)y->data)[1] = 0;
+  rtp_tensor *sm = rtp_soft_max(ctx, x, 1.0f, false), *ge = rtp_gelu(ctx, x);
+  rtp_tensor *ce = rtp_cross_entropy(ctx, x, y);
+  rtp_graph *g = rtp_graph_new(ctx, 64);
+  for (rtp_tensor *t : {sm, ge, ce}) ASSERT_EQ(rtp_graph_build(g, t), RTP_OK);
+  ASSERT_EQ(rtp_graph_plan(ctx, g), RTP_OK) << rtp_last_error();
+  ASSERT_EQ(rtp_graph_compute(g, nullptr), RTP_OK);
+  EXPECT_TRUE(std::isnan(((float *)sm->data)[0]));
+  EXPECT_TRUE(std::isnan(((float *)ge->data)[0]));
+  EXPECT_TRUE(std::isnan(((float *)ce->data)[0]));
+  rtp_context_free(ctx);
+}
+
+// Sizes past what 64 bits count are refused or reported as such, never wrapped around.
+TEST(Errors, HugeSizesAreRefused) {
+  rtp_init_params ip = {SIZE_MAX, nullptr, false, nullptr, 0};
+  EXPECT_EQ(rtp_context_new(ip), nullptr);
+  EXPECT_NE(std::string(rtp_last_error()).find("cannot allocate an arena"), std::string::npos);
+  gpt_config huge = {256, 32, 1 << 30, 2, 1};  // d_model^2 overflows the parameter count
+  EXPECT_EQ(gpt_config_check(huge), RTP_EINVAL);
+  rtp_context *ctx = new_ctx();
+  gpt m{};
+  EXPECT_EQ(gpt_build(ctx, &m, huge, 1), RTP_EINVAL);
+  rtp_context_free(ctx);
+  gpt_config wide = {256, GPT_MAX_SIZE, GPT_MAX_SIZE, GPT_MAX_LAYERS, GPT_MAX_SIZE};
+  ASSERT_EQ(gpt_config_check(wide), RTP_OK);
+  EXPECT_GT(gpt_n_params(wide), 0);
+  EXPECT_EQ(gpt_arena_size(wide, 1 << 30), SIZE_MAX);
+  gpt_config tiny = {256, 32, 64, 2, 4};
+  EXPECT_EQ(gpt_arena_size(tiny, 4), (size_t)20 * gpt_n_params(tiny) +
+                                         4 * (size_t)128 * (40 * 64 + 6 * 4 * 32) * 2 +
+                                         4 * (size_t)128 * 256 * 4 + (64u << 20));
 }
 
 TEST(Errors, StatusNames) {

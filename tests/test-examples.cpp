@@ -9,7 +9,9 @@
 // train-gpt-cpp run and save.
 #include <dirent.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/mount.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -22,6 +24,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <sstream>
 #include <string>
@@ -70,16 +73,41 @@ class ScratchCleanup : public testing::Environment {
 testing::Environment *const scratch_cleanup =
     testing::AddGlobalTestEnvironment(new ScratchCleanup);
 
-Result run(const std::vector<std::string> &argv) {
+// argv's shell command line, its output going to files under tmp_dir().
+std::string command(const std::vector<std::string> &argv) {
   std::string cmd;
   for (const std::string &a : argv) cmd += quote(a) + " ";
-  std::string out = tmp_dir() + "stdout", err = tmp_dir() + "stderr";
-  int st = std::system((cmd + ">" + quote(out) + " 2>" + quote(err)).c_str());
+  return cmd + ">" + quote(tmp_dir() + "stdout") + " 2>" + quote(tmp_dir() + "stderr");
+}
+
+Result result(int status) {
   Result r;
-  if (WIFEXITED(st)) r.code = WEXITSTATUS(st);
-  r.out = slurp(out);
-  r.err = slurp(err);
+  if (WIFEXITED(status)) r.code = WEXITSTATUS(status);
+  r.out = slurp(tmp_dir() + "stdout");
+  r.err = slurp(tmp_dir() + "stderr");
   return r;
+}
+
+Result run(const std::vector<std::string> &argv) {
+  return result(std::system(command(argv).c_str()));
+}
+
+// run, where no file may grow past `bytes` (RLIMIT_FSIZE) and SIGXFSZ has its default
+// action, which kills the process: a shell after ulimit -f, whatever this one inherited.
+Result run_fsize_limited(const std::vector<std::string> &argv, rlim_t bytes) {
+  std::string cmd = command(argv);
+  std::fflush(nullptr);
+  pid_t pid = fork();
+  if (pid == 0) {
+    rlimit rl = {bytes, bytes};
+    signal(SIGXFSZ, SIG_DFL);
+    if (setrlimit(RLIMIT_FSIZE, &rl) == 0)
+      execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char *>(nullptr));
+    _exit(127);
+  }
+  int st = 0;
+  if (pid < 0 || waitpid(pid, &st, 0) != pid) return Result();
+  return result(st);
 }
 
 // A flat JSON object of numbers, strings and null, as train-gpt writes; false if malformed.
@@ -324,6 +352,141 @@ TEST(TrainGptErrors, BadInputIsRefusedClearly) {
     EXPECT_EQ(r.code, 2) << r.err;
     EXPECT_NE(r.err.find(l.second), std::string::npos) << r.err;
   }
+}
+
+// Numbers out of range are refused with the range, never replaced by a default: 0 for a
+// size is not "the config's", and sizes whose counts would overflow are refused up front.
+TEST(TrainGptErrors, BadNumbersAreRefusedNotReplaced) {
+  const BadCase cases[] = {
+      {{"--n-layer", "0"}, 2, "--n-layer must be 1..64, not 0"},
+      {{"--d-model", "0"}, 2, "--d-model must be 1..1048576, not 0"},
+      {{"--n-head", "0"}, 2, "--n-head must be at least 1, not 0"},
+      {{"--seq-len", "0"}, 2, "--seq-len must be 2..1048576, not 0"},
+      {{"--d-model", "1073741824", "--n-head", "1"},
+       2,
+       "--d-model must be 1..1048576, not 1073741824"},
+      {{"--threads", "0"}, 2, "--threads must be at least 1"},
+      {{"--steps", "0", "--threads", "100000"},
+       2,
+       "--threads 100000: the library runs at most"},
+      {{"--unit", "0"}, 2, "--pp, --micro-batches and --unit must be at least 1"},
+      {{"--lr", "1e39"}, 2, "--lr: expected a number >= 0 that a float holds"},
+      {{"--batch", "1073741824"}, 2, "--batch 1073741824 x --seq-len 32 is more than"},
+      {{"--seq-len", "2", "--batch", "536870912", "--micro-batches", "536870912"},
+       2,
+       "--micro-batches 536870912 on 1 ranks: 1099511627776 graph nodes"},
+      {{"--d-model", "1048576", "--n-head", "1048576", "--seq-len", "16384", "--batch",
+        "131071"},
+       2,
+       "need more memory than 64 bits count"},
+  };
+  for (const BadCase &c : cases) {
+    std::vector<std::string> argv = {TRAIN_GPT, "--config", "tiny"};
+    argv.insert(argv.end(), c.args.begin(), c.args.end());
+    Result r = run(argv);
+    EXPECT_EQ(r.code, c.code) << c.args[0] << ": " << r.err;
+    EXPECT_NE(r.err.find(c.message), std::string::npos)
+        << c.args[0] << ": expected '" << c.message << "' in: " << r.err;
+  }
+}
+
+// More threads than cores run, with a warning that they will wait for each other.
+TEST(TrainGptErrors, ThreadsAboveTheCoresWarn) {
+  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  std::string n = std::to_string(cores + 1);
+  Result r = run({TRAIN_GPT, "--config", "tiny", "--steps", "0", "--threads", n});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("warning: --threads " + n + " is more than the " +
+                       std::to_string(cores) + " cores"),
+            std::string::npos)
+      << r.err;
+  r = run({TRAIN_GPT, "--config", "tiny", "--steps", "0", "--threads", std::to_string(cores)});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.err.find("warning"), std::string::npos) << r.err;
+}
+
+// A copy of the model at from, each F32 tensor passed through edit (name, values, count),
+// saved at to with the same metadata.
+void edit_model(const std::string &from, const std::string &to,
+                const std::function<void(const std::string &, float *, int64_t)> &edit) {
+  rtp_safetensors *st = nullptr;
+  ASSERT_EQ(rtp_safetensors_open(from.c_str(), &st), 0) << rtp_last_error();
+  rtp_init_params ip = {64 << 20, nullptr, false, nullptr, 0};
+  rtp_context *ctx = rtp_context_new(ip);
+  std::vector<rtp_tensor *> ts;
+  for (int i = 0; i < rtp_safetensors_count(st); i++) {
+    const char *name = nullptr;
+    ASSERT_EQ(rtp_safetensors_info(st, i, &name, nullptr, nullptr, nullptr), 0);
+    rtp_tensor *t = rtp_safetensors_load(ctx, st, name);
+    ASSERT_NE(t, nullptr) << rtp_last_error();
+    edit(name, (float *)t->data, rtp_tensor_nelements(t));
+    ts.push_back(t);
+  }
+  std::vector<const char *> meta;
+  for (int i = 0; i < rtp_safetensors_meta_count(st); i++) {
+    const char *k = nullptr, *v = nullptr;
+    ASSERT_EQ(rtp_safetensors_meta_at(st, i, &k, &v), 0);
+    meta.push_back(k);
+    meta.push_back(v);
+  }
+  meta.push_back(nullptr);
+  ASSERT_EQ(rtp_safetensors_save(to.c_str(), ts.data(), (int)ts.size(), meta.data()), 0)
+      << rtp_last_error();
+  rtp_context_free(ctx);
+  rtp_safetensors_close(st);
+}
+
+// NaN in --init's weights, weights so large that the logits overflow, and a run whose
+// --lr makes it diverge stop with a message naming what is not finite (the tensor, and the
+// step), never with samples of byte 0 or an eval_loss of nan.
+TEST(TrainGptErrors, NonFiniteNumbersStopWithTheirName) {
+  std::string good = tmp_dir() + "finite.safetensors", nan = tmp_dir() + "nan.safetensors",
+              big = tmp_dir() + "overflow.safetensors";
+  ASSERT_EQ(run({TRAIN_GPT, "--config", "tiny", "--steps", "0", "--export", good}).code, 0);
+  edit_model(good, nan, [](const std::string &name, float *v, int64_t) {
+    if (name == "transformer.h.1.attn.c_attn.weight") v[3] = NAN;
+  });
+  // Every position's last state all ones (ln_f), each logit 64 x 1e37: past a float.
+  edit_model(good, big, [](const std::string &name, float *v, int64_t n) {
+    float fill = name == "transformer.ln_f.weight" ? 0.0f
+                 : name == "transformer.ln_f.bias" ? 1.0f
+                 : name == "lm_head.weight"        ? 1e37f
+                                                   : NAN;
+    for (int64_t i = 0; i < n && !std::isnan(fill); i++) v[i] = fill;
+  });
+  for (const char *mode : {"--sample", "--eval-only", "--steps"}) {
+    std::vector<std::string> args = {TRAIN_GPT, "--init", nan, mode};
+    if (std::string(mode) != "--eval-only") args.push_back("4");
+    Result r = run(args);
+    EXPECT_EQ(r.code, 1) << mode << ": " << r.err;
+    EXPECT_NE(r.err.find("--init " + nan +
+                         ": transformer.h.1.attn.c_attn.weight holds nan: the weights must be "
+                         "finite"),
+              std::string::npos)
+        << mode << ": " << r.err;
+    EXPECT_EQ(r.out.find("--- sample"), std::string::npos) << r.out;
+  }
+  for (const char *mode : {"--sample", "--eval-only"}) {
+    std::vector<std::string> args = {TRAIN_GPT, "--init", big, "--steps", "0", mode};
+    if (std::string(mode) == "--sample") args.push_back("4");
+    Result r = run(args);
+    EXPECT_EQ(r.code, 1) << mode << ": " << r.err;
+    EXPECT_NE(r.err.find("the model's logits are not finite: its weights overflow"),
+              std::string::npos)
+        << mode << ": " << r.err;
+    EXPECT_EQ(r.out.find("--- sample"), std::string::npos) << r.out;
+    EXPECT_EQ(r.out.find("nan"), std::string::npos) << r.out;
+  }
+  Result diverged = run(train_gpt(
+      "--config tiny --lr 1e30 --steps 5 --threads 1 --eval-windows 1 --eval-problems 0"));
+  EXPECT_EQ(diverged.code, 1) << diverged.err;
+  EXPECT_NE(diverged.err.find("train-gpt: step 2: optimizer: rtp_optimizer_step: step 2: the "
+                              "gradients of '"),
+            std::string::npos)
+      << diverged.err;
+  EXPECT_NE(diverged.err.find("' are not finite (NaN or infinity): the loss diverged"),
+            std::string::npos)
+      << diverged.err;
 }
 
 // Under rtp-run: rtp-run's argv for n ranks of train-gpt with these flags.
@@ -991,9 +1154,9 @@ TEST(TrainGptCkpt, FullDiskLosesNothing) {
   EXPECT_EQ(ckpt_step(dir), 20);
 }
 
-// Any user: 2 ranks whose files may not grow past 128 KiB (RLIMIT_FSIZE, with SIGXFSZ
-// ignored, as the shell's ulimit -f sets it): step 10's files fail with EFBIG on both
-// ranks, which stop together; nothing of step 5 is lost.
+// Any user: 2 ranks whose files may not grow past 128 KiB (RLIMIT_FSIZE, with SIGXFSZ's
+// default action, as after ulimit -f): step 10's files fail with EFBIG on both ranks,
+// which stop together; nothing of step 5 is lost.
 TEST(TrainGptCkpt, FileSizeLimitLosesNothing) {
   std::string flags = kCkptFlags + " --batch 2 --strategy rtp --steps 20 --ckpt-every 5";
   std::string ref = tmp_dir() + "fsize-ref.jsonl", ref_dir = tmp_dir() + "fsize-ref",
@@ -1006,11 +1169,9 @@ TEST(TrainGptCkpt, FileSizeLimitLosesNothing) {
     ASSERT_EQ(r.code, 0) << r.err;
     ASSERT_EQ(ckpt_step(d), 5);
   }
-  std::vector<std::string> limited = {"sh", "-c", "trap '' XFSZ; ulimit -f 256; exec \"$@\"",
-                                      "sh"};
-  std::vector<std::string> job = on_ranks(2, flags + " --resume", {"--ckpt-dir", dir});
-  limited.insert(limited.end(), job.begin(), job.end());
-  Result failed = run(limited);  // rtp-run exits with the status of the first rank to stop
+  // rtp-run exits with the status of the first rank to stop
+  Result failed =
+      run_fsize_limited(on_ranks(2, flags + " --resume", {"--ckpt-dir", dir}), 128 << 10);
   for (const char *rank : {"0", "1"}) {  // each rank says why its own file failed
     std::string line = std::string("[") + rank + "] train-gpt: checkpoint of step 10";
     size_t at = failed.err.find(line);
@@ -1028,6 +1189,46 @@ TEST(TrainGptCkpt, FileSizeLimitLosesNothing) {
   EXPECT_EQ(metric(resumed, "loss"), losses_after(ref, 5));
   EXPECT_EQ(metric(resumed + ".rank1", "loss"), losses_after(ref, 5));
   EXPECT_EQ(ckpt_step(dir), 20);
+}
+
+// One process under the same limit, SIGXFSZ not ignored: the checkpoint of step 10 and an
+// --export fail with the EFBIG message and status 1, and what was saved before stays and
+// loads; the trace file written at exit fails with a message.
+TEST(TrainGptCkpt, FileSizeLimitStopsWithAMessageNotASignal) {
+  std::string dir = tmp_dir() + "fsize-one", model = tmp_dir() + "fsize-one.safetensors";
+  Result r = run(train_gpt(kCkptFlags + " --steps 5", {"--ckpt-dir", dir, "--export", model}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  std::string exported = slurp(model);
+  Result failed = run_fsize_limited(
+      train_gpt(kCkptFlags + " --steps 20 --ckpt-every 5 --resume", {"--ckpt-dir", dir}),
+      128 << 10);
+  EXPECT_EQ(failed.code, 1) << "stopped with status 1, not killed: " << failed.err;
+  EXPECT_NE(
+      failed.err.find("checkpoint of step 10 in " + dir + " (the previous one is intact)"),
+      std::string::npos)
+      << failed.err;
+  EXPECT_NE(failed.err.find("write failed: File too large (EFBIG: no file may grow past "
+                            "131072 bytes here, ulimit -f)"),
+            std::string::npos)
+      << failed.err;
+  EXPECT_EQ(ckpt_step(dir), 5);
+  Result exp = run_fsize_limited(
+      train_gpt(kCkptFlags + " --steps 1", {"--init", model, "--export", model}), 128 << 10);
+  EXPECT_EQ(exp.code, 1) << exp.err;
+  EXPECT_NE(exp.err.find("--export " + model), std::string::npos) << exp.err;
+  EXPECT_NE(exp.err.find("File too large (EFBIG"), std::string::npos) << exp.err;
+  EXPECT_TRUE(slurp(model) == exported) << "the previous export is replaced";
+  Result again = run(train_gpt(kCkptFlags + " --steps 6 --resume", {"--ckpt-dir", dir}));
+  EXPECT_EQ(again.code, 0) << again.err;
+  EXPECT_NE(again.out.find("resumed from " + dir + "/step-00000005"), std::string::npos)
+      << again.out;
+  // RTP_TRACE's file, written at exit (about 20 KiB here): reported, not a crash.
+  std::string trace = tmp_dir() + "fsize-trace";
+  std::vector<std::string> traced = {"env", "RTP_TRACE=" + trace};
+  for (const std::string &a : train_gpt(kCkptFlags + " --steps 1")) traced.push_back(a);
+  Result t = run_fsize_limited(traced, 8 << 10);
+  EXPECT_EQ(t.code, 0) << t.err;
+  EXPECT_NE(t.err.find("rtp: RTP_TRACE: writing " + trace), std::string::npos) << t.err;
 }
 
 TEST(TrainGptHelp, ListsTheIssueFlags) {

@@ -805,6 +805,51 @@ TEST_F(IoTest, FullDiskLeavesOldFileIntact) {
   rtp_safetensors_close(st);
 }
 
+// The same limit where SIGXFSZ keeps its default action, which kills the process (as in a
+// shell after ulimit -f): the save fails with a message naming the limit and the process
+// lives on, with the signal's disposition and its thread's mask as they were; a program's
+// own handler still runs.
+TEST_F(IoTest, FileSizeLimitFailsTheSaveNotTheProcess) {
+  std::string path = Path("model.safetensors");
+  rtp_tensor *small = F32({5}, "small");
+  ASSERT_EQ(rtp_safetensors_save(path.c_str(), &small, 1, nullptr), RTP_OK);
+  const std::vector<uint8_t> before = ReadFile(path);
+  rtp_tensor *big = F32({256, 256}, "big");
+  auto child = rtptest::run_procs(1, [&](int) {
+    signal(SIGXFSZ, SIG_DFL);
+    struct rlimit rl = {64 << 10, 64 << 10};
+    if (setrlimit(RLIMIT_FSIZE, &rl) != 0) return 10;
+    for (int i = 0; i < 2; i++) {  // the second: nothing left over from the first
+      if (rtp_safetensors_save(path.c_str(), &big, 1, nullptr) != RTP_EIO) return 11;
+      if (!strstr(rtp_last_error(),
+                  "write failed: File too large (EFBIG: no file may grow "
+                  "past 65536 bytes here, ulimit -f)"))
+        return 12;
+    }
+    struct sigaction sa;
+    sigset_t mask;
+    if (sigaction(SIGXFSZ, nullptr, &sa) || sa.sa_handler != SIG_DFL) return 13;
+    if (pthread_sigmask(SIG_SETMASK, nullptr, &mask) || sigismember(&mask, SIGXFSZ)) return 14;
+    return 0;
+  });
+  ASSERT_GE(child[0].code, 0) << "killed (by SIGXFSZ?), or not forked";
+  EXPECT_EQ(child[0].code, 0)
+      << "10 setrlimit, 11 wrong status, 12 wrong message, 13 disposition, 14 mask";
+  EXPECT_EQ(ReadFile(path), before);
+  EXPECT_EQ(TempFiles(), 0);
+  // A program's own handler still runs.
+  child = rtptest::run_procs(1, [&](int) {
+    static volatile sig_atomic_t raised;
+    struct sigaction sa = {};
+    sa.sa_handler = [](int) { raised = raised + 1; };
+    struct rlimit rl = {64 << 10, 64 << 10};
+    if (sigaction(SIGXFSZ, &sa, nullptr) || setrlimit(RLIMIT_FSIZE, &rl)) return 10;
+    if (rtp_safetensors_save(path.c_str(), &big, 1, nullptr) != RTP_EIO) return 11;
+    return raised == 1 ? 0 : 12;
+  });
+  EXPECT_EQ(child[0].code, 0) << "10 setup, 11 wrong status, 12 the handler did not run once";
+}
+
 // A target whose temporary name is too long for the filesystem (NAME_MAX) exists, but the
 // temporary file cannot be made: the save fails and the old file stays.
 TEST_F(IoTest, TempNotCreatableLeavesOldFileIntact) {

@@ -33,6 +33,10 @@
 
 #define MAX_LINE 65536
 #define GRACE_MS 5000
+/* The library's bounds (rtp-comm.h's RTP_COMM_MAX_WORLD, RTP_TIMEOUT_MS's range), checked
+ * here so that a bad value is refused before any rank starts. */
+#define MAX_WORLD 65536
+#define MAX_TIMEOUT_MS 86400000
 
 struct out {
   int fd;   /* read end, -1 when closed */
@@ -61,6 +65,20 @@ static void usage(void) {
           "usage: rtp-run -n RANKS_PER_NODE [--nnodes K --node-rank I --master HOST:PORT]\n"
           "               [--timeout-ms MS] -- PROGRAM [ARGS...]\n");
   exit(2);
+}
+
+/* The integer value of flag's argument s in [min, max], or exit 2 saying why: atoi would
+ * turn "8x" into 8 and "x" into 0 without a word. */
+static int parse_int(const char *flag, const char *s, long min, long max) {
+  char *end;
+  errno = 0;
+  long v = strtol(s, &end, 10);
+  if (!*s || *end || errno || v < min || v > max) {
+    fprintf(stderr, "rtp-run: %s wants an integer from %ld to %ld, not '%s'\n", flag, min, max,
+            s);
+    exit(2);
+  }
+  return (int)v;
 }
 
 static double now_ms(void) {
@@ -156,15 +174,15 @@ int main(int argc, char **argv) {
       i++;
       break;
     } else if ((!strcmp(a, "-n") || !strcmp(a, "--nproc-per-node")) && i + 1 < argc) {
-      nproc = atoi(argv[++i]);
+      nproc = parse_int(a, argv[++i], 1, MAX_WORLD);
     } else if (!strcmp(a, "--nnodes") && i + 1 < argc) {
-      nnodes = atoi(argv[++i]);
+      nnodes = parse_int(a, argv[++i], 1, MAX_WORLD);
     } else if (!strcmp(a, "--node-rank") && i + 1 < argc) {
-      node_rank = atoi(argv[++i]);
+      node_rank = parse_int(a, argv[++i], 0, MAX_WORLD - 1);
     } else if (!strcmp(a, "--master") && i + 1 < argc) {
       master = argv[++i];
     } else if (!strcmp(a, "--timeout-ms") && i + 1 < argc) {
-      timeout_ms = atoi(argv[++i]);
+      timeout_ms = parse_int(a, argv[++i], 1, MAX_TIMEOUT_MS);
     } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
       usage();
     } else if (a[0] == '-') {
@@ -174,7 +192,16 @@ int main(int argc, char **argv) {
       break;
     }
   }
-  if (i >= argc || nproc < 1 || nnodes < 1 || node_rank < 0 || node_rank >= nnodes) usage();
+  if (i >= argc) usage();
+  if ((long)nproc * nnodes > MAX_WORLD) {
+    fprintf(stderr, "rtp-run: -n %d x --nnodes %d is more than %d ranks\n", nproc, nnodes,
+            MAX_WORLD);
+    return 2;
+  }
+  if (node_rank >= nnodes) {
+    fprintf(stderr, "rtp-run: --node-rank %d must be below --nnodes %d\n", node_rank, nnodes);
+    return 2;
+  }
   char **prog = argv + i;
 
   char addr[256] = "127.0.0.1", port[16], token[128] = "";

@@ -28,8 +28,10 @@ struct gpt_config gpt_config_medium(void) {
 int gpt_config_check(struct gpt_config c) {
   if (c.vocab <= 0 || c.seq_len <= 0 || c.d_model <= 0 || c.n_layer <= 0 || c.n_head <= 0)
     return RTP_EINVAL;
+  if (c.vocab > GPT_MAX_SIZE || c.seq_len > GPT_MAX_SIZE || c.d_model > GPT_MAX_SIZE)
+    return RTP_EINVAL;
   if (c.d_model % c.n_head) return RTP_EINVAL;
-  if (c.n_layer > 64) return RTP_EINVAL;
+  if (c.n_layer > GPT_MAX_LAYERS) return RTP_EINVAL;
   return RTP_OK;
 }
 
@@ -41,11 +43,14 @@ int64_t gpt_n_params(struct gpt_config c) {
 }
 
 size_t gpt_arena_size(struct gpt_config c, int batch) {
-  size_t tokens = (size_t)c.seq_len * (size_t)batch;
-  size_t per_layer = tokens * (40 * (size_t)c.d_model + 6 * (size_t)c.n_head * c.seq_len);
-  size_t logits = tokens * (size_t)c.vocab * 4;
-  return 4 * 4 * (size_t)gpt_n_params(c) * 5 / 4 + 4 * per_layer * (size_t)c.n_layer +
-         4 * logits + (64u << 20);
+  /* In double: the activations of a large batch of long sequences overflow 64 bits before
+   * the parameters do; below 2^53 bytes double counts them exactly. */
+  double tokens = (double)c.seq_len * batch;
+  double per_layer = tokens * (40.0 * c.d_model + 6.0 * c.n_head * c.seq_len);
+  double logits = tokens * c.vocab * 4;
+  double bytes = 4.0 * 4 * (double)gpt_n_params(c) * 5 / 4 + 4 * per_layer * c.n_layer +
+                 4 * logits + (64u << 20);
+  return bytes < 0x1p63 ? (size_t)bytes : SIZE_MAX;
 }
 
 double gpt_step_flops(struct gpt_config c, int batch) {
@@ -141,9 +146,9 @@ static void make_params(struct rtp_context *ctx, struct gpt *m) {
 int gpt_build(struct rtp_context *ctx, struct gpt *m, struct gpt_config cfg, int batch) {
   if (gpt_config_check(cfg) || batch <= 0)
     return rtp__gpt_error(
-        "gpt_build: bad config (sizes must be positive, n_head must divide "
-        "d_model, at most %d layers, batch > 0)",
-        GPT_MAX_LAYERS);
+        "gpt_build: bad config (sizes 1..%d, n_head must divide d_model, 1..%d layers, "
+        "batch > 0)",
+        GPT_MAX_SIZE, GPT_MAX_LAYERS);
   memset(m, 0, sizeof(*m));
   m->cfg = cfg;
   m->batch = batch;

@@ -10,6 +10,9 @@ extern "C" {
 #endif
 
 #define GPT_MAX_LAYERS 64
+/* The largest vocab, seq_len and d_model: with at most GPT_MAX_LAYERS blocks the
+ * parameter count stays below 2^51, so no size computed from them overflows. */
+#define GPT_MAX_SIZE (1 << 20)
 
 struct gpt_config {
   int vocab;   /* V: 256 byte tokens */
@@ -48,11 +51,13 @@ struct gpt {
   struct rtp_tensor *params[5 + 12 * GPT_MAX_LAYERS]; /* in creation order */
 };
 
-/* Checks the config: positive sizes, heads dividing d. 0 or RTP_EINVAL with a message. */
+/* Checks the config: sizes 1..GPT_MAX_SIZE, 1..GPT_MAX_LAYERS blocks, heads dividing d.
+ * 0 or RTP_EINVAL. */
 int gpt_config_check(struct gpt_config cfg);
-/* Parameter count. */
+/* Parameter count of a config gpt_config_check accepts. */
 int64_t gpt_n_params(struct gpt_config cfg);
-/* Arena bytes that building, differentiating, planning and an optimizer need. */
+/* Arena bytes that building, differentiating, planning and an optimizer need; SIZE_MAX
+ * when that is past what 64 bits count (no machine holds it, so allocating it fails). */
 size_t gpt_arena_size(struct gpt_config cfg, int batch);
 /* Creates the parameters and inputs in ctx and records the forward pass to the loss. */
 int gpt_build(struct rtp_context *ctx, struct gpt *m, struct gpt_config cfg, int batch);

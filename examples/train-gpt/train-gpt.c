@@ -21,6 +21,7 @@
  */
 #include <errno.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -36,12 +37,14 @@
 
 /* ---- options ------------------------------------------------------------------------ */
 
+/* A flag left out is -1 where the flags' values are never negative. */
 struct options {
   const char *config;                    /* tiny, small, medium; NULL: --init's, else small */
-  int n_layer, d_model, n_head, seq_len; /* 0: from the config */
-  int batch, steps, threads, log_every, eval_windows, eval_problems, sample, ckpt_every;
+  int n_layer, d_model, n_head, seq_len; /* -1: from the config */
+  int batch, steps, log_every, eval_windows, eval_problems, sample, ckpt_every;
+  int threads;                 /* -1: the cores shared by the local ranks */
   int pp, micro_batches, unit; /* pipeline stages, micro-batches per step, zeropp's unit */
-  float lr;                    /* 0: the config's */
+  float lr;                    /* -1: the config's */
   float temperature;
   int64_t seed;
   const char *strategy, *schedule, *data, *metrics, *init, *export_path, *ckpt_dir, *prompt;
@@ -169,11 +172,12 @@ static int parse_value(const struct flag *f, const char *s) {
   }
   if (f->kind == ARG_FLOAT) {
     double v = strtod(s, &end);
-    if (*s && !*end && !errno && isfinite(v) && v >= 0) {
+    if (*s && !*end && !errno && isfinite((float)v) && v >= 0) {
       *(float *)f->dst = (float)v;
       return 0;
     }
-    return usage_error("%s: expected a number >= 0, got '%s'", f->name, s);
+    return usage_error("%s: expected a number >= 0 that a float holds (below 3.4e38), got '%s'",
+                       f->name, s);
   }
   long long v = strtoll(s, &end, 10);
   bool ok = *s && !*end && !errno && v >= 0;
@@ -189,7 +193,14 @@ static int parse_value(const struct flag *f, const char *s) {
 }
 
 static int parse_args(int argc, char **argv, struct options *o) {
-  *o = (struct options){.batch = 8,
+  *o = (struct options){.n_layer = -1,
+                        .d_model = -1,
+                        .n_head = -1,
+                        .seq_len = -1,
+                        .lr = -1,
+                        .threads = -1,
+                        .unit = -1,
+                        .batch = 8,
                         .steps = 200,
                         .seed = 1337,
                         .eval_windows = 256,
@@ -240,8 +251,9 @@ static int check_options(const struct options *o) {
   if (rtp_comm_params_from_env(&p) != RTP_OK)
     return usage_error("bad rank environment: %s", rtp_last_error());
   if (o->batch < 1) return usage_error("--batch must be at least 1");
-  if (o->pp < 1 || o->micro_batches < 1 || o->unit < 0)
-    return usage_error("--pp and --micro-batches must be at least 1, --unit positive");
+  if (o->threads == 0) return usage_error("--threads must be at least 1");
+  if (o->pp < 1 || o->micro_batches < 1 || o->unit == 0)
+    return usage_error("--pp, --micro-batches and --unit must be at least 1");
   if (o->batch % o->micro_batches)
     return usage_error(
         "--batch %d does not split into --micro-batches %d (B must be a "
@@ -251,7 +263,7 @@ static int check_options(const struct options *o) {
   if (rtp_schedule_parse(o->schedule, &sched))
     return usage_error("--schedule must be gpipe, 1f1b, eager-1f1b or zeropp, not '%s'",
                        o->schedule);
-  if (o->unit && o->micro_batches % o->unit)
+  if (o->unit > 0 && o->micro_batches % o->unit)
     return usage_error("--unit %d does not divide --micro-batches %d", o->unit,
                        o->micro_batches);
   if (o->pp > 1 && strcmp(o->strategy, "tp") == 0)
@@ -328,16 +340,23 @@ static int resolve_config(struct options *o, struct rtp_safetensors *init,
   if (!p) return usage_error("--config must be tiny, small or medium, not '%s'", o->config);
   *c = p->cfg;
   if (!o->config && init) config_from_file(init, c);
-  if (o->lr == 0) o->lr = p->lr;
-  if (o->n_layer) c->n_layer = o->n_layer;
-  if (o->d_model) c->d_model = o->d_model;
-  if (o->n_head) c->n_head = o->n_head;
-  if (o->seq_len) c->seq_len = o->seq_len;
+  if (o->lr < 0) o->lr = p->lr;
+  if (o->n_layer >= 0) c->n_layer = o->n_layer;
+  if (o->d_model >= 0) c->d_model = o->d_model;
+  if (o->n_head >= 0) c->n_head = o->n_head;
+  if (o->seq_len >= 0) c->seq_len = o->seq_len;
   if (c->n_layer < 1 || c->n_layer > GPT_MAX_LAYERS)
-    return usage_error("--n-layer must be 1..%d", GPT_MAX_LAYERS);
-  if (c->d_model < 1 || c->n_head < 1 || c->d_model % c->n_head)
+    return usage_error("--n-layer must be 1..%d, not %d", GPT_MAX_LAYERS, c->n_layer);
+  if (c->d_model < 1 || c->d_model > GPT_MAX_SIZE)
+    return usage_error("--d-model must be 1..%d, not %d", GPT_MAX_SIZE, c->d_model);
+  if (c->n_head < 1) return usage_error("--n-head must be at least 1, not %d", c->n_head);
+  if (c->d_model % c->n_head)
     return usage_error("--n-head (%d) must divide --d-model (%d)", c->n_head, c->d_model);
-  if (c->seq_len < 2) return usage_error("--seq-len must be at least 2");
+  if (c->seq_len < 2 || c->seq_len > GPT_MAX_SIZE)
+    return usage_error("--seq-len must be 2..%d, not %d", GPT_MAX_SIZE, c->seq_len);
+  if ((int64_t)o->batch * c->seq_len > INT_MAX) /* a batch's tokens are indexed by int */
+    return usage_error("--batch %d x --seq-len %d is more than %d tokens", o->batch, c->seq_len,
+                       INT_MAX);
   return 0;
 }
 
@@ -504,34 +523,78 @@ static int graph_size(struct gpt_config c) {
 /* rtp and fsdp turn each op on a parameter into a few nodes per rank, forward and back
  * (rtp on 4 ranks: about 2.3 times the one-device graph), for each micro-batch, twice over
  * with recomputation. */
-static int parallel_graph_size(struct gpt_config c, int world, const struct options *o) {
-  return graph_size(c) * (1 + world) * o->micro_batches * (o->recompute ? 2 : 1);
+static int64_t parallel_graph_size(struct gpt_config c, int world, const struct options *o) {
+  return (int64_t)graph_size(c) * (1 + world) * o->micro_batches * (o->recompute ? 2 : 1);
 }
 
 /* --bf16: the scratch a product rounds its two operands into, for the largest product (an
  * MLP layer's, the head's backward with the logits' gradient, or attention's with the
  * scores), bounded by the sum of them all; once for training's plan, once for evaluation's. */
-static size_t bf16_scratch(struct gpt_config c, int batch) {
-  size_t d = (size_t)c.d_model, tokens = (size_t)c.seq_len * (size_t)batch;
-  size_t floats = 4 * d * d + (size_t)c.vocab * d +
-                  tokens * (5 * d + (size_t)c.vocab + (size_t)c.seq_len * (size_t)c.n_head);
+static double bf16_scratch(struct gpt_config c, int batch) {
+  double d = c.d_model, tokens = (double)c.seq_len * batch;
+  double floats =
+      4 * d * d + c.vocab * d + tokens * (5 * d + c.vocab + (double)c.seq_len * c.n_head);
   return 2 * floats * sizeof(float);
 }
 
-/* The rank's graphs and their tensor headers come on top of what gpt_arena_size counts. */
+/* The rank's graphs and their tensor headers come on top of what gpt_arena_size counts.
+ * Summed in double (exact below 2^53 bytes): SIZE_MAX if past 64 bits. */
 static size_t arena_size(struct gpt_config c, int world, const struct options *o) {
-  return gpt_arena_size(c, o->batch) + (size_t)parallel_graph_size(c, world, o) * 1024 +
-         (1u << 20) + (o->bf16 ? bf16_scratch(c, o->batch) : 0);
+  double bytes = (double)gpt_arena_size(c, o->batch) +
+                 (double)parallel_graph_size(c, world, o) * 1024 + (1u << 20) +
+                 (o->bf16 ? bf16_scratch(c, o->batch) : 0);
+  return bytes < 0x1p63 ? (size_t)bytes : SIZE_MAX;
+}
+
+/* Sizes whose counts overflow (the graph's nodes are an int, the arena's bytes 64 bits)
+ * are refused before anything is allocated: no machine would hold them anyway. */
+static int check_sizes(struct gpt_config c, int world, const struct options *o) {
+  int64_t nodes = parallel_graph_size(c, world, o);
+  if (nodes > INT_MAX)
+    return usage_error("--micro-batches %d on %d ranks: %" PRId64 " graph nodes, more than %d",
+                       o->micro_batches, world, nodes, INT_MAX);
+  if (arena_size(c, world, o) == SIZE_MAX)
+    return usage_error(
+        "--d-model %d, --seq-len %d and --batch %d need more memory than 64 bits count",
+        c.d_model, c.seq_len, o->batch);
+  return RTP_OK;
+}
+
+/* The ranks on this host (rtp-run's RTP_LOCAL_WORLD_SIZE; 1 without it). */
+static long local_ranks(void) {
+  const char *env = getenv("RTP_LOCAL_WORLD_SIZE");
+  long ranks = env ? strtol(env, NULL, 10) : 1;
+  return ranks > 1 ? ranks : 1;
 }
 
 /* Threads per rank: by default the cores shared among the ranks on this host. */
 static int thread_count(const struct options *o) {
-  if (o->threads) return o->threads;
-  const char *env = getenv("RTP_LOCAL_WORLD_SIZE");
-  long ranks = env ? strtol(env, NULL, 10) : 1;
-  if (ranks <= 1) return 0; /* all cores */
+  if (o->threads > 0) return o->threads;
+  long ranks = local_ranks();
+  if (ranks == 1) return 0; /* all cores */
   long cores = sysconf(_SC_NPROCESSORS_ONLN);
   return cores > ranks ? (int)(cores / ranks) : 1;
+}
+
+/* More threads than cores are allowed, but every kernel splits its work evenly between
+ * the threads, so each step waits for those the cores cannot run at once. Said once per
+ * host, by its first rank. */
+static void warn_threads(const struct options *o) {
+  const char *local = getenv("RTP_LOCAL_RANK");
+  long cores = sysconf(_SC_NPROCESSORS_ONLN), ranks = local_ranks();
+  if (o->threads < 1 || cores < 1 || (long)o->threads * ranks <= cores ||
+      (local && strcmp(local, "0") != 0))
+    return;
+  if (ranks == 1)
+    fprintf(stderr,
+            "train-gpt: warning: --threads %d is more than the %ld cores: the threads will "
+            "wait for each other\n",
+            o->threads, cores);
+  else
+    fprintf(stderr,
+            "train-gpt: warning: --threads %d for each of %ld ranks on this host is more "
+            "than its %ld cores: the threads will wait for each other\n",
+            o->threads, ranks, cores);
 }
 
 /* Joins the job when the environment names more than one rank (rtp-run, Slurm, MPI);
@@ -584,7 +647,7 @@ static int check_layout(const struct trainer *tr, struct gpt_config c,
 /* zeropp's unit: --unit, or the largest divisor of M up to S (a unit as long as the
  * pipeline, so its gathers are shared by every micro-batch in flight). */
 static int unit_size(const struct options *o) {
-  int u = o->unit ? o->unit : o->pp < o->micro_batches ? o->pp : o->micro_batches;
+  int u = o->unit > 0 ? o->unit : o->pp < o->micro_batches ? o->pp : o->micro_batches;
   while (o->micro_batches % u) u--;
   return u;
 }
@@ -597,7 +660,7 @@ static struct rtp_parallel_params parallel_params(const struct trainer *tr, stru
   bool bf16_rotation = o->bf16 && tr->strategy == RTP_STRATEGY_RTP;
   struct rtp_parallel_params pp = {.strategy = tr->group ? tr->strategy : RTP_STRATEGY_NONE,
                                    .comm = tr->group,
-                                   .graph_size = parallel_graph_size(c, tr->world, o),
+                                   .graph_size = (int)parallel_graph_size(c, tr->world, o),
                                    .comm_type = bf16_rotation ? RTP_TYPE_BF16 : RTP_TYPE_F32,
                                    .compute_type = o->bf16 ? RTP_TYPE_BF16 : RTP_TYPE_F32,
                                    .micro_batches = o->micro_batches,
@@ -632,6 +695,8 @@ static int find_inputs(struct trainer *tr) {
  * for the strategy (inside its stage with --pp). */
 static int parallelize(struct trainer *tr, struct gpt_config c, const struct options *o) {
   size_t meta_bytes = (size_t)graph_size(c) * 2048 + (8u << 20);
+  int rc = check_sizes(c, tr->world, o);
+  if (rc) return rc;
   tr->batch = o->batch;
   tr->micro = o->micro_batches;
   tr->meta =
@@ -645,7 +710,7 @@ static int parallelize(struct trainer *tr, struct gpt_config c, const struct opt
   tr->strategy = RTP_STRATEGY_NONE; /* one process: every strategy is this one */
   if (tr->world > 1 && rtp_strategy_parse(o->strategy, &tr->strategy))
     return fail(RTP_EINVAL, "--strategy");
-  int rc = check_layout(tr, c, o);
+  rc = check_layout(tr, c, o);
   if (rc) return rc;
   struct rtp_parallel_params pp = parallel_params(tr, c, o);
   tr->par = rtp_parallel_new(tr->ctx, fwd, tr->m.loss, &pp);
@@ -688,6 +753,10 @@ static int trainer_init(struct trainer *tr, struct gpt_config c, const struct op
   if (rc) return rc;
   tr->tp = rtp_threadpool_new(thread_count(o));
   if (!tr->tp) return fail(RTP_ENOMEM, "starting %d threads", thread_count(o));
+  if (o->threads > 0 && rtp_threadpool_size(tr->tp) != o->threads)
+    return usage_error("--threads %d: the library runs at most %d", o->threads,
+                       rtp_threadpool_size(tr->tp));
+  warn_threads(o);
   if (o->eval_only) return RTP_OK;
   struct rtp_adamw_params hp = rtp_adamw_params_default();
   hp.lr = o->lr;
@@ -819,12 +888,17 @@ static int evaluate(struct trainer *tr, const struct dataset *d, int64_t n, doub
   return tr->stages > 1 ? share_head(tr, loss, sizeof(*loss), "evaluation loss") : RTP_OK;
 }
 
-/* The next byte after position t of row b: greedy, or sampled at the temperature. */
+/* The next byte after position t of row b: greedy, or sampled at the temperature; -1 if
+ * the logits are not finite (weights so large that they overflow), where every comparison
+ * would pick byte 0. */
 static int pick_byte(const struct trainer *tr, int b, int t, float temperature, uint64_t *rng) {
   int V = tr->m.cfg.vocab;
   const float *l = (const float *)tr->logits->data + ((size_t)b * tr->m.cfg.seq_len + t) * V;
   int best = 0;
-  for (int v = 1; v < V; v++) best = l[v] > l[best] ? v : best;
+  for (int v = 0; v < V; v++) {
+    if (!isfinite(l[v])) return -1;
+    best = l[v] > l[best] ? v : best;
+  }
   if (temperature <= 0) return best;
   double z = 0, r;
   for (int v = 0; v < V; v++) z += exp((l[v] - l[best]) / temperature);
@@ -862,6 +936,11 @@ static int held_out_problems(const struct dataset *d, struct problem *p, int max
 
 #define DECODE_ROWS 64 /* problems decoded at once, at most one per batch row */
 
+static int logits_not_finite(void) {
+  fprintf(stderr, "train-gpt: the model's logits are not finite: its weights overflow\n");
+  return RTP_EINVAL;
+}
+
 /* Greedy answers to a batch of problems, each in its own row, one byte per forward. */
 static int solve_batch(struct trainer *tr, const struct problem *p, int n, int *right) {
   int T = tr->m.cfg.seq_len;
@@ -885,6 +964,7 @@ static int solve_batch(struct trainer *tr, const struct problem *p, int n, int *
     if ((rc = share_head(tr, idx, bytes, "picks"))) return rc;
     for (int b = 0; b < n; b++)
       if (live[b]) {
+        if (idx[b * T + p[b].prompt_len + len[b]] < 0) return logits_not_finite();
         got[b][len[b]] = (char)idx[b * T + p[b].prompt_len + len[b]];
         len[b]++;
         busy = true;
@@ -955,9 +1035,10 @@ static int sample_text(struct trainer *tr, const uint8_t *prompt, size_t plen, i
       fail(rc, "sampling");
       break;
     }
-    if (tr->rank == tr->head)
-      text[len] = (uint8_t)pick_byte(tr, 0, (int)w - 1, temperature, &rng);
-    rc = share_head(tr, &text[len], 1, "picks");
+    int32_t pick = tr->rank == tr->head ? pick_byte(tr, 0, (int)w - 1, temperature, &rng) : 0;
+    rc = share_head(tr, &pick, sizeof(pick), "picks");
+    if (!rc && pick < 0) rc = logits_not_finite();
+    text[len] = (uint8_t)pick;
   }
   if (!rc && tr->rank == 0) print_sample(text, plen + (size_t)n, n, temperature);
   free(text);
@@ -1011,6 +1092,22 @@ static int load_init(struct trainer *tr, struct rtp_safetensors *st, const char 
   rtp_context_free(hdr);
   free(full);
   return rc ? fail(rc, "--init %s", path) : RTP_OK;
+}
+
+/* A model with NaN or infinite weights would train on NaN and sample byte 0 forever:
+ * refused, naming the first such tensor of this rank's part. */
+static int check_init_finite(const struct trainer *tr, const char *path) {
+  for (int i = 0; i < tr->m.n_params; i++) {
+    const struct rtp_tensor *mine = rtp_parallel_tensor(tr->par, tr->m.params[i]);
+    const float *v = mine ? mine->data : NULL;
+    for (int64_t j = 0; v && j < rtp_tensor_nelements(mine); j++)
+      if (!isfinite(v[j])) {
+        fprintf(stderr, "train-gpt: --init %s: %s holds %f: the weights must be finite\n", path,
+                tr->m.params[i]->name, v[j]);
+        return RTP_EINVAL;
+      }
+  }
+  return RTP_OK;
 }
 
 /* tp: parameter i whole into full, on every rank. A replicated one is whole everywhere;
@@ -1334,6 +1431,7 @@ static int run_eval_only(struct trainer *tr, const struct dataset *d, const stru
   struct eval_stats e;
   int rc = eval_all(tr, d, 0, d->builtin ? o->eval_problems : 0, &e);
   if (rc || tr->rank) return rc;
+  if (!isfinite(e.loss)) return logits_not_finite();
   printf("{\"eval_loss\": %.9g, \"windows\": %" PRId64, e.loss, e.windows);
   if (e.problems) printf(", \"accuracy\": %.6g, \"problems\": %d", e.acc, e.problems);
   printf("}\n");
@@ -1398,6 +1496,7 @@ static int run(struct options *o) {
   if (!rc && o->resume) rc = resume(&tr, o, &first);
   if (!rc && !o->resume)
     rc = init ? load_init(&tr, init, o->init) : init_weights(&tr, (uint64_t)o->seed);
+  if (!rc && init) rc = check_init_finite(&tr, o->init);
   if (!rc && o->metrics) rc = open_metrics(&tr, o->metrics, &metrics);
   if (!rc && !o->eval_only && o->steps > first) {
     if (tr.rank == 0) print_model(&tr, o);
