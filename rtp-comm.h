@@ -111,6 +111,10 @@ void rtp__comm_req_done(struct rtp_comm_req *r, int status, const char *msg);
 int rtp__comm_world_fail(struct rtp_comm_world *w, int status, const char *msg,
                          const char **first_msg);
 const struct rtp_comm_params *rtp__comm_world_params(const struct rtp_comm_world *w);
+/* Tells the launcher (rtp-run, through RTP_RUN_BLAME_FD) that world rank `rank` caused
+ * this rank's failure (`why`: "silent", "lost"), so that its last line names the rank at
+ * fault rather than the one that noticed. Once per process; nothing without a launcher. */
+void rtp__comm_blame(struct rtp_comm_world *w, int rank, const char *why);
 
 /* Posts op (group ranks) on c's host transport, as every rtp_comm_* operation does:
  * checks it, numbers it and returns a request (or waits for it when req is NULL). */

@@ -203,6 +203,7 @@ static void link_lost(struct rc_link *l, ssize_t err) {
   struct tcp *c = l->comm;
   const char *why = err == UV_EOF ? "connection closed" : uv_strerror((int)err);
   if (l->state == LS_UP && !l->bye_rx && !c->shutting_down) {
+    if (!c->loop_failed) rtp__comm_blame(c->w, l->rank, "lost");
     rtp__tcp_comm_fail(c, RTP_EPEER, "lost rank %d (%s): %s", l->rank, l->addr, why);
   } else if (l->state == LS_HANDSHAKE && l->connector && !c->ready) {
     /* Closed before it answered: the acceptor sheds load (strangers' connections), so

@@ -625,6 +625,7 @@ static void on_tick(uv_timer_t *t) {
       return;
     } else if (l->state == LS_UP) {
       if (now - l->last_rx > timeout) {
+        rtp__comm_blame(c->w, l->rank, "silent");
         rtp__tcp_comm_fail(c, RTP_ETIMEDOUT,
                            "rank %d (%s) silent for %" PRIu64 " ms (timeout %d ms)", l->rank,
                            l->addr, now - l->last_rx, c->params.timeout_ms);

@@ -3,6 +3,8 @@
 // binary (the RunWorker tests, which only run under rtp-run).
 #include <gtest/gtest.h>
 
+#include <csignal>
+
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -159,6 +161,19 @@ TEST(Run, CommJobRankDies) {
   EXPECT_LT(o.seconds, 20) << o.text;
 }
 
+// Rank 2 stops (SIGSTOP) in the middle of the job: the rank that notices fails first,
+// but the launcher's last line names rank 2, which went silent.
+TEST(Run, CommJobRankSilent) {
+  std::string cmd = "RTP_RUN_WORKER=silent RTP_TIMEOUT_MS=2000 " + kRun + " -n 3 -- " + self() +
+                    " --gtest_filter=RunWorker.Job";
+  Out o = run(cmd);
+  EXPECT_NE(o.code, 0) << o.text;
+  size_t last = o.text.rfind("rtp-run: job failed: ");
+  ASSERT_NE(last, std::string::npos) << o.text;
+  EXPECT_EQ(o.text.compare(last, 40, "rtp-run: job failed: rank 2 went silent "), 0) << o.text;
+  EXPECT_LT(o.seconds, 20) << o.text;
+}
+
 TEST(RunWorker, Job) {
   const char *mode = getenv("RTP_RUN_WORKER");
   if (!mode) GTEST_SKIP() << "runs under rtp-run only (Run.CommJob)";
@@ -169,6 +184,7 @@ TEST(RunWorker, Job) {
   int rank = rtp_comm_rank(c), n = rtp_comm_size(c);
   for (int step = 0; step < 20; step++) {
     if (!strcmp(mode, "die") && rank == 2 && step == 5) abort();
+    if (!strcmp(mode, "silent") && rank == 2 && step == 5) raise(SIGSTOP);
     std::vector<float> v(12345, (float)rank);
     ASSERT_EQ(rtp_comm_allreduce(c, v.data(), v.size(), nullptr), RTP_OK) << rtp_last_error();
     ASSERT_EQ(v[777], (float)(n * (n - 1) / 2));

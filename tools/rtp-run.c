@@ -133,6 +133,38 @@ static void emit(struct out *o, int rank, bool flush) {
   fflush(o->to);
 }
 
+/* The first blame a rank reported, read off the shared pipe. */
+struct blame_line {
+  int fd;
+  char buf[256];
+  size_t n;
+  int reporter, blamed;
+  char why[16];
+};
+
+static void read_blame(struct blame_line *b) {
+  ssize_t r;
+  while (b->fd >= 0 && (r = read(b->fd, b->buf + b->n, sizeof(b->buf) - 1 - b->n)) > 0) {
+    b->n += (size_t)r;
+    b->buf[b->n] = 0;
+    char *nl = strchr(b->buf, '\n');
+    if (b->blamed < 0 && nl &&
+        sscanf(b->buf, "%d %d %15s", &b->reporter, &b->blamed, b->why) != 3)
+      b->blamed = -1;
+    if (nl || b->n == sizeof(b->buf) - 1) b->n = 0; /* later lines only follow the first */
+  }
+}
+
+/* Whether the blamed rank is the job's fault: it did not finish well here (it may run on
+ * another node, where it is taken at the reporter's word). */
+static bool at_fault(const struct rank *rs, int n, int blamed) {
+  if (blamed < 0) return false;
+  for (int l = 0; l < n; l++)
+    if (rs[l].rank == blamed)
+      return !(WIFEXITED(rs[l].status) && WEXITSTATUS(rs[l].status) == 0 && !rs[l].running);
+  return true;
+}
+
 static void drain(struct out *o, int rank) {
   if (o->fd < 0) return;
   ssize_t r = read(o->fd, o->buf + o->n, sizeof(o->buf) - o->n);
@@ -247,6 +279,17 @@ int main(int argc, char **argv) {
   int world = nproc * nnodes;
   struct rank *rs = calloc((size_t)nproc, sizeof(*rs));
   if (!rs) return 1;
+  /* The ranks tell us which rank caused their failure (rtp__comm_blame): one line each,
+   * "REPORTER BLAMED WHY", on a pipe they share. */
+  int blame[2];
+  if (pipe(blame) < 0) {
+    perror("rtp-run: pipe");
+    return 1;
+  }
+  fcntl(blame[0], F_SETFD, FD_CLOEXEC);
+  fcntl(blame[0], F_SETFL, O_NONBLOCK);
+  char blame_fd[16];
+  snprintf(blame_fd, sizeof(blame_fd), "%d", blame[1]);
   for (int l = 0; l < nproc; l++) {
     struct rank *r = &rs[l];
     r->rank = node_rank * nproc + l;
@@ -296,6 +339,7 @@ int main(int argc, char **argv) {
       setenv("RTP_LOCAL_RANK", v, 1);
       snprintf(v, sizeof(v), "%d", nproc);
       setenv("RTP_LOCAL_WORLD_SIZE", v, 1);
+      setenv("RTP_RUN_BLAME_FD", blame_fd, 1);
       setenv("RTP_MASTER_ADDR", addr, 1);
       setenv("RTP_MASTER_PORT", port, 1);
       setenv("RTP_TOKEN", token, 1);
@@ -318,10 +362,12 @@ int main(int argc, char **argv) {
     fcntl(p[1][0], F_SETFL, O_NONBLOCK);
   }
 
+  close(blame[1]);
+  struct blame_line bl = {.fd = blame[0], .reporter = -1, .blamed = -1};
   int exit_code = 0, failed_rank = -1, running = nproc, forwarded = 0;
   bool failed_crash = false;
   double stop_at = 0; /* when the others get SIGKILL */
-  struct pollfd *pfd = calloc((size_t)nproc * 2, sizeof(*pfd));
+  struct pollfd *pfd = calloc((size_t)nproc * 2 + 1, sizeof(*pfd));
   if (!pfd) return 1;
   for (;;) {
     int np = 0;
@@ -332,7 +378,11 @@ int main(int argc, char **argv) {
         pfd[np].revents = 0;
         np++;
       }
-    poll(pfd, (nfds_t)np, 50);
+    pfd[np].fd = bl.fd;
+    pfd[np].events = POLLIN;
+    pfd[np].revents = 0;
+    poll(pfd, (nfds_t)np + 1, 50);
+    if (pfd[np].revents) read_blame(&bl);
     for (int l = 0; l < nproc; l++)
       for (int k = 0; k < 2; k++)
         if (pfd[2 * l + k].revents) drain(&rs[l].out[k], rs[l].rank);
@@ -392,9 +442,15 @@ int main(int argc, char **argv) {
       drain(&rs[l].out[k], rs[l].rank);
       emit(&rs[l].out[k], rs[l].rank, true);
     }
-  if (failed_rank >= 0)
+  read_blame(&bl);
+  if (failed_rank >= 0 && !failed_crash && at_fault(rs, nproc, bl.blamed))
+    fprintf(stderr, "rtp-run: job failed: rank %d %s (rank %d noticed; exit code %d)\n",
+            bl.blamed, strcmp(bl.why, "silent") == 0 ? "went silent" : "was lost", bl.reporter,
+            exit_code);
+  else if (failed_rank >= 0)
     fprintf(stderr, "rtp-run: job failed: rank %d %s (exit code %d)\n", failed_rank,
             failed_crash ? "crashed" : "failed first", exit_code);
+  if (bl.fd >= 0) close(bl.fd);
   free(pfd);
   free(rs);
   return exit_code;
