@@ -12,7 +12,9 @@
  * and names rank 0's host with --master. Every line a rank prints is prefixed with
  * "[rank] ". SIGINT and SIGTERM are forwarded to the ranks. When a rank fails (non-zero
  * exit or a signal), the others are stopped (SIGTERM, then SIGKILL after a grace
- * period) and rtp-run exits non-zero naming the rank.
+ * period) and rtp-run exits non-zero naming the rank at fault: the one that crashed, else
+ * the one a failing rank blamed (went silent, or was lost: RTP_RUN_BLAME_FD, a pipe the
+ * ranks share), else the one that failed first.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
