@@ -874,10 +874,28 @@ static int64_t count_windows(const struct dataset *d, int T) {
 
 /* Mean next-byte loss over the held-out windows [split + i*T, split + i*T + T], i < n,
  * computed B windows at a time (unused rows of the last batch are ignored). */
+/* Whether this rank shows progress: rank 0, and the first rank of every other host, so
+ * that each node's terminal shows the job is alive (rtp-run prefixes the ranks). */
+static bool shows_progress(const struct trainer *tr) {
+  const char *local = getenv("RTP_LOCAL_RANK");
+  return tr->rank == 0 || (local && strcmp(local, "0") == 0);
+}
+
+/* A long evaluation (EVAL_PROGRESS_BATCHES batches or more) says how far it is, a tenth at
+ * a time, so that it is not taken for a hang; on stderr, which keeps --eval-only's stdout
+ * one JSON line. */
+#define EVAL_PROGRESS_BATCHES 50
+
 static int evaluate(struct trainer *tr, const struct dataset *d, int64_t n, double *loss) {
   int B = tr->m.batch, T = tr->m.cfg.seq_len;
   double sum = 0;
+  int64_t batches = (n + B - 1) / B, tenth = 0;
+  bool show = shows_progress(tr) && batches >= EVAL_PROGRESS_BATCHES;
   for (int64_t first = 0; first < n; first += B) {
+    if (show && first / B * 10 >= tenth * batches) {
+      fprintf(stderr, "evaluation: %" PRId64 "/%" PRId64 " windows\n", first, n);
+      tenth++;
+    }
     for (int b = 0; b < B; b++)
       set_window(tr, b, first + b < n ? d->bytes + d->split + (size_t)(first + b) * T : NULL);
     int rc = eval_forward(tr);
@@ -1416,7 +1434,7 @@ static int run_training(struct trainer *tr, const struct dataset *d, const struc
     s.eval = log ? &e : NULL;
     s.eta_s = (now_s() - start) / (double)(s.step - first) * (double)(o->steps - s.step);
     if (metrics) write_metrics(metrics, tr, &s);
-    if (log && tr->rank == 0) print_progress(tr, &s, tty);
+    if (log && shows_progress(tr)) print_progress(tr, &s, tty);
     bool ckpt =
         o->ckpt_dir && ((o->ckpt_every && s.step % o->ckpt_every == 0) || s.step == o->steps);
     if (ckpt && (rc = save_checkpoint(tr, o, s.step))) return rc;
@@ -1482,6 +1500,7 @@ static void print_model(const struct trainer *tr, const struct options *o) {
       "lr %g, %s data\n",
       c.n_layer, c.d_model, c.n_head, c.seq_len, gpt_n_params(c) / 1e6, o->batch, micro, ranks,
       o->lr, o->data ? o->data : "built-in addition");
+  fflush(stdout); /* before the slow work: under rtp-run stdout is a pipe */
 }
 
 static int run(struct options *o) {
@@ -1493,15 +1512,14 @@ static int run(struct options *o) {
   int64_t first = 0;
   int rc = open_inputs(o, &init, &cfg, &data);
   if (!rc) rc = trainer_init(&tr, cfg, o);
+  bool trains = !o->eval_only && o->steps > 0;
+  if (!rc && trains && shows_progress(&tr)) print_model(&tr, o);
   if (!rc && o->resume) rc = resume(&tr, o, &first);
   if (!rc && !o->resume)
     rc = init ? load_init(&tr, init, o->init) : init_weights(&tr, (uint64_t)o->seed);
   if (!rc && init) rc = check_init_finite(&tr, o->init);
   if (!rc && o->metrics) rc = open_metrics(&tr, o->metrics, &metrics);
-  if (!rc && !o->eval_only && o->steps > first) {
-    if (tr.rank == 0) print_model(&tr, o);
-    rc = run_training(&tr, &data, o, first, metrics);
-  }
+  if (!rc && trains && o->steps > first) rc = run_training(&tr, &data, o, first, metrics);
   if (!rc && o->eval_only) rc = run_eval_only(&tr, &data, o);
   if (!rc && o->sample) rc = run_sample(&tr, &data, o);
   if (!rc && o->export_path)
