@@ -54,6 +54,8 @@
 
 #define CK_PATH 4096
 #define CK_MAX_INDEX ((size_t)64 << 20)
+/* latest and COMPLETE: a line of under 80 bytes as written */
+#define CK_MAX_LINE ((size_t)256)
 #define CK_MAX_STATE 32
 
 /* What index.json says of rank r's file. */
@@ -106,20 +108,41 @@ static int ck_path(char *buf, const char *a, const char *b) {
   return RTP_OK;
 }
 
-static int ck_sha256_file(const char *path, char hex[65], uint64_t *bytes) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return rtp__error(RTP_EIO, "%s: %s", path, strerror(errno));
+/* The SHA-256 of n bytes as 64 lowercase hex digits. */
+static int ck_sha256_hex(const void *data, size_t n, char hex[65]) {
+  unsigned char digest[32];
+  unsigned len = 0;
+  if (!EVP_Digest(data, n, digest, &len, EVP_sha256(), NULL))
+    return rtp__error(RTP_ENOMEM, "cannot compute a SHA-256");
+  for (int i = 0; i < 32; i++) snprintf(hex + 2 * i, 3, "%02x", digest[i]);
+  return RTP_OK;
+}
+
+/* The SHA-256 of path, which must be a regular file of want bytes (UINT64_MAX: any):
+ * its size is checked before a byte is read, so a file grown huge is not hashed. */
+static int ck_sha256_file(const char *path, uint64_t want, char hex[65], uint64_t *bytes) {
+  int fd;
+  int rc = rtp__file_open(path, UINT64_MAX, &fd, bytes);
+  if (rc) return rc;
+  if (want != UINT64_MAX && *bytes != want) {
+    close(fd);
+    return rtp__error(RTP_EFORMAT,
+                      "%s: truncated or changed: %" PRIu64 " bytes, index says %" PRIu64, path,
+                      *bytes, want);
+  }
   EVP_MD_CTX *md = EVP_MD_CTX_new();
   unsigned char *buf = malloc(1 << 20), digest[32];
   unsigned len = 0;
+  uint64_t left = *bytes;
   bool ok = md && buf && EVP_DigestInit_ex(md, EVP_sha256(), NULL);
-  *bytes = 0;
-  for (size_t got = 1; ok && got > 0; *bytes += got) {
-    got = fread(buf, 1, 1 << 20, f);
-    ok = EVP_DigestUpdate(md, buf, got);
+  while (ok && left > 0) {
+    ssize_t got = read(fd, buf, left < (1u << 20) ? (size_t)left : (1u << 20));
+    if (got < 0 && errno == EINTR) continue;
+    ok = got > 0 && EVP_DigestUpdate(md, buf, (size_t)got);
+    left -= ok ? (uint64_t)got : 0;
   }
-  ok = ok && !ferror(f) && EVP_DigestFinal_ex(md, digest, &len);
-  fclose(f);
+  ok = ok && EVP_DigestFinal_ex(md, digest, &len);
+  close(fd);
   free(buf);
   EVP_MD_CTX_free(md);
   if (!ok) return rtp__error(RTP_EIO, "%s: cannot read it to compute its checksum", path);
@@ -160,28 +183,6 @@ static int ck_write_atomic(const char *dir, const char *name, const char *text) 
     return rtp__error(RTP_EIO, "%s: %s", path, strerror(err));
   }
   return ck_sync_dir(dir);
-}
-
-/* The whole of a small file, NUL-terminated, and its length (len may be NULL); *text NULL
- * on failure. */
-static int ck_read_file(const char *path, char **text, size_t *len) {
-  *text = NULL;
-  FILE *f = fopen(path, "rb");
-  if (!f) return rtp__error(RTP_EIO, "%s: %s", path, strerror(errno));
-  struct stat sb;
-  size_t size = fstat(fileno(f), &sb) == 0 ? (size_t)sb.st_size : 0;
-  char *buf = size <= CK_MAX_INDEX ? malloc(size + 1) : NULL;
-  size_t n = buf ? fread(buf, 1, size, f) : 0;
-  bool bad = !buf || ferror(f) || n != size;
-  fclose(f);
-  if (bad) {
-    free(buf);
-    return rtp__error(RTP_EIO, "%s: cannot read it (or larger than 64 MiB)", path);
-  }
-  buf[n] = 0;
-  *text = buf;
-  if (len) *len = n;
-  return RTP_OK;
 }
 
 /* Removes a step directory (flat: files only). */
@@ -418,7 +419,7 @@ static int ck_save_rank(const struct ck_out *o, const char *stepdir, int rank,
   snprintf(rs, sizeof(rs), "%d", rank);
   const char *meta[] = {"format", "rtp-checkpoint", "rank", rs, NULL};
   if (!rc) rc = rtp_safetensors_save(path, o->ts, o->n, meta);
-  if (!rc) rc = ck_sha256_file(path, rec->sha, &rec->bytes);
+  if (!rc) rc = ck_sha256_file(path, UINT64_MAX, rec->sha, &rec->bytes);
   return rc;
 }
 
@@ -542,7 +543,7 @@ static int ck_commit(const struct rtp_ckpt_params *p, const char *stepdir, int64
   char ipath[CK_PATH], hex[65], text[128];
   uint64_t bytes;
   if (!rc) rc = ck_path(ipath, stepdir, "index.json");
-  if (!rc) rc = ck_sha256_file(ipath, hex, &bytes);
+  if (!rc) rc = ck_sha256_file(ipath, UINT64_MAX, hex, &bytes);
   snprintf(text, sizeof(text), "sha256 %s\n", hex);
   if (!rc) rc = ck_write_atomic(stepdir, "COMPLETE", text);
   snprintf(text, sizeof(text), "step-%08" PRId64 "\n", step);
@@ -935,14 +936,16 @@ static int ck_parse_index(struct rtp_ckpt *c, const char *ipath, const char *tex
 
 /* DIR/latest, which must name a step directory: its path and step. */
 static int ck_read_latest(const char *dir, char *stepdir, int64_t *step) {
-  char path[CK_PATH], *text;
+  char path[CK_PATH];
+  void *buf = NULL;
   int rc = ck_path(path, dir, "latest");
-  if (!rc) rc = ck_read_file(path, &text, NULL);
+  if (!rc) rc = rtp_file_read(path, CK_MAX_LINE, &buf, NULL);
   if (rc) {
     char why[512]; /* the message is rewritten below: keep a copy */
     snprintf(why, sizeof(why), "%s", rtp_last_error());
     return rtp__error(rc, "%s: no checkpoint to resume from (%s)", dir, why);
   }
+  char *text = buf;
   text[strcspn(text, "\n")] = 0;
   if (!ck_parse_step_name(text, step)) {
     rc = rtp__error(RTP_EFORMAT, "%s: does not name a step-<8 digits> directory", path);
@@ -955,22 +958,23 @@ static int ck_read_latest(const char *dir, char *stepdir, int64_t *step) {
 
 /* The marker must exist and hold index.json's checksum. */
 static int ck_read_index(struct rtp_ckpt *c, int64_t dir_step) {
-  char mpath[CK_PATH], ipath[CK_PATH], hex[65], *marker = NULL, *index = NULL;
-  uint64_t bytes;
+  char mpath[CK_PATH], ipath[CK_PATH], hex[65];
+  void *marker = NULL, *index = NULL;
   size_t n = 0;
   int rc = ck_path(mpath, c->dir, "COMPLETE");
   if (!rc) rc = ck_path(ipath, c->dir, "index.json");
-  if (!rc && access(mpath, F_OK))
+  if (!rc && access(mpath, F_OK) && errno == ENOENT)
     return rtp__error(RTP_EFORMAT, "%s is incomplete: no COMPLETE marker (an interrupted save)",
                       c->dir);
-  if (!rc) rc = ck_read_file(mpath, &marker, NULL);
-  if (!rc) rc = ck_sha256_file(ipath, hex, &bytes);
-  if (!rc && (strncmp(marker, "sha256 ", 7) || strncmp(marker + 7, hex, 64)))
+  if (!rc) rc = rtp_file_read(mpath, CK_MAX_LINE, &marker, NULL);
+  if (!rc) rc = rtp_file_read(ipath, CK_MAX_INDEX, &index, &n);
+  if (!rc) rc = ck_sha256_hex(index, n, hex);
+  const char *m = marker;
+  if (!rc && (strncmp(m, "sha256 ", 7) || strncmp(m + 7, hex, 64)))
     rc = rtp__error(RTP_EFORMAT, "%s: checksum mismatch: COMPLETE says %.64s, file is %s",
-                    ipath, marker + (strncmp(marker, "sha256 ", 7) ? 0 : 7), hex);
-  free(marker);
-  if (!rc) rc = ck_read_file(ipath, &index, &n);
+                    ipath, m + (strncmp(m, "sha256 ", 7) ? 0 : 7), hex);
   if (!rc) rc = ck_parse_index(c, ipath, index, n, dir_step);
+  free(marker);
   free(index);
   return rc;
 }
@@ -1044,7 +1048,7 @@ static int ck_open_files(const struct rtp_ckpt *c, struct ck_files *f) {
     if (!c->files[r].listed) continue; /* and the strategy writes none (checked at open) */
     snprintf(name, sizeof(name), "rank-%d.safetensors", r);
     int rc = ck_path(path, c->dir, name);
-    if (!rc) rc = rtp_safetensors_open(path, &f->st[r]);
+    if (!rc) rc = rtp__safetensors_open(path, c->files[r].bytes, &f->st[r]);
     if (rc) return rc;
   }
   return RTP_OK;
@@ -1063,11 +1067,7 @@ static int ck_verify_file(struct ck_files *f, int r) {
   uint64_t bytes;
   snprintf(name, sizeof(name), "rank-%d.safetensors", r);
   int rc = ck_path(path, f->c->dir, name);
-  if (!rc) rc = ck_sha256_file(path, hex, &bytes);
-  if (!rc && bytes != want->bytes)
-    rc = rtp__error(RTP_EFORMAT,
-                    "%s: truncated or changed: %" PRIu64 " bytes, index says %" PRIu64, path,
-                    bytes, want->bytes);
+  if (!rc) rc = ck_sha256_file(path, want->bytes, hex, &bytes);
   if (!rc && strcmp(hex, want->sha))
     rc = rtp__error(RTP_EFORMAT, "%s: checksum mismatch (corrupted): sha256 %s, index says %s",
                     path, hex, want->sha);

@@ -510,6 +510,15 @@ RTP_API struct rtp_tensor *rtp_safetensors_load(struct rtp_context *ctx,
  */
 RTP_API int rtp_safetensors_save(const char *path, struct rtp_tensor *const *tensors, int n,
                                  const char *const *meta_kv);
+/*
+ * The whole of the regular file path, of at most max_bytes (SIZE_MAX: any size), in a
+ * buffer the caller frees with free(), with a NUL after its *size bytes (size may be
+ * NULL). A FIFO, device, directory or socket is refused by its type before any read and
+ * without blocking (RTP_EIO, naming the file and its type), as is a file that cannot be
+ * opened (RTP_EIO) or a larger one (RTP_EFORMAT); no more than the size found at the
+ * open is read. Safetensors and checkpoint files are opened with the same checks.
+ */
+RTP_API int rtp_file_read(const char *path, size_t max_bytes, void **data, size_t *size);
 /* RTP-IO-END */
 
 /* ---- communication (rtp-comm.c; transports rtp-local.c, rtp-tcp*.c, rtp-nccl.c) ---- */

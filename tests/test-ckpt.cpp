@@ -374,6 +374,70 @@ TEST(Ckpt, DamagedCheckpointsAreRefused) {
   expect_refused("latest", "echo bogus > ../latest", "step-<8 digits>");
 }
 
+// A checkpoint's file replaced by a FIFO, a device or a directory, or grown past what it
+// may hold, is refused by its type or size before it is read, naming it: a FIFO opened
+// for reading would wait for a writer, so each open and load runs in a child process with
+// a deadline.
+TEST(Ckpt, SpecialFilesAreRefusedWithoutBlocking) {
+  const char *files[] = {"../latest", "index.json", "COMPLETE", "rank-0.safetensors"};
+  const struct {
+    const char *what, *damage, *message;
+  } kinds[] = {
+      {"fifo", "rm -f F && mkfifo F", ": is a FIFO, not a regular file"},
+      {"device", "rm -f F && ln -s /dev/zero F", ": is a character device, not a regular file"},
+      {"dir", "rm -f F && mkdir F", ": is a directory, not a regular file"},
+      {"loop", "rm -f F && ln -s N F", ": cannot open: Too many levels of symbolic links"},
+      {"huge", "truncate -s 1G F", " bytes, more than the "},
+  };
+  for (const char *file : files)
+    for (const auto &k : kinds) {
+      std::string name = std::string(file).substr(std::string(file).rfind('/') + 1);
+      std::string dir = tmp_dir(("special-" + name + "-" + k.what).c_str());
+      std::string step = dir + "/step-00000001", damage = k.damage;
+      if (name == "rank-0.safetensors" && std::string(k.what) == "huge")
+        continue;  // its size is the index's, checked before a read: below
+      for (size_t at; (at = damage.find_first_of("FN")) != std::string::npos;)
+        damage.replace(at, 1, damage[at] == 'F' ? file : name);
+      ASSERT_EQ(save_one(dir, 1), 0) << rtp_last_error();
+      ASSERT_EQ(std::system(("cd '" + step + "' && " + damage).c_str()), 0) << damage;
+      SCOPED_TRACE(name + " " + k.what);
+      auto child = rtptest::run_procs(
+          1,
+          [&](int) {
+            Plan p;
+            if (!p.build(RTP_STRATEGY_NONE, nullptr)) return 10;
+            rtp_ckpt *c = nullptr;
+            int rc = rtp_ckpt_open(dir.c_str(), &c);
+            rtp_ckpt_params cp = p.ckpt(dir);
+            if (!rc) rc = rtp_ckpt_load(c, &cp);
+            rtp_ckpt_close(c);
+            std::string msg = rtp_last_error();
+            bool named = msg.find(name + k.message) != std::string::npos ||
+                         (std::string(k.what) == "huge" &&
+                          msg.find(name + ": 1073741824 bytes") != std::string::npos);
+            fprintf(stderr, "%s %s: %s\n", name.c_str(), k.what, msg.c_str());
+            return rc != RTP_OK && named ? 0 : 1;
+          },
+          20);
+      EXPECT_EQ(child[0].code, 0) << "(-1000: it blocked)";
+    }
+  // A rank file of another size than the index says is refused before it is hashed.
+  std::string dir = tmp_dir("special-rank-huge"), step = dir + "/step-00000001";
+  ASSERT_EQ(save_one(dir, 1), 0) << rtp_last_error();
+  ASSERT_EQ(truncate((step + "/rank-0.safetensors").c_str(), 1 << 30), 0);
+  rtp_ckpt *c = nullptr;
+  ASSERT_EQ(rtp_ckpt_open(dir.c_str(), &c), RTP_OK) << rtp_last_error();
+  Plan p;
+  ASSERT_TRUE(p.build(RTP_STRATEGY_NONE, nullptr));
+  rtp_ckpt_params cp = p.ckpt(dir);
+  EXPECT_NE(rtp_ckpt_load(c, &cp), RTP_OK);
+  rtp_ckpt_close(c);
+  EXPECT_NE(std::string(rtp_last_error())
+                .find("rank-0.safetensors: truncated or changed: 1073741824 bytes"),
+            std::string::npos)
+      << rtp_last_error();
+}
+
 // ---- index.json read as JSON ---------------------------------------------------------
 
 std::string slurp(const std::string &path) {

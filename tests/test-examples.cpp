@@ -326,6 +326,39 @@ TEST(TrainGptErrors, BadInputIsRefusedClearly) {
   }
 }
 
+// A FIFO, a device, a directory or a link loop as --data or --init is refused with one
+// line naming it, at once: reading a FIFO would wait for a writer and /dev/zero would
+// fill memory, so each run has a deadline (timeout's status 124 says it blocked).
+TEST(TrainGptErrors, SpecialFilesAreRefusedWithoutBlocking) {
+  std::string dir = tmp_dir() + "special/", fifo = dir + "fifo", loop = dir + "loop";
+  ASSERT_EQ(mkdir(dir.c_str(), 0700), 0);
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  ASSERT_EQ(symlink(loop.c_str(), loop.c_str()), 0);
+  const std::pair<std::vector<std::string>, std::string> cases[] = {
+      {{"--data", fifo}, "--data " + fifo + ": " + fifo + ": is a FIFO, not a regular file"},
+      {{"--data", "/dev/zero"},
+       "--data /dev/zero: /dev/zero: is a character device, not a regular file"},
+      {{"--data", dir}, dir + ": is a directory, not a regular file"},
+      {{"--data", loop}, loop + ": cannot open: Too many levels of symbolic links"},
+      {{"--init", fifo, "--eval-only"}, "--init " + fifo + ": " + fifo + ": is a FIFO"},
+      {{"--init", "/dev/zero", "--eval-only"}, "/dev/zero: is a character device"},
+      {{"--init", dir, "--eval-only"}, dir + ": is a directory, not a regular file"},
+  };
+  for (const auto &c : cases) {
+    std::vector<std::string> argv = {"timeout", "20", TRAIN_GPT, "--config", "tiny"};
+    argv.insert(argv.end(), c.first.begin(), c.first.end());
+    Result r = run(argv);
+    EXPECT_EQ(r.code, 1) << c.first[1] << ": " << r.err;
+    EXPECT_EQ(r.err.rfind("train-gpt: ", 0), 0u) << r.err;
+    EXPECT_NE(r.err.find(c.second), std::string::npos)
+        << "expected '" << c.second << "' in: " << r.err;
+    EXPECT_EQ(lines(r.err).size(), 1u) << r.err;
+  }
+  std::remove(fifo.c_str());
+  std::remove(loop.c_str());
+  rmdir(dir.c_str());
+}
+
 // Under rtp-run: rtp-run's argv for n ranks of train-gpt with these flags.
 std::vector<std::string> on_ranks(int n, const std::string &flags,
                                   const std::vector<std::string> &extra = {}) {

@@ -394,32 +394,13 @@ static int make_addition_task(struct dataset *d) {
   return RTP_OK;
 }
 
-/* Any file, its bytes as tokens; the last tenth is held out (all of it with --eval-only). */
+/* Any regular file, its bytes as tokens; the last tenth is held out (all of it with
+ * --eval-only). A FIFO or a device is refused before it is read. */
 static int load_data_file(const char *path, bool eval_only, struct dataset *d) {
-  FILE *f = fopen(path, "rb");
-  if (!f) {
-    fprintf(stderr, "train-gpt: --data %s: %s\n", path, strerror(errno));
-    return RTP_EIO;
-  }
-  size_t cap = 1 << 20, n = 0;
-  uint8_t *buf = malloc(cap);
-  for (size_t got = 1; buf && got > 0;) {
-    if (n == cap) {
-      uint8_t *bigger = realloc(buf, cap *= 2);
-      if (!bigger) free(buf);
-      buf = bigger;
-      if (!buf) break;
-    }
-    got = fread(buf + n, 1, cap - n, f);
-    n += got;
-  }
-  bool bad = ferror(f) || !buf;
-  fclose(f);
-  if (bad) {
-    free(buf);
-    fprintf(stderr, "train-gpt: --data %s: cannot read the file\n", path);
-    return RTP_EIO;
-  }
+  void *buf;
+  size_t n;
+  int rc = rtp_file_read(path, SIZE_MAX, &buf, &n);
+  if (rc) return fail(rc, "--data %s", path);
   *d = (struct dataset){buf, n, eval_only ? 0 : n - n / 10, false};
   return RTP_OK;
 }
