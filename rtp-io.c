@@ -102,15 +102,19 @@ static const char *st_fmt_ne(const int64_t *ne, char *buf, size_t size) {
   return buf;
 }
 
-/* The file shape [d0, ..., dk] of an entry. */
-static const char *st_fmt_shape(const struct st_entry *e, char *buf, size_t size) {
+/* The file shape [d0, ..., dk] of n_dims dims of ne. */
+static const char *st_fmt_dims(const int64_t *ne, int n_dims, char *buf, size_t size) {
   size_t used = 0;
   used += (size_t)snprintf(buf, size, "[");
-  for (int i = e->n_dims - 1; i >= 0 && used < size; i--) {
-    used += (size_t)snprintf(buf + used, size - used, "%" PRId64 "%s", e->ne[i], i ? ", " : "");
+  for (int i = n_dims - 1; i >= 0 && used < size; i--) {
+    used += (size_t)snprintf(buf + used, size - used, "%" PRId64 "%s", ne[i], i ? ", " : "");
   }
   if (used < size) snprintf(buf + used, size - used, "]");
   return buf;
+}
+
+static const char *st_fmt_shape(const struct st_entry *e, char *buf, size_t size) {
+  return st_fmt_dims(e->ne, e->n_dims, buf, size);
 }
 
 /* pread exactly size bytes at off; short reads are a truncated file. */
@@ -733,6 +737,38 @@ struct rtp_tensor *rtp_safetensors_load(struct rtp_context *ctx, struct rtp_safe
   rtp_tensor_set_name(t, "%s", name);
   if (rtp_safetensors_read(st, name, t) != RTP_OK) return NULL;
   return t;
+}
+
+int rtp_safetensors_check(const struct rtp_safetensors *st, struct rtp_tensor *const *tensors,
+                          int n) {
+  if (!st || n < 0 || (n > 0 && !tensors))
+    return rtp__error(RTP_EINVAL, "rtp_safetensors_check: bad arguments");
+  char a[160], b[160];
+  for (int i = 0; i < n; i++) {
+    const struct rtp_tensor *t = tensors[i];
+    if (!t) return rtp__error(RTP_EINVAL, "rtp_safetensors_check: tensor %d is NULL", i);
+    int k = rtp_safetensors_find(st, t->name);
+    st_fmt_dims(t->ne, rtp_tensor_n_dims(t), b, sizeof(b));
+    if (k < 0)
+      return rtp__error(RTP_ESHAPE, "%s: no tensor '%s' (%s %s expected)", st->path, t->name,
+                        st_type_name(t->type), b);
+    const struct st_entry *e = &st->e[k];
+    if (e->type != t->type || memcmp(e->ne, t->ne, sizeof(e->ne)) != 0)
+      return rtp__error(RTP_ESHAPE, "%s: tensor '%s' is %s %s in the file, expected %s %s",
+                        st->path, t->name, st_type_name(e->type), st_fmt_shape(e, a, sizeof(a)),
+                        st_type_name(t->type), b);
+  }
+  for (int k = 0; k < st->n; k++) {
+    bool listed = false;
+    for (int i = 0; i < n && !listed; i++)
+      listed = strcmp(st->e[k].name, tensors[i]->name) == 0;
+    if (!listed)
+      return rtp__error(RTP_ESHAPE,
+                        "%s: tensor '%s' (%s %s) is not expected (%d tensors, %d expected)",
+                        st->path, st->e[k].name, st_type_name(st->e[k].type),
+                        st_fmt_shape(&st->e[k], a, sizeof(a)), st->n, n);
+  }
+  return RTP_OK;
 }
 
 /* ---- writing --------------------------------------------------------------------- */

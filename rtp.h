@@ -500,6 +500,13 @@ RTP_API int rtp_safetensors_read_rows(struct rtp_safetensors *st, const char *na
 RTP_API struct rtp_tensor *rtp_safetensors_load(struct rtp_context *ctx,
                                                 struct rtp_safetensors *st, const char *name);
 /*
+ * Checks that the file holds exactly these n tensors, found by name: the same type and
+ * (padded) ne, and no tensor besides them. RTP_ESHAPE naming the first tensor that is
+ * missing, extra or different, with both shapes.
+ */
+RTP_API int rtp_safetensors_check(const struct rtp_safetensors *st,
+                                  struct rtp_tensor *const *tensors, int n);
+/*
  * Writes n tensors, each named by its t->name (non-empty, unique, not "__metadata__"),
  * in the given order, with the optional __metadata__ string pairs meta_kv = {k0, v0,
  * k1, v1, ..., NULL} (meta_kv may be NULL). A tensor is stored with ne's dims up to the

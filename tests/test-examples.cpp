@@ -280,7 +280,7 @@ TEST(TrainGptErrors, BadInputIsRefusedClearly) {
       {{"--init", other, "--config", "tiny", "--eval-only"}, 1, "no tensor"},
       {{"--init", tiny, "--d-model", "32", "--n-head", "2", "--eval-only"},
        1,
-       "destination is"},
+       "tensor 'transformer.wte.weight' is F32 [256, 64] in the file, expected F32 [256, 32]"},
       {{"--config", "tiny", "--data", missing}, 1, "no-such.safetensors"},
       {{"--config", "tiny", "--data", corrupt}, 1, "too few"},
       {{"--batch", "3", "--micro-batches", "2"},
@@ -357,6 +357,40 @@ TEST(TrainGptErrors, SpecialFilesAreRefusedWithoutBlocking) {
   std::remove(fifo.c_str());
   std::remove(loop.c_str());
   rmdir(dir.c_str());
+}
+
+// --init takes only a file of the model's own sizes: one with more or fewer layers, longer
+// or wider tensors, or metadata that disagrees (n_head changes no shape) is refused naming
+// the tensor and both shapes, or the size; it used to load the first rows and layers of a
+// larger model.
+TEST(TrainGptErrors, InitMustMatchTheModelExactly) {
+  const struct {
+    const char *name, *sizes, *message;
+  } cases[] = {
+      {"layers3", "--n-layer 3", "tensor 'transformer.h.2."},
+      {"layers1", "--n-layer 1", "no tensor 'transformer.h.1."},
+      {"longer", "--seq-len 64",
+       "tensor 'transformer.wpe.weight' is F32 [64, 64] in the file, expected F32 [32, 64]"},
+      {"wider", "--d-model 128",
+       "tensor 'transformer.wte.weight' is F32 [256, 128] in the file, expected F32 [256, 64]"},
+      {"heads", "--n-head 2", "its metadata says n_head 2, the model has 4"},
+  };
+  for (const auto &c : cases) {
+    std::string file = tmp_dir() + "init-" + c.name + ".safetensors";
+    Result made =
+        run(train_gpt(std::string("--config tiny --steps 0 ") + c.sizes, {"--export", file}));
+    ASSERT_EQ(made.code, 0) << made.err;
+    Result r = run(train_gpt("--config tiny --eval-only", {"--init", file}));
+    EXPECT_EQ(r.code, 1) << c.name << ": " << r.out << r.err;
+    EXPECT_NE(r.err.find("train-gpt: --init " + file + ": "), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(c.message), std::string::npos)
+        << c.name << ": expected '" << c.message << "' in: " << r.err;
+    if (std::string(c.name) == "layers3") {
+      EXPECT_NE(r.err.find("is not expected (41 tensors, 29 expected)"), std::string::npos)
+          << r.err;
+    }
+    std::remove(file.c_str());
+  }
 }
 
 // Under rtp-run: rtp-run's argv for n ranks of train-gpt with these flags.

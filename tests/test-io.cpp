@@ -784,6 +784,37 @@ TEST_F(IoTest, ReadShapeMismatch) {
   rtp_safetensors_close(st);
 }
 
+// rtp_safetensors_check: the file must hold exactly the tensors given, by name, type and
+// shape; the first one missing, extra or different is named with both shapes.
+TEST_F(IoTest, CheckWantsExactlyTheTensors) {
+  std::string path = Path("model.safetensors");
+  rtp_tensor *w = F32({4, 3}, "w"), *b = F32({3}, "b");
+  rtp_tensor *both[] = {w, b};
+  ASSERT_EQ(rtp_safetensors_save(path.c_str(), both, 2, nullptr), RTP_OK) << rtp_last_error();
+  rtp_safetensors *st = nullptr;
+  ASSERT_EQ(rtp_safetensors_open(path.c_str(), &st), RTP_OK) << rtp_last_error();
+  EXPECT_EQ(rtp_safetensors_check(st, both, 2), RTP_OK) << rtp_last_error();
+  rtp_tensor *longer = F32({4, 2}, "w"), *wider = F32({5, 3}, "w"), *i32 = I32({4, 3}, "w");
+  rtp_tensor *c = F32({3}, "c");
+  const struct {
+    std::vector<rtp_tensor *> ts;
+    std::string message;
+  } cases[] = {
+      {{w}, ": tensor 'b' (F32 [3]) is not expected (2 tensors, 1 expected)"},
+      {{w, b, c}, ": no tensor 'c' (F32 [3] expected)"},
+      {{longer, b}, ": tensor 'w' is F32 [3, 4] in the file, expected F32 [2, 4]"},
+      {{wider, b}, ": tensor 'w' is F32 [3, 4] in the file, expected F32 [3, 5]"},
+      {{i32, b}, ": tensor 'w' is F32 [3, 4] in the file, expected I32 [3, 4]"},
+      {{w, w}, ": tensor 'b' (F32 [3]) is not expected (2 tensors, 2 expected)"},
+  };
+  for (const auto &k : cases) {
+    EXPECT_EQ(rtp_safetensors_check(st, k.ts.data(), (int)k.ts.size()), RTP_ESHAPE);
+    EXPECT_EQ(std::string(rtp_last_error()), path + k.message);
+  }
+  EXPECT_EQ(rtp_safetensors_check(st, nullptr, 1), RTP_EINVAL);
+  rtp_safetensors_close(st);
+}
+
 // ---- save errors ----------------------------------------------------------------------
 
 TEST_F(IoTest, SaveIntoMissingDirectoryFails) {

@@ -960,9 +960,31 @@ static int run_sample(struct trainer *tr, const struct dataset *d, const struct 
 /* ---- files --------------------------------------------------------------------------------
  */
 
+/* The file must be this model, not one that shares a prefix of its rows or layers: every
+ * tensor of the shape the model has and no other, and sizes in its metadata (the only
+ * place n_head shows) that are the model's. */
+static int check_init(const struct trainer *tr, struct rtp_safetensors *st, const char *path) {
+  const struct gpt_config c = tr->m.cfg;
+  const char *keys[] = {"vocab", "seq_len", "d_model", "n_layer", "n_head"};
+  const int model[] = {c.vocab, c.seq_len, c.d_model, c.n_layer, c.n_head};
+  int rc = rtp_safetensors_check(st, tr->m.params, tr->m.n_params);
+  if (rc) return fail(rc, "--init %s", path);
+  for (int i = 0; i < 5; i++) {
+    const char *saved = rtp_safetensors_meta(st, keys[i]);
+    int v;
+    if (!saved || (meta_int(st, keys[i], &v) == 1 && v == model[i])) continue;
+    fprintf(stderr, "train-gpt: --init %s: its metadata says %s %s, the model has %d\n", path,
+            keys[i], saved, model[i]);
+    return RTP_ESHAPE;
+  }
+  return RTP_OK;
+}
+
 /* Each rank reads only its block of every parameter; under tp, whose pieces are not all
  * blocks of rows, each parameter whole, and keeps its part of it. */
 static int load_init(struct trainer *tr, struct rtp_safetensors *st, const char *path) {
+  int checked = check_init(tr, st, path);
+  if (checked) return checked;
   bool tp = tr->strategy == RTP_STRATEGY_TP;
   size_t hdr_bytes = (size_t)tr->m.n_params * 1024 + (64u << 10);
   struct rtp_context *hdr =
