@@ -905,10 +905,12 @@ RTP_API int rtp_parallel_shard_copy(const struct rtp_parallel *p,
  *                                           ranks hold everything, so rank 0 alone writes;
  *                                           in a pipeline, of its stage's parameters (ddp:
  *                                           the stage's rank 0 alone)
- *   dir/step-<8 digits>/index.json          step, world_size, stages, strategy, adam_steps,
- *                                           the caller's state pairs, each rank file's bytes
- *                                           and sha256, each tensor's global shape
- *                                           (safetensors order) and the rows each rank holds
+ *   dir/step-<8 digits>/index.json          save_id (in each rank file too, tying it to
+ *                                           this index), step, world_size, stages,
+ *                                           strategy, adam_steps, the caller's state pairs,
+ *                                           each rank file's bytes and sha256, each tensor's
+ *                                           global shape (safetensors order) and the rows
+ *                                           each rank holds
  *   dir/step-<8 digits>/COMPLETE            "sha256 <index.json's>": written last
  *
  * Saving never endangers the previous checkpoint: every file is written to a temporary
@@ -954,7 +956,8 @@ RTP_API const char *rtp_ckpt_path(const struct rtp_ckpt *c); /* the step directo
 /* A value of the caller's state saved with it, or NULL. */
 RTP_API const char *rtp_ckpt_state(const struct rtp_ckpt *c, const char *key);
 /* Collective: fills this rank's blocks of p's parameters and states and the optimizer's
- * step count; a missing, truncated or corrupted file or a shape that differs fails every
+ * step count; a missing, truncated or corrupted file, a file of another save, or a tensor
+ * that the index, the files and p->params do not all have with the same shape fails every
  * rank (RTP_EFORMAT, RTP_ESHAPE, RTP_EIO) with a message naming it. */
 RTP_API int rtp_ckpt_load(const struct rtp_ckpt *c, const struct rtp_ckpt_params *p);
 

@@ -914,7 +914,13 @@ TEST(TrainGptCkpt, PipelineCheckpointsResumeOnAnyLayout) {
 TEST(TrainGptCkpt, BadCheckpointsAreRefusedAndKept) {
   std::string dir = tmp_dir() + "ck-bad", step = dir + "/step-00000010";
   ASSERT_EQ(run(train_gpt(kCkptFlags + " --steps 10", {"--ckpt-dir", dir})).code, 0);
-  std::string good = slurp(step + "/rank-0.safetensors");
+  std::string good = slurp(step + "/rank-0.safetensors"), index = slurp(step + "/index.json"),
+              marker = slurp(step + "/COMPLETE");
+  // The same run again: its file differs from step's only in the save's id.
+  std::string other = dir + "-again";
+  ASSERT_EQ(run(train_gpt(kCkptFlags + " --steps 10", {"--ckpt-dir", other})).code, 0);
+  const std::string seal =
+      " index.json && printf 'sha256 %s\\n' $(sha256sum index.json | cut -c1-64) > COMPLETE";
   struct Case {
     std::string damage, flags, message;
     int code;
@@ -922,7 +928,16 @@ TEST(TrainGptCkpt, BadCheckpointsAreRefusedAndKept) {
   const Case cases[] = {
       {"", " --steps 20", "already has checkpoints: --resume", 2},
       {"", " --steps 20 --resume --batch 4", "global_batch 8, this run has 4", 1},
-      {"", " --steps 20 --resume --d-model 32 --n-head 2", "destination is", 1},
+      {"", " --steps 20 --resume --d-model 32 --n-head 2",
+       "index.json: tensor 'transformer.wte.weight' is [256, 64], the model's is [256, 32]", 1},
+      {"", " --steps 20 --resume --n-layer 1",
+       "index.json: tensor 'transformer.h.1.ln_1.weight' is not in the model", 1},
+      {"cp " + quote(other + "/step-00000010/rank-0.safetensors") + " .",
+       " --steps 20 --resume", "rank-0.safetensors: metadata save_id is '", 1},
+      {"sed -i 's/\"data_pos\": \"10\"/\"data_pos\": \"1x\"/'" + seal, " --steps 20 --resume",
+       "data_pos is '1x', expected 10 (its step)", 1},
+      {"sed -i 's/\"adam_steps\": 10/\"adam_steps\": 7/'" + seal, " --steps 20 --resume",
+       "adam_steps is 7, expected 10 (one a step)", 1},
       {"printf X | dd of=rank-0.safetensors bs=1 conv=notrunc seek=900000 2>/dev/null",
        " --steps 20 --resume", "checksum mismatch (corrupted)", 1},
       {"truncate -s 1000 rank-0.safetensors", " --steps 20 --resume", "rank-0.safetensors", 1},
@@ -930,7 +945,9 @@ TEST(TrainGptCkpt, BadCheckpointsAreRefusedAndKept) {
   };
   for (const Case &c : cases) {
     std::ofstream(step + "/rank-0.safetensors", std::ios::binary) << good;
-    std::system(("cd " + quote(step) + " && mv -f COMPLETE.x COMPLETE 2>/dev/null").c_str());
+    std::ofstream(step + "/index.json", std::ios::binary) << index;
+    std::remove((step + "/COMPLETE.x").c_str());
+    std::ofstream(step + "/COMPLETE", std::ios::binary) << marker;
     if (!c.damage.empty()) {
       ASSERT_EQ(std::system(("cd " + quote(step) + " && " + c.damage).c_str()), 0);
     }
@@ -964,6 +981,28 @@ std::vector<std::string> list_dir(const std::string &path) {
   return names;
 }
 
+// A checkpoint's file with its save's id, which every save draws anew, blanked out, and in
+// the index the checksums of the files that hold it (they are compared without it).
+std::string without_save_id(const std::string &step, const std::string &file) {
+  const std::string index = slurp(step + "/index.json"), key = "\"save_id\": \"",
+                    sha = "\"sha256\": \"";
+  std::string text = slurp(step + "/" + file);
+  size_t at = index.find(key);
+  if (at == std::string::npos) return text;
+  const std::string id = index.substr(at + key.size(), 32);
+  for (size_t p; (p = text.find(id)) != std::string::npos;) text.replace(p, 32, "<save id>");
+  for (size_t p = 0; file == "index.json" && (p = text.find(sha, p)) != std::string::npos;)
+    text.replace(p += sha.size(), 64, "<sha256>");
+  return text;
+}
+
+// Whether two steps' file is the same but for the save's id; COMPLETE, the checksum of an
+// index that holds the id, only in its length (a load checks it against the index).
+bool same_but_save_id(const std::string &a, const std::string &b, const std::string &file) {
+  if (file == "COMPLETE") return slurp(a + "/" + file).size() == slurp(b + "/" + file).size();
+  return without_save_id(a, file) == without_save_id(b, file);
+}
+
 // A full disk during a save loses nothing already saved: the run stops with status 1 and a
 // message naming the cause (training on without checkpoints would put ever more steps at
 // risk), latest still names the last good checkpoint, byte for byte the one a run with
@@ -986,7 +1025,7 @@ void expect_failed_save_loses_nothing(const Result &failed, const std::string &d
   std::vector<std::string> files = list_dir(ref_dir + "/step-00000005");
   EXPECT_EQ(list_dir(dir + "/step-00000005"), files);
   for (const std::string &f : files)
-    EXPECT_TRUE(slurp(dir + "/step-00000005/" + f) == slurp(ref_dir + "/step-00000005/" + f))
+    EXPECT_TRUE(same_but_save_id(dir + "/step-00000005", ref_dir + "/step-00000005", f))
         << f << " differs from the one a run with room wrote";
 }
 

@@ -1191,6 +1191,30 @@ static int check_resume_state(const struct rtp_ckpt *c, const struct ckpt_state 
   return RTP_OK;
 }
 
+/* This trainer draws the data of step s from (seed, s) and takes one Adam step a step, so
+ * a checkpoint of step s says data_pos s and has s Adam steps: anything else is not one
+ * of its checkpoints (or a damaged one), and would resume on other data or bias
+ * corrections. */
+static int check_resume_position(const struct rtp_ckpt *c, const struct trainer *tr) {
+  int64_t step = rtp_ckpt_step(c), adam = rtp_optimizer_steps(tr->opt);
+  const char *pos = rtp_ckpt_state(c, "data_pos");
+  char want[24];
+  snprintf(want, sizeof(want), "%" PRId64, step);
+  if (!pos || strcmp(pos, want)) {
+    fprintf(stderr, "train-gpt: --resume: %s: data_pos is '%s', expected %s (its step)\n",
+            rtp_ckpt_path(c), pos ? pos : "(none)", want);
+    return RTP_EFORMAT;
+  }
+  if (adam != step) {
+    fprintf(stderr,
+            "train-gpt: --resume: %s: adam_steps is %" PRId64 ", expected %" PRId64
+            " (one a step)\n",
+            rtp_ckpt_path(c), adam, step);
+    return RTP_EFORMAT;
+  }
+  return RTP_OK;
+}
+
 /* The weights, Adam states and step of --ckpt-dir's latest checkpoint. */
 static int resume(struct trainer *tr, const struct options *o, int64_t *step) {
   struct rtp_ckpt *c = NULL;
@@ -1200,6 +1224,7 @@ static int resume(struct trainer *tr, const struct options *o, int64_t *step) {
   struct rtp_ckpt_params p = ckpt_params(tr, o, &cs, 0);
   rc = check_resume_state(c, &cs);
   if (!rc && (rc = rtp_ckpt_load(c, &p))) fail(rc, "--resume from %s", rtp_ckpt_path(c));
+  if (!rc) rc = check_resume_position(c, tr);
   *step = rtp_ckpt_step(c);
   if (!rc) tr->saved = *step;
   if (!rc && tr->rank == 0 && rtp_ckpt_world_size(c) == 1)
