@@ -1108,15 +1108,6 @@ struct ck_files {
   const struct rtp_ckpt *c;
 };
 
-/* "[d0, ..., dk]" of n_dims dims of ne. */
-static const char *ck_fmt_shape(const int64_t *ne, int n_dims, char *buf, size_t size) {
-  size_t used = (size_t)snprintf(buf, size, "[");
-  for (int d = n_dims - 1; d >= 0 && used < size; d--)
-    used += (size_t)snprintf(buf + used, size - used, "%" PRId64 "%s", ne[d], d ? ", " : "");
-  if (used < size) snprintf(buf + used, size - used, "]");
-  return buf;
-}
-
 static const struct ck_tensor *ck_find_tensor(const struct rtp_ckpt *c, const char *name) {
   for (int i = 0; i < c->n_tensors; i++)
     if (strcmp(c->tensors[i].name, name) == 0) return &c->tensors[i];
@@ -1131,13 +1122,14 @@ static int ck_check_model(const struct rtp_ckpt *c, const struct rtp_ckpt_params
   for (int i = 0; i < p->n_params; i++) {
     const struct rtp_tensor *g = p->params[i];
     const struct ck_tensor *t = ck_find_tensor(c, g->name);
-    ck_fmt_shape(g->ne, rtp_tensor_n_dims(g), b, sizeof(b));
+    rtp__file_shape_str(g->ne, rtp_tensor_n_dims(g), b, sizeof(b));
     if (!t)
       return rtp__error(RTP_ESHAPE, "%s/index.json: no tensor '%s' (the model's is %s)", c->dir,
                         g->name, b);
     if (memcmp(t->ne, g->ne, sizeof(t->ne)))
       return rtp__error(RTP_ESHAPE, "%s/index.json: tensor '%s' is %s, the model's is %s",
-                        c->dir, g->name, ck_fmt_shape(t->ne, t->n_dims, a, sizeof(a)), b);
+                        c->dir, g->name, rtp__file_shape_str(t->ne, t->n_dims, a, sizeof(a)),
+                        b);
   }
   for (int k = 0; k < c->n_tensors; k++) {
     bool found = false;
@@ -1179,15 +1171,14 @@ static int ck_check_file(const struct rtp_ckpt *c, const struct rtp_safetensors 
   int listed = 0;
   for (int k = 0; k < c->n_tensors; k++) listed += ck_index_rows(&c->tensors[k], r) >= 0;
   for (int k = 0; k < rtp_safetensors_count(st); k++) {
-    const char *name, *base;
+    const char *name;
     enum rtp_type type;
     int64_t ne[RTP_MAX_DIMS];
     rtp_safetensors_info(st, k, &name, &type, NULL, ne);
-    base =
-        strncmp(name, "adam.", 5) == 0 && (name[5] == 'm' || name[5] == 'v') && name[6] == '.'
-            ? name + 7
-            : name;
-    const struct ck_tensor *t = ck_find_tensor(c, base);
+    bool state =
+        strncmp(name, "adam.", 5) == 0 && (name[5] == 'm' || name[5] == 'v') && name[6] == '.';
+    const struct ck_tensor *t = ck_find_tensor(c, name);
+    if (!t && state) t = ck_find_tensor(c, name + 7);
     int64_t rows = t ? ck_index_rows(t, r) : -1, expect[RTP_MAX_DIMS];
     if (rows < 0)
       return rtp__error(RTP_EFORMAT, "%s: tensor '%s' is not among the %d index.json gives it",
@@ -1197,8 +1188,8 @@ static int ck_check_file(const struct rtp_ckpt *c, const struct rtp_safetensors 
     if (type != RTP_TYPE_F32 || memcmp(ne, expect, sizeof(ne)))
       return rtp__error(RTP_EFORMAT, "%s: tensor '%s' is %s %s, index.json says F32 %s", path,
                         name, type == RTP_TYPE_F32 ? "F32" : "I32",
-                        ck_fmt_shape(ne, t->n_dims, a, sizeof(a)),
-                        ck_fmt_shape(expect, t->n_dims, b, sizeof(b)));
+                        rtp__file_shape_str(ne, t->n_dims, a, sizeof(a)),
+                        rtp__file_shape_str(expect, t->n_dims, b, sizeof(b)));
   }
   for (int k = 0; k < c->n_tensors; k++)
     if (ck_index_rows(&c->tensors[k], r) >= 0 &&

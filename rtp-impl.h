@@ -277,6 +277,8 @@ void rtp__trace_graph(const struct rtp_graph *g, double t0, double t1);
  * device, directory, socket), RTP_EFORMAT for a larger file. Every file the library reads
  * is opened through here. */
 int rtp__file_open(const char *path, uint64_t max_bytes, int *fd, uint64_t *bytes);
+/* "[d0, ..., dk]": the file shape (outermost first) of the n_dims dims of ne, in buf. */
+const char *rtp__file_shape_str(const int64_t *ne, int n_dims, char *buf, size_t size);
 /* rtp_safetensors_open of a file that must be `bytes` long (UINT64_MAX: any), checked
  * before its header is read (RTP_EFORMAT). */
 int rtp__safetensors_open(const char *path, uint64_t bytes, struct rtp_safetensors **out);

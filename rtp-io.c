@@ -102,8 +102,7 @@ static const char *st_fmt_ne(const int64_t *ne, char *buf, size_t size) {
   return buf;
 }
 
-/* The file shape [d0, ..., dk] of n_dims dims of ne. */
-static const char *st_fmt_dims(const int64_t *ne, int n_dims, char *buf, size_t size) {
+const char *rtp__file_shape_str(const int64_t *ne, int n_dims, char *buf, size_t size) {
   size_t used = 0;
   used += (size_t)snprintf(buf, size, "[");
   for (int i = n_dims - 1; i >= 0 && used < size; i--) {
@@ -114,7 +113,7 @@ static const char *st_fmt_dims(const int64_t *ne, int n_dims, char *buf, size_t 
 }
 
 static const char *st_fmt_shape(const struct st_entry *e, char *buf, size_t size) {
-  return st_fmt_dims(e->ne, e->n_dims, buf, size);
+  return rtp__file_shape_str(e->ne, e->n_dims, buf, size);
 }
 
 /* pread exactly size bytes at off; short reads are a truncated file. */
@@ -748,7 +747,7 @@ int rtp_safetensors_check(const struct rtp_safetensors *st, struct rtp_tensor *c
     const struct rtp_tensor *t = tensors[i];
     if (!t) return rtp__error(RTP_EINVAL, "rtp_safetensors_check: tensor %d is NULL", i);
     int k = rtp_safetensors_find(st, t->name);
-    st_fmt_dims(t->ne, rtp_tensor_n_dims(t), b, sizeof(b));
+    rtp__file_shape_str(t->ne, rtp_tensor_n_dims(t), b, sizeof(b));
     if (k < 0)
       return rtp__error(RTP_ESHAPE, "%s: no tensor '%s' (%s %s expected)", st->path, t->name,
                         st_type_name(t->type), b);

@@ -711,10 +711,11 @@ TEST(CkptIndex, DamagedIndexesAreRefused) {
   EXPECT_EQ(load_one(dir), 0) << "the good index, back";
 }
 
-// Rewrites step's rank-0.safetensors with its tensors (and an extra one, "x") under the
-// metadata meta_kv, as a writer of another version or a damaged file would have it.
+// Rewrites step's rank-0.safetensors with its tensors under the metadata meta_kv, as a
+// writer of another version or a damaged file would have it; with a 1-d tensor of `rows`
+// named extra in place of the one of that name, or added.
 void resave_rank0(const std::string &step, const std::vector<const char *> &meta_kv,
-                  bool extra = false) {
+                  const char *extra = nullptr, int64_t rows = 3) {
   std::string path = step + "/rank-0.safetensors";
   rtp_safetensors *st = nullptr;
   ASSERT_EQ(rtp_safetensors_open(path.c_str(), &st), RTP_OK) << rtp_last_error();
@@ -723,12 +724,13 @@ void resave_rank0(const std::string &step, const std::vector<const char *> &meta
   for (int i = 0; i < rtp_safetensors_count(st); i++) {
     const char *name;
     rtp_safetensors_info(st, i, &name, nullptr, nullptr, nullptr);
+    if (extra && std::string(name) == extra) continue;
     ts.push_back(rtp_safetensors_load(ctx, st, name));
     ASSERT_NE(ts.back(), nullptr) << rtp_last_error();
   }
   rtp_safetensors_close(st);
   if (extra) {
-    ts.push_back(rtp_tensor_set_name(rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 3), "x"));
+    ts.push_back(rtp_tensor_set_name(rtp_tensor_new_1d(ctx, RTP_TYPE_F32, rows), "%s", extra));
     ASSERT_EQ(rtp_tensor_fill_f32(ts.back(), 0.0f), RTP_OK);
   }
   EXPECT_EQ(rtp_safetensors_save(path.c_str(), ts.data(), (int)ts.size(), meta_kv.data()),
@@ -832,8 +834,17 @@ TEST(CkptIndex, IndexFilesAndModelMustAgree) {
     EXPECT_EQ(open_and_load(dir, &why), RTP_ESHAPE) << why;
     EXPECT_NE(why.find(c.message), std::string::npos) << why;
   }
-  resave_rank0(step, {"format", "rtp-checkpoint", "rank", "0", "save_id", id.c_str(), nullptr},
-               true);
+  const std::vector<const char *> meta = {"format",  "rtp-checkpoint", "rank", "0",
+                                          "save_id", id.c_str(),       nullptr};
+  resave_rank0(step, meta, "adam.v.b", 5);
+  put_index(step, Index(step).text());
+  EXPECT_EQ(open_and_load(dir, &why), RTP_EFORMAT);
+  EXPECT_NE(
+      why.find("rank-0.safetensors: tensor 'adam.v.b' is F32 [5], index.json says F32 [6]"),
+      std::string::npos)
+      << why;
+  resave_rank0(step, meta, "adam.v.b", 6);
+  resave_rank0(step, meta, "x");
   put_index(step, Index(step).text());
   EXPECT_EQ(open_and_load(dir, &why), RTP_EFORMAT);
   EXPECT_NE(why.find("rank-0.safetensors: tensor 'x' is not among the 2 index.json gives it"),
