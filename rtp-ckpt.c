@@ -7,10 +7,11 @@
  *                         it, so rank 0 alone writes rank-0.safetensors. In a pipeline of S
  *                         stages, each rank writes the parameters its stage holds (ddp: the
  *                         stage's rank 0 alone, job rank s x D)
- *   index.json            step, world size, stages, strategy, Adam steps, the caller's
- *                         state, each rank file's size and SHA-256, every tensor's global
- *                         shape and which ranks hold which rows (a pipeline's: only the
- *                         files of its stage)
+ *   index.json            version 2: the save's id (also in each rank file's metadata,
+ *                         with its rank), step, world size, stages, strategy, Adam steps,
+ *                         the caller's state, each rank file's size and SHA-256, every
+ *                         tensor's global shape and which ranks hold which rows (a
+ *                         pipeline's: only the files of its stage)
  *   COMPLETE              "sha256 <hex of index.json>": written last, so a directory
  *                         without it is an interrupted save and is never loaded
  * and DIR/latest names the newest complete step directory. Every file is written to a
@@ -30,7 +31,9 @@
  * without the tensor, another stage's, holds none of it), so a checkpoint loads onto any
  * world size, strategy and pipeline; a rank that holds a parameter in other pieces (tp)
  * reads it whole and keeps its part (rtp_parallel_shard_copy). Each file's checksum is
- * verified before its first read.
+ * verified before its first read; before that, at its open, its size, its metadata (the
+ * save's id among it) and its tensors' shapes are checked against the index, and the
+ * index's tensors against the model's parameters, all of them and no others.
  *
  * Opening parses index.json whole with the JSON reader the safetensors headers use
  * (rtp-json.c) and checks every field and their consistency before it keeps any: a
@@ -46,6 +49,7 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <openssl/evp.h>
+#include <openssl/rand.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -54,7 +58,14 @@
 
 #define CK_PATH 4096
 #define CK_MAX_INDEX ((size_t)64 << 20)
+/* latest and COMPLETE: a line of under 80 bytes as written */
+#define CK_MAX_LINE ((size_t)256)
 #define CK_MAX_STATE 32
+/* A save's id: 128 random bits as lowercase hex. */
+#define CK_ID_LEN 32
+/* Adam's step count beyond which a double no longer tells consecutive steps apart (its
+ * bias corrections take it as one); no run gets there, so a larger one is damage. */
+#define CK_MAX_ADAM_STEPS ((int64_t)1 << 53)
 
 /* What index.json says of rank r's file. */
 struct ck_file {
@@ -63,15 +74,30 @@ struct ck_file {
   char sha[65];
 };
 
+/* What index.json says of a tensor: its global shape and the rows each file holds. */
+struct ck_block {
+  int rank;
+  int64_t rows;
+};
+struct ck_tensor {
+  char name[RTP_MAX_NAME];
+  int64_t ne[RTP_MAX_DIMS]; /* padded with 1 */
+  int n_dims, n_blocks;
+  struct ck_block *blocks;
+};
+
 /* An open checkpoint: what rtp_ckpt_open read from index.json, checked. */
 struct rtp_ckpt {
-  char dir[CK_PATH]; /* the step directory */
+  char dir[CK_PATH];           /* the step directory */
+  char save_id[CK_ID_LEN + 1]; /* "" from a version 1 index, which has none */
   int64_t step, adam_steps;
   int world, stages; /* stages: 1 without a pipeline (and in indexes older than pipelines) */
   enum rtp_strategy strategy;
   int n_state;
   char state[CK_MAX_STATE][2][RTP_MAX_NAME];
   struct ck_file *files; /* world of them */
+  int n_tensors;
+  struct ck_tensor *tensors;
 };
 
 /* What each rank reports to rank 0 after writing its file. */
@@ -106,20 +132,41 @@ static int ck_path(char *buf, const char *a, const char *b) {
   return RTP_OK;
 }
 
-static int ck_sha256_file(const char *path, char hex[65], uint64_t *bytes) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return rtp__error(RTP_EIO, "%s: %s", path, strerror(errno));
+/* The SHA-256 of n bytes as 64 lowercase hex digits. */
+static int ck_sha256_hex(const void *data, size_t n, char hex[65]) {
+  unsigned char digest[32];
+  unsigned len = 0;
+  if (!EVP_Digest(data, n, digest, &len, EVP_sha256(), NULL))
+    return rtp__error(RTP_ENOMEM, "cannot compute a SHA-256");
+  for (int i = 0; i < 32; i++) snprintf(hex + 2 * i, 3, "%02x", digest[i]);
+  return RTP_OK;
+}
+
+/* The SHA-256 of path, which must be a regular file of want bytes (UINT64_MAX: any):
+ * its size is checked before a byte is read, so a file grown huge is not hashed. */
+static int ck_sha256_file(const char *path, uint64_t want, char hex[65], uint64_t *bytes) {
+  int fd;
+  int rc = rtp__file_open(path, UINT64_MAX, &fd, bytes);
+  if (rc) return rc;
+  if (want != UINT64_MAX && *bytes != want) {
+    close(fd);
+    return rtp__error(RTP_EFORMAT,
+                      "%s: truncated or changed: %" PRIu64 " bytes, index says %" PRIu64, path,
+                      *bytes, want);
+  }
   EVP_MD_CTX *md = EVP_MD_CTX_new();
   unsigned char *buf = malloc(1 << 20), digest[32];
   unsigned len = 0;
+  uint64_t left = *bytes;
   bool ok = md && buf && EVP_DigestInit_ex(md, EVP_sha256(), NULL);
-  *bytes = 0;
-  for (size_t got = 1; ok && got > 0; *bytes += got) {
-    got = fread(buf, 1, 1 << 20, f);
-    ok = EVP_DigestUpdate(md, buf, got);
+  while (ok && left > 0) {
+    ssize_t got = read(fd, buf, left < (1u << 20) ? (size_t)left : (1u << 20));
+    if (got < 0 && errno == EINTR) continue;
+    ok = got > 0 && EVP_DigestUpdate(md, buf, (size_t)got);
+    left -= ok ? (uint64_t)got : 0;
   }
-  ok = ok && !ferror(f) && EVP_DigestFinal_ex(md, digest, &len);
-  fclose(f);
+  ok = ok && EVP_DigestFinal_ex(md, digest, &len);
+  close(fd);
   free(buf);
   EVP_MD_CTX_free(md);
   if (!ok) return rtp__error(RTP_EIO, "%s: cannot read it to compute its checksum", path);
@@ -168,28 +215,6 @@ static int ck_write_atomic(const char *dir, const char *name, const char *text) 
   int rc = ck_replace(dir, name, text);
   rtp__fsize_guard_end(blocked);
   return rc;
-}
-
-/* The whole of a small file, NUL-terminated, and its length (len may be NULL); *text NULL
- * on failure. */
-static int ck_read_file(const char *path, char **text, size_t *len) {
-  *text = NULL;
-  FILE *f = fopen(path, "rb");
-  if (!f) return rtp__error(RTP_EIO, "%s: %s", path, strerror(errno));
-  struct stat sb;
-  size_t size = fstat(fileno(f), &sb) == 0 ? (size_t)sb.st_size : 0;
-  char *buf = size <= CK_MAX_INDEX ? malloc(size + 1) : NULL;
-  size_t n = buf ? fread(buf, 1, size, f) : 0;
-  bool bad = !buf || ferror(f) || n != size;
-  fclose(f);
-  if (bad) {
-    free(buf);
-    return rtp__error(RTP_EIO, "%s: cannot read it (or larger than 64 MiB)", path);
-  }
-  buf[n] = 0;
-  *text = buf;
-  if (len) *len = n;
-  return RTP_OK;
 }
 
 /* Removes a step directory (flat: files only). */
@@ -416,17 +441,17 @@ static int ck_tp_fill(const struct rtp_ckpt_params *p, int rank, int world,
   return RTP_OK;
 }
 
-/* Writes o's tensors into dir/rank-<rank>. */
-static int ck_save_rank(const struct ck_out *o, const char *stepdir, int rank,
+/* Writes o's tensors into dir/rank-<rank>, with the save's id. */
+static int ck_save_rank(const struct ck_out *o, const char *stepdir, int rank, const char *id,
                         struct ck_rank_rec *rec) {
   char path[CK_PATH], name[32];
   snprintf(name, sizeof(name), "rank-%d.safetensors", rank);
   int rc = ck_path(path, stepdir, name);
   char rs[16];
   snprintf(rs, sizeof(rs), "%d", rank);
-  const char *meta[] = {"format", "rtp-checkpoint", "rank", rs, NULL};
+  const char *meta[] = {"format", "rtp-checkpoint", "rank", rs, "save_id", id, NULL};
   if (!rc) rc = rtp_safetensors_save(path, o->ts, o->n, meta);
-  if (!rc) rc = ck_sha256_file(path, rec->sha, &rec->bytes);
+  if (!rc) rc = ck_sha256_file(path, UINT64_MAX, rec->sha, &rec->bytes);
   return rc;
 }
 
@@ -510,16 +535,18 @@ static void ck_write_tensors(FILE *f, const struct rtp_ckpt_params *p, int world
 
 /* index.json (rtp_ckpt_open reads it as JSON: order and spacing do not matter to it). */
 static char *ck_index_json(const struct rtp_ckpt_params *p, int64_t step, int world, int per,
-                           const struct ck_rank_rec *recs, const int64_t *blocks) {
+                           const char *id, const struct ck_rank_rec *recs,
+                           const int64_t *blocks) {
   char *text = NULL;
   size_t len = 0;
   FILE *f = open_memstream(&text, &len);
   if (!f) return NULL;
   fprintf(f,
-          "{\n  \"format\": \"rtp-checkpoint\",\n  \"version\": 1,\n  \"step\": %" PRId64
+          "{\n  \"format\": \"rtp-checkpoint\",\n  \"version\": 2,\n  \"save_id\": "
+          "\"%s\",\n  \"step\": %" PRId64
           ",\n  \"world_size\": %d,\n  \"stages\": %d,\n  \"strategy\": \"%s\",\n  "
           "\"adam_steps\": %" PRId64 ",\n  \"state\": {",
-          step, world, world / per, rtp_strategy_name(p->strategy),
+          id, step, world, world / per, rtp_strategy_name(p->strategy),
           rtp_optimizer_steps(p->opt));
   for (int i = 0; p->state_kv && p->state_kv[i] && p->state_kv[i + 1]; i += 2)
     fprintf(f, "%s\"%s\": \"%s\"", i ? ", " : "", p->state_kv[i], p->state_kv[i + 1]);
@@ -541,16 +568,16 @@ static char *ck_index_json(const struct rtp_ckpt_params *p, int64_t step, int wo
 
 /* Rank 0, once every rank has written: index, marker, then latest, then pruning. */
 static int ck_commit(const struct rtp_ckpt_params *p, const char *stepdir, int64_t step,
-                     int world, int per, const struct ck_rank_rec *recs,
+                     int world, int per, const char *id, const struct ck_rank_rec *recs,
                      const int64_t *blocks) {
-  char *index = ck_index_json(p, step, world, per, recs, blocks);
+  char *index = ck_index_json(p, step, world, per, id, recs, blocks);
   if (!index) return rtp__error(RTP_ENOMEM, "%s: out of memory for the index", stepdir);
   int rc = ck_write_atomic(stepdir, "index.json", index);
   free(index);
   char ipath[CK_PATH], hex[65], text[128];
   uint64_t bytes;
   if (!rc) rc = ck_path(ipath, stepdir, "index.json");
-  if (!rc) rc = ck_sha256_file(ipath, hex, &bytes);
+  if (!rc) rc = ck_sha256_file(ipath, UINT64_MAX, hex, &bytes);
   snprintf(text, sizeof(text), "sha256 %s\n", hex);
   if (!rc) rc = ck_write_atomic(stepdir, "COMPLETE", text);
   snprintf(text, sizeof(text), "step-%08" PRId64 "\n", step);
@@ -559,9 +586,14 @@ static int ck_commit(const struct rtp_ckpt_params *p, const char *stepdir, int64
   return rc;
 }
 
-/* Rank 0 makes the step directory, clearing what an interrupted save of this step left;
- * a complete one is never touched. */
-static int ck_prepare_dir(const struct rtp_ckpt_params *p, const char *stepdir) {
+/* Rank 0 makes the step directory, clearing what an interrupted save of this step left (a
+ * complete one is never touched), and the save's id, which ties the files to the index. */
+static int ck_prepare_dir(const struct rtp_ckpt_params *p, const char *stepdir,
+                          char id[CK_ID_LEN + 1]) {
+  unsigned char bits[CK_ID_LEN / 2];
+  if (RAND_bytes(bits, sizeof(bits)) != 1)
+    return rtp__error(RTP_EIO, "rtp_ckpt_save: no random bytes for the save's id");
+  for (size_t i = 0; i < sizeof(bits); i++) snprintf(id + 2 * i, 3, "%02x", bits[i]);
   if (mkdir(p->dir, 0777) && errno != EEXIST)
     return rtp__error(RTP_EIO, "%s: %s", p->dir, strerror(errno));
   if (ck_is_complete(stepdir))
@@ -631,6 +663,9 @@ int rtp_ckpt_save(const struct rtp_ckpt_params *p, int64_t step) {
   int rc = ck_check_params(p), rank, world;
   if (rc) return rc;
   if (step < 0 || step > 99999999) return rtp__error(RTP_EINVAL, "rtp_ckpt_save: bad step");
+  if (p->opt && rtp_optimizer_steps(p->opt) > CK_MAX_ADAM_STEPS)
+    return rtp__error(RTP_EINVAL, "rtp_ckpt_save: %" PRId64 " Adam steps, at most %" PRId64,
+                      rtp_optimizer_steps(p->opt), CK_MAX_ADAM_STEPS);
   ck_rank_world(p, &rank, &world);
   char stepdir[CK_PATH], name[32];
   snprintf(name, sizeof(name), "step-%08" PRId64, step);
@@ -649,9 +684,11 @@ int rtp_ckpt_save(const struct rtp_ckpt_params *p, int64_t step) {
                        "to prepare its checkpoint file");
   if (!rc && ck_relayout(p) && p->comm)
     rc = ck_any_failed(p, ck_tp_fill(p, rank, world, blocks, &out), "to gather its blocks");
+  char id[CK_ID_LEN + 1] = "";
   if (!rc)
-    rc =
-        ck_agree(p, rank == 0 ? ck_prepare_dir(p, stepdir) : RTP_OK, "to create the directory");
+    rc = ck_agree(p, rank == 0 ? ck_prepare_dir(p, stepdir, id) : RTP_OK,
+                  "to create the directory");
+  if (!rc && p->comm) rc = rtp_comm_broadcast(p->comm, id, sizeof(id), 0, NULL);
   struct ck_rank_rec *recs = rc ? NULL : calloc((size_t)world, sizeof(*recs));
   if (!rc && !recs) rc = rtp__error(RTP_ENOMEM, "rtp_ckpt_save: out of memory");
   if (rc) {
@@ -660,7 +697,7 @@ int rtp_ckpt_save(const struct rtp_ckpt_params *p, int64_t step) {
     return rc;
   }
   recs[rank].wrote = writes;
-  if (writes) recs[rank].status = ck_save_rank(&out, stepdir, rank, &recs[rank]);
+  if (writes) recs[rank].status = ck_save_rank(&out, stepdir, rank, id, &recs[rank]);
   ck_out_free(&out);
   rc = ck_allgather(p, recs, sizeof(*recs));
   if (!rc && recs[rank].status) rc = recs[rank].status; /* its own failure's message */
@@ -668,7 +705,8 @@ int rtp_ckpt_save(const struct rtp_ckpt_params *p, int64_t step) {
     if (recs[r].status)
       rc = rtp__error(recs[r].status, "rank %d could not write its file in %s", r, stepdir);
   /* Rank 0 cleans up before it tells the others, which may then exit at once. */
-  int commit = rank == 0 && !rc ? ck_commit(p, stepdir, step, world, per, recs, blocks) : rc;
+  int commit =
+      rank == 0 && !rc ? ck_commit(p, stepdir, step, world, per, id, recs, blocks) : rc;
   if (rank == 0 && commit) ck_discard(p->dir, stepdir);
   rc = ck_agree(p, commit, "to commit the checkpoint");
   free(recs);
@@ -802,38 +840,43 @@ static int ck_check_block_rank(const struct rtp_ckpt *c, const char *bat, int64_
   return RTP_OK;
 }
 
-/* One entry of "tensors": its global shape, and blocks of rows that the listed files hold
- * in rank order and that tile its outermost dimension (every file's, or in a pipeline
- * those of the files that hold it). */
+/* One entry of "tensors" into t: its global shape, and blocks of rows that the listed
+ * files hold in rank order and that tile its outermost dimension (every file's, or in a
+ * pipeline those of the files that hold it). */
 static int ck_check_tensor(const struct rtp_ckpt *c, const struct rtp__json *doc,
-                           const struct rtp__json_value *t, const char *at, const char **name) {
+                           const struct rtp__json_value *jt, const char *at,
+                           struct ck_tensor *t) {
   static const char *const keys[] = {"name", "shape", "blocks", NULL};
   static const char *const block_keys[] = {"rank", "first", "rows", NULL};
   const struct rtp__json_value *shape, *blocks;
-  int64_t rows = 0, dim;
-  int rc = rtp__json_expect(doc, t, RTP__JSON_OBJECT, "%s", at);
-  if (!rc) rc = rtp__json_only(doc, t, keys, "%s", at);
-  if (!rc) rc = ck_str(doc, t, at, "name", RTP_MAX_NAME - 1, name);
-  if (!rc) rc = rtp__json_member(doc, t, "shape", RTP__JSON_ARRAY, &shape, "%s", at);
-  if (!rc) rc = rtp__json_member(doc, t, "blocks", RTP__JSON_ARRAY, &blocks, "%s", at);
+  const char *name;
+  int rc = rtp__json_expect(doc, jt, RTP__JSON_OBJECT, "%s", at);
+  if (!rc) rc = rtp__json_only(doc, jt, keys, "%s", at);
+  if (!rc) rc = ck_str(doc, jt, at, "name", RTP_MAX_NAME - 1, &name);
+  if (!rc) rc = rtp__json_member(doc, jt, "shape", RTP__JSON_ARRAY, &shape, "%s", at);
+  if (!rc) rc = rtp__json_member(doc, jt, "blocks", RTP__JSON_ARRAY, &blocks, "%s", at);
   if (rc) return rc;
+  snprintf(t->name, sizeof(t->name), "%s", name);
   size_t nd = rtp__json_count(shape);
   if (nd < 1 || nd > RTP_MAX_DIMS)
     return rtp__error(RTP_EFORMAT, "%s/index.json: %s ('%s'): %zu dims, expected 1 to %d",
-                      c->dir, at, *name, nd, RTP_MAX_DIMS);
-  int d = 0;
+                      c->dir, at, name, nd, RTP_MAX_DIMS);
+  t->n_dims = (int)nd;
+  for (int d = 0; d < RTP_MAX_DIMS; d++) t->ne[d] = 1;
+  int d = 0; /* the outermost dimension comes first */
   for (const struct rtp__json_value *v = rtp__json_child(doc, shape); v && !rc;
-       v = rtp__json_next(doc, v), d++) {
-    rc = rtp__json_int(doc, v, 0, INT64_MAX, &dim, "%s ('%s'): shape[%d]", at, *name, d);
-    if (d == 0) rows = dim; /* the outermost dimension comes first */
-  }
+       v = rtp__json_next(doc, v), d++)
+    rc = rtp__json_int(doc, v, 0, INT64_MAX, &t->ne[t->n_dims - 1 - d], "%s ('%s'): shape[%d]",
+                       at, name, d);
+  t->blocks = calloc(rtp__json_count(blocks) + 1, sizeof(*t->blocks));
+  if (!t->blocks) return rtp__error(RTP_ENOMEM, "%s: out of memory", c->dir);
   int64_t next = 0;
-  int j = 0, prev = -1;
+  int prev = -1;
   for (const struct rtp__json_value *b = rtp__json_child(doc, blocks); b && !rc;
-       b = rtp__json_next(doc, b), j++) {
+       b = rtp__json_next(doc, b), t->n_blocks++) {
     char bat[160];
     int64_t rank, first, n;
-    snprintf(bat, sizeof(bat), "%s ('%s'): blocks[%d]", at, *name, j);
+    snprintf(bat, sizeof(bat), "%s ('%s'): blocks[%d]", at, name, t->n_blocks);
     rc = rtp__json_expect(doc, b, RTP__JSON_OBJECT, "%s", bat);
     if (!rc) rc = rtp__json_only(doc, b, block_keys, "%s", bat);
     if (!rc) rc = ck_int(doc, b, bat, "rank", 0, c->world - 1, &rank);
@@ -848,33 +891,41 @@ static int ck_check_tensor(const struct rtp_ckpt *c, const struct rtp__json *doc
                         " (the blocks tile the rows in rank order)",
                         c->dir, bat, first, next);
     next += n;
+    t->blocks[t->n_blocks] = (struct ck_block){(int)rank, n};
   }
-  if (!rc && (next != rows || (c->stages == 1 && j != ck_count_files(c))))
+  int64_t rows = t->ne[t->n_dims - 1];
+  if (!rc && (next != rows || (c->stages == 1 && t->n_blocks != ck_count_files(c))))
     rc = rtp__error(RTP_EFORMAT,
                     "%s/index.json: %s ('%s'): %d blocks of %" PRId64
                     " rows for "
                     "%d files and %" PRId64 " rows",
-                    c->dir, at, *name, j, next, ck_count_files(c), rows);
+                    c->dir, at, name, t->n_blocks, next, ck_count_files(c), rows);
   return rc;
 }
 
 /* "tensors": each well formed, no name twice. */
-static int ck_check_tensors(const struct rtp_ckpt *c, const struct rtp__json *doc,
+static int ck_check_tensors(struct rtp_ckpt *c, const struct rtp__json *doc,
                             const struct rtp__json_value *root) {
   const struct rtp__json_value *ts;
   int rc = rtp__json_member(doc, root, "tensors", RTP__JSON_ARRAY, &ts, "%s", "");
   if (rc) return rc;
-  size_t n = rtp__json_count(ts), i = 0;
+  size_t n = rtp__json_count(ts);
   const char **names = malloc((n + 1) * sizeof(*names));
-  if (!names) return rtp__error(RTP_ENOMEM, "%s: out of memory", c->dir);
+  c->tensors = calloc(n + 1, sizeof(*c->tensors));
+  if (!names || !c->tensors) {
+    free(names);
+    return rtp__error(RTP_ENOMEM, "%s: out of memory", c->dir);
+  }
   for (const struct rtp__json_value *t = rtp__json_child(doc, ts); t && !rc;
-       t = rtp__json_next(doc, t), i++) {
+       t = rtp__json_next(doc, t)) {
     char at[32];
-    snprintf(at, sizeof(at), "tensors[%zu]", i);
-    rc = ck_check_tensor(c, doc, t, at, &names[i]);
+    snprintf(at, sizeof(at), "tensors[%d]", c->n_tensors);
+    struct ck_tensor *ct = &c->tensors[c->n_tensors++];
+    rc = ck_check_tensor(c, doc, t, at, ct);
+    names[c->n_tensors - 1] = ct->name;
   }
   if (!rc) qsort(names, n, sizeof(*names), ck_cmp_str);
-  for (i = 1; i < n && !rc; i++)
+  for (size_t i = 1; i < n && !rc; i++)
     if (strcmp(names[i - 1], names[i]) == 0)
       rc = rtp__error(RTP_EFORMAT, "%s/index.json: tensor '%s' is listed twice", c->dir,
                       names[i]);
@@ -900,12 +951,30 @@ static int ck_read_stages(struct rtp_ckpt *c, const struct rtp__json *doc,
   return rc;
 }
 
+/* "save_id": 32 lowercase hex digits (version 2); version 1 has none. */
+static int ck_read_save_id(struct rtp_ckpt *c, const struct rtp__json *doc,
+                           const struct rtp__json_value *root, const char *ipath,
+                           int64_t version) {
+  static const char *const v1[] = {"format", "version",  "step",       "world_size",
+                                   "stages", "strategy", "adam_steps", "state",
+                                   "files",  "tensors",  NULL};
+  static const char *const v2[] = {"format",     "version", "save_id",  "step",
+                                   "world_size", "stages",  "strategy", "adam_steps",
+                                   "state",      "files",   "tensors",  NULL};
+  const char *id;
+  int rc = rtp__json_only(doc, root, version == 1 ? v1 : v2, "%s", "");
+  if (rc || version == 1) return rc;
+  rc = ck_str(doc, root, "", "save_id", CK_ID_LEN, &id);
+  if (!rc && (strlen(id) != CK_ID_LEN || strspn(id, "0123456789abcdef") != CK_ID_LEN))
+    rc = rtp__error(RTP_EFORMAT, "%s: save_id '%s' is not %d lowercase hex digits", ipath, id,
+                    CK_ID_LEN);
+  if (!rc) memcpy(c->save_id, id, CK_ID_LEN + 1);
+  return rc;
+}
+
 /* index.json, parsed and checked whole before anything is taken from it. */
 static int ck_parse_index(struct rtp_ckpt *c, const char *ipath, const char *text, size_t n,
                           int64_t dir_step) {
-  static const char *const keys[] = {"format", "version",  "step",       "world_size",
-                                     "stages", "strategy", "adam_steps", "state",
-                                     "files",  "tensors",  NULL};
   /* 5 levels deep: the top, tensors, a tensor, its blocks, a block. */
   struct rtp__json_limits lim = {CK_MAX_INDEX, 8, 0};
   struct rtp__json *doc;
@@ -915,14 +984,14 @@ static int ck_parse_index(struct rtp_ckpt *c, const char *ipath, const char *tex
   const char *format, *strategy;
   int64_t version = 0, world = 0;
   rc = rtp__json_expect(doc, root, RTP__JSON_OBJECT, "%s", "");
-  if (!rc) rc = rtp__json_only(doc, root, keys, "%s", "");
   if (!rc) rc = ck_str(doc, root, "", "format", 64, &format);
   if (!rc && strcmp(format, "rtp-checkpoint"))
     rc = rtp__error(RTP_EFORMAT, "%s: format '%s': not an rtp checkpoint index", ipath, format);
   if (!rc) rc = ck_int(doc, root, "", "version", 0, INT64_MAX, &version);
-  if (!rc && version != 1)
-    rc = rtp__error(RTP_EFORMAT, "%s: version %" PRId64 ", this library reads version 1", ipath,
-                    version);
+  if (!rc && version != 1 && version != 2)
+    rc = rtp__error(RTP_EFORMAT, "%s: version %" PRId64 ", this library reads versions 1 and 2",
+                    ipath, version);
+  if (!rc) rc = ck_read_save_id(c, doc, root, ipath, version);
   if (!rc) rc = ck_int(doc, root, "", "step", 0, 99999999, &c->step);
   if (!rc && c->step != dir_step)
     rc = rtp__error(RTP_EFORMAT, "%s: step %" PRId64 " in the directory of step %" PRId64,
@@ -932,7 +1001,7 @@ static int ck_parse_index(struct rtp_ckpt *c, const char *ipath, const char *tex
   if (!rc) rc = ck_str(doc, root, "", "strategy", 32, &strategy);
   if (!rc && rtp_strategy_parse(strategy, &c->strategy))
     rc = rtp__error(RTP_EFORMAT, "%s: unknown strategy '%s'", ipath, strategy);
-  if (!rc) rc = ck_int(doc, root, "", "adam_steps", 0, INT64_MAX, &c->adam_steps);
+  if (!rc) rc = ck_int(doc, root, "", "adam_steps", 0, CK_MAX_ADAM_STEPS, &c->adam_steps);
   c->world = (int)world;
   if (!rc) rc = ck_read_state(c, doc, root);
   if (!rc) rc = ck_read_files(c, doc, root);
@@ -943,14 +1012,16 @@ static int ck_parse_index(struct rtp_ckpt *c, const char *ipath, const char *tex
 
 /* DIR/latest, which must name a step directory: its path and step. */
 static int ck_read_latest(const char *dir, char *stepdir, int64_t *step) {
-  char path[CK_PATH], *text;
+  char path[CK_PATH];
+  void *buf = NULL;
   int rc = ck_path(path, dir, "latest");
-  if (!rc) rc = ck_read_file(path, &text, NULL);
+  if (!rc) rc = rtp_file_read(path, CK_MAX_LINE, &buf, NULL);
   if (rc) {
     char why[512]; /* the message is rewritten below: keep a copy */
     snprintf(why, sizeof(why), "%s", rtp_last_error());
     return rtp__error(rc, "%s: no checkpoint to resume from (%s)", dir, why);
   }
+  char *text = buf;
   text[strcspn(text, "\n")] = 0;
   if (!ck_parse_step_name(text, step)) {
     rc = rtp__error(RTP_EFORMAT, "%s: does not name a step-<8 digits> directory", path);
@@ -963,22 +1034,23 @@ static int ck_read_latest(const char *dir, char *stepdir, int64_t *step) {
 
 /* The marker must exist and hold index.json's checksum. */
 static int ck_read_index(struct rtp_ckpt *c, int64_t dir_step) {
-  char mpath[CK_PATH], ipath[CK_PATH], hex[65], *marker = NULL, *index = NULL;
-  uint64_t bytes;
+  char mpath[CK_PATH], ipath[CK_PATH], hex[65];
+  void *marker = NULL, *index = NULL;
   size_t n = 0;
   int rc = ck_path(mpath, c->dir, "COMPLETE");
   if (!rc) rc = ck_path(ipath, c->dir, "index.json");
-  if (!rc && access(mpath, F_OK))
+  if (!rc && access(mpath, F_OK) && errno == ENOENT)
     return rtp__error(RTP_EFORMAT, "%s is incomplete: no COMPLETE marker (an interrupted save)",
                       c->dir);
-  if (!rc) rc = ck_read_file(mpath, &marker, NULL);
-  if (!rc) rc = ck_sha256_file(ipath, hex, &bytes);
-  if (!rc && (strncmp(marker, "sha256 ", 7) || strncmp(marker + 7, hex, 64)))
+  if (!rc) rc = rtp_file_read(mpath, CK_MAX_LINE, &marker, NULL);
+  if (!rc) rc = rtp_file_read(ipath, CK_MAX_INDEX, &index, &n);
+  if (!rc) rc = ck_sha256_hex(index, n, hex);
+  const char *m = marker;
+  if (!rc && (strncmp(m, "sha256 ", 7) || strncmp(m + 7, hex, 64)))
     rc = rtp__error(RTP_EFORMAT, "%s: checksum mismatch: COMPLETE says %.64s, file is %s",
-                    ipath, marker + (strncmp(marker, "sha256 ", 7) ? 0 : 7), hex);
-  free(marker);
-  if (!rc) rc = ck_read_file(ipath, &index, &n);
+                    ipath, m + (strncmp(m, "sha256 ", 7) ? 0 : 7), hex);
   if (!rc) rc = ck_parse_index(c, ipath, index, n, dir_step);
+  free(marker);
   free(index);
   return rc;
 }
@@ -1001,6 +1073,8 @@ int rtp_ckpt_open(const char *dir, struct rtp_ckpt **out) {
 
 void rtp_ckpt_close(struct rtp_ckpt *c) {
   if (!c) return;
+  for (int i = 0; i < c->n_tensors; i++) free(c->tensors[i].blocks);
+  free(c->tensors);
   free(c->files);
   free(c);
 }
@@ -1042,6 +1116,97 @@ struct ck_files {
   const struct rtp_ckpt *c;
 };
 
+static const struct ck_tensor *ck_find_tensor(const struct rtp_ckpt *c, const char *name) {
+  for (int i = 0; i < c->n_tensors; i++)
+    if (strcmp(c->tensors[i].name, name) == 0) return &c->tensors[i];
+  return NULL;
+}
+
+/* The checkpoint must be of this model: its tensors the model's parameters, no more and no
+ * fewer, each of the same global shape (else a smaller model would load the first rows
+ * and layers of a larger one). */
+static int ck_check_model(const struct rtp_ckpt *c, const struct rtp_ckpt_params *p) {
+  char a[160], b[160];
+  for (int i = 0; i < p->n_params; i++) {
+    const struct rtp_tensor *g = p->params[i];
+    const struct ck_tensor *t = ck_find_tensor(c, g->name);
+    rtp__file_shape_str(g->ne, rtp_tensor_n_dims(g), b, sizeof(b));
+    if (!t)
+      return rtp__error(RTP_ESHAPE, "%s/index.json: no tensor '%s' (the model's is %s)", c->dir,
+                        g->name, b);
+    if (memcmp(t->ne, g->ne, sizeof(t->ne)))
+      return rtp__error(RTP_ESHAPE, "%s/index.json: tensor '%s' is %s, the model's is %s",
+                        c->dir, g->name, rtp__file_shape_str(t->ne, t->n_dims, a, sizeof(a)),
+                        b);
+  }
+  for (int k = 0; k < c->n_tensors; k++) {
+    bool found = false;
+    for (int i = 0; i < p->n_params && !found; i++)
+      found = strcmp(c->tensors[k].name, p->params[i]->name) == 0;
+    if (!found)
+      return rtp__error(RTP_ESHAPE,
+                        "%s/index.json: tensor '%s' is not in the model (%d tensors, the model "
+                        "has %d)",
+                        c->dir, c->tensors[k].name, c->n_tensors, p->n_params);
+  }
+  return RTP_OK;
+}
+
+/* The rows of t that file r holds by the index, or -1 if none. */
+static int64_t ck_index_rows(const struct ck_tensor *t, int r) {
+  for (int j = 0; j < t->n_blocks; j++)
+    if (t->blocks[j].rank == r) return t->blocks[j].rows;
+  return -1;
+}
+
+/* Rank r's file must be of this save and hold what the index says it does: its metadata
+ * naming the format, its rank and the index's save_id (none from a version 1 index); each
+ * tensor the index gives it rows of (with its Adam states, adam.m. and adam.v.), of the
+ * tensor's shape with that many rows, and nothing else. */
+static int ck_check_file(const struct rtp_ckpt *c, const struct rtp_safetensors *st, int r,
+                         const char *path) {
+  char rs[16], a[160], b[160];
+  snprintf(rs, sizeof(rs), "%d", r);
+  const char *keys[] = {"format", "rank", "save_id"},
+             *want[] = {"rtp-checkpoint", rs, c->save_id};
+  for (int i = 0; i < 3; i++) {
+    const char *v = rtp_safetensors_meta(st, keys[i]);
+    if (strcmp(v ? v : "", want[i]))
+      return rtp__error(RTP_EFORMAT, "%s: metadata %s is '%s', expected '%s'%s", path, keys[i],
+                        v ? v : "", want[i],
+                        i == 2 ? " (index.json's: the file is of another save)" : "");
+  }
+  int listed = 0;
+  for (int k = 0; k < c->n_tensors; k++) listed += ck_index_rows(&c->tensors[k], r) >= 0;
+  for (int k = 0; k < rtp_safetensors_count(st); k++) {
+    const char *name;
+    enum rtp_type type;
+    int64_t ne[RTP_MAX_DIMS];
+    rtp_safetensors_info(st, k, &name, &type, NULL, ne);
+    bool state =
+        strncmp(name, "adam.", 5) == 0 && (name[5] == 'm' || name[5] == 'v') && name[6] == '.';
+    const struct ck_tensor *t = ck_find_tensor(c, name);
+    if (!t && state) t = ck_find_tensor(c, name + 7);
+    int64_t rows = t ? ck_index_rows(t, r) : -1, expect[RTP_MAX_DIMS];
+    if (rows < 0)
+      return rtp__error(RTP_EFORMAT, "%s: tensor '%s' is not among the %d index.json gives it",
+                        path, name, listed);
+    memcpy(expect, t->ne, sizeof(expect));
+    expect[t->n_dims - 1] = rows;
+    if (type != RTP_TYPE_F32 || memcmp(ne, expect, sizeof(ne)))
+      return rtp__error(RTP_EFORMAT, "%s: tensor '%s' is %s %s, index.json says F32 %s", path,
+                        name, type == RTP_TYPE_F32 ? "F32" : "I32",
+                        rtp__file_shape_str(ne, t->n_dims, a, sizeof(a)),
+                        rtp__file_shape_str(expect, t->n_dims, b, sizeof(b)));
+  }
+  for (int k = 0; k < c->n_tensors; k++)
+    if (ck_index_rows(&c->tensors[k], r) >= 0 &&
+        rtp_safetensors_find(st, c->tensors[k].name) < 0)
+      return rtp__error(RTP_EFORMAT, "%s: no tensor '%s', which index.json says it holds", path,
+                        c->tensors[k].name);
+  return RTP_OK;
+}
+
 static int ck_open_files(const struct rtp_ckpt *c, struct ck_files *f) {
   *f = (struct ck_files){.n = c->world, .c = c};
   f->st = calloc((size_t)c->world, sizeof(*f->st));
@@ -1052,7 +1217,8 @@ static int ck_open_files(const struct rtp_ckpt *c, struct ck_files *f) {
     if (!c->files[r].listed) continue; /* and the strategy writes none (checked at open) */
     snprintf(name, sizeof(name), "rank-%d.safetensors", r);
     int rc = ck_path(path, c->dir, name);
-    if (!rc) rc = rtp_safetensors_open(path, &f->st[r]);
+    if (!rc) rc = rtp__safetensors_open(path, c->files[r].bytes, &f->st[r]);
+    if (!rc) rc = ck_check_file(c, f->st[r], r, path);
     if (rc) return rc;
   }
   return RTP_OK;
@@ -1071,11 +1237,7 @@ static int ck_verify_file(struct ck_files *f, int r) {
   uint64_t bytes;
   snprintf(name, sizeof(name), "rank-%d.safetensors", r);
   int rc = ck_path(path, f->c->dir, name);
-  if (!rc) rc = ck_sha256_file(path, hex, &bytes);
-  if (!rc && bytes != want->bytes)
-    rc = rtp__error(RTP_EFORMAT,
-                    "%s: truncated or changed: %" PRIu64 " bytes, index says %" PRIu64, path,
-                    bytes, want->bytes);
+  if (!rc) rc = ck_sha256_file(path, want->bytes, hex, &bytes);
   if (!rc && strcmp(hex, want->sha))
     rc = rtp__error(RTP_EFORMAT, "%s: checksum mismatch (corrupted): sha256 %s, index says %s",
                     path, hex, want->sha);
@@ -1168,8 +1330,9 @@ int rtp_ckpt_load(const struct rtp_ckpt *c, const struct rtp_ckpt_params *p) {
   int rc = ck_check_params(p);
   if (rc) return rc;
   if (!c) return rtp__error(RTP_EINVAL, "rtp_ckpt_load: no checkpoint");
-  struct ck_files f;
-  rc = ck_open_files(c, &f);
+  struct ck_files f = {0};
+  rc = ck_check_model(c, p);
+  if (!rc) rc = ck_open_files(c, &f);
   if (!rc) rc = ck_load_tensors(p, &f);
   ck_close_files(&f);
   if (!rc && p->opt) rc = rtp_optimizer_set_steps(p->opt, c->adam_steps);

@@ -277,4 +277,17 @@ void rtp__trace_span(int lane, const struct rtp_tensor *t, const char *cat, doub
 /* A whole rtp_graph_compute of g, on lane 2. */
 void rtp__trace_graph(const struct rtp_graph *g, double t0, double t1);
 
+/* ---- rtp-io.c: files ---- */
+/* Opens path for reading if it is a regular file of at most max_bytes, without blocking
+ * (a FIFO) and before reading a byte: *fd (blocking reads) and its size. Anything else is
+ * refused, naming path: RTP_EIO for what cannot be opened and for any other type (FIFO,
+ * device, directory, socket), RTP_EFORMAT for a larger file. Every file the library reads
+ * is opened through here. */
+int rtp__file_open(const char *path, uint64_t max_bytes, int *fd, uint64_t *bytes);
+/* "[d0, ..., dk]": the file shape (outermost first) of the n_dims dims of ne, in buf. */
+const char *rtp__file_shape_str(const int64_t *ne, int n_dims, char *buf, size_t size);
+/* rtp_safetensors_open of a file that must be `bytes` long (UINT64_MAX: any), checked
+ * before its header is read (RTP_EFORMAT). */
+int rtp__safetensors_open(const char *path, uint64_t bytes, struct rtp_safetensors **out);
+
 #endif /* RTP_IMPL_H */

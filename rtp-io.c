@@ -105,39 +105,46 @@ static const char *st_fmt_ne(const int64_t *ne, char *buf, size_t size) {
   return buf;
 }
 
-/* The file shape [d0, ..., dk] of an entry. */
-static const char *st_fmt_shape(const struct st_entry *e, char *buf, size_t size) {
+const char *rtp__file_shape_str(const int64_t *ne, int n_dims, char *buf, size_t size) {
   size_t used = 0;
   used += (size_t)snprintf(buf, size, "[");
-  for (int i = e->n_dims - 1; i >= 0 && used < size; i--) {
-    used += (size_t)snprintf(buf + used, size - used, "%" PRId64 "%s", e->ne[i], i ? ", " : "");
+  for (int i = n_dims - 1; i >= 0 && used < size; i--) {
+    used += (size_t)snprintf(buf + used, size - used, "%" PRId64 "%s", ne[i], i ? ", " : "");
   }
   if (used < size) snprintf(buf + used, size - used, "]");
   return buf;
 }
 
+static const char *st_fmt_shape(const struct st_entry *e, char *buf, size_t size) {
+  return rtp__file_shape_str(e->ne, e->n_dims, buf, size);
+}
+
 /* pread exactly size bytes at off; short reads are a truncated file. */
-static int st_pread(const struct rtp_safetensors *st, void *dst, size_t size, uint64_t off) {
+static int st_pread_fd(int fd, const char *path, void *dst, size_t size, uint64_t off) {
   char *p = dst;
   while (size > 0) {
     size_t chunk = size > ((size_t)1 << 30) ? ((size_t)1 << 30) : size;
-    if (off > (uint64_t)INT64_MAX) return rtp__error(RTP_EIO, "%s: offset overflow", st->path);
-    ssize_t r = pread(st->fd, p, chunk, (off_t)off);
+    if (off > (uint64_t)INT64_MAX) return rtp__error(RTP_EIO, "%s: offset overflow", path);
+    ssize_t r = pread(fd, p, chunk, (off_t)off);
     if (r < 0) {
       if (errno == EINTR) continue;
       char eb[128];
-      return rtp__error(RTP_EIO, "%s: read failed at byte %" PRIu64 ": %s", st->path, off,
+      return rtp__error(RTP_EIO, "%s: read failed at byte %" PRIu64 ": %s", path, off,
                         st_errno_str(errno, eb, sizeof(eb)));
     }
     if (r == 0) {
-      return rtp__error(RTP_EIO, "%s: truncated: unexpected end of file at byte %" PRIu64,
-                        st->path, off);
+      return rtp__error(RTP_EIO, "%s: truncated: unexpected end of file at byte %" PRIu64, path,
+                        off);
     }
     p += r;
     off += (uint64_t)r;
     size -= (size_t)r;
   }
   return RTP_OK;
+}
+
+static int st_pread(const struct rtp_safetensors *st, void *dst, size_t size, uint64_t off) {
+  return st_pread_fd(st->fd, st->path, dst, size, off);
 }
 
 /* strerror's "File too large" does not say which limit: past RLIMIT_FSIZE, name it. */
@@ -166,6 +173,72 @@ static int st_write_all(int fd, const void *src, size_t size, const char *path) 
     p += r;
     size -= (size_t)r;
   }
+  return RTP_OK;
+}
+
+/* ---- any file the library reads ---------------------------------------------------- */
+
+static const char *st_file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "a special file";
+}
+
+int rtp__file_open(const char *path, uint64_t max_bytes, int *fd, uint64_t *bytes) {
+  char eb[128];
+  *fd = -1;
+  /* O_NONBLOCK: opening a FIFO for reading would wait for a writer; this way the open
+   * returns at once and the type check refuses it. Links are followed: the check is of
+   * what was opened, and a loop fails the open (ELOOP). */
+  int f = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+  if (f < 0)
+    return rtp__error(RTP_EIO, "%s: cannot open: %s", path,
+                      st_errno_str(errno, eb, sizeof(eb)));
+  struct stat sb;
+  int rc = RTP_OK, flags;
+  if (fstat(f, &sb) != 0) {
+    rc = rtp__error(RTP_EIO, "%s: cannot stat: %s", path, st_errno_str(errno, eb, sizeof(eb)));
+  } else if (!S_ISREG(sb.st_mode)) {
+    rc = rtp__error(RTP_EIO, "%s: is %s, not a regular file", path, st_file_kind(sb.st_mode));
+  } else if ((uint64_t)sb.st_size > max_bytes) {
+    rc = rtp__error(RTP_EFORMAT, "%s: %" PRIu64 " bytes, more than the %" PRIu64 " allowed",
+                    path, (uint64_t)sb.st_size, max_bytes);
+  } else if ((flags = fcntl(f, F_GETFL)) < 0 || fcntl(f, F_SETFL, flags & ~O_NONBLOCK) < 0) {
+    rc = rtp__error(RTP_EIO, "%s: fcntl: %s", path, st_errno_str(errno, eb, sizeof(eb)));
+  }
+  if (rc) {
+    close(f);
+    return rc;
+  }
+  *fd = f;
+  *bytes = (uint64_t)sb.st_size;
+  return RTP_OK;
+}
+
+int rtp_file_read(const char *path, size_t max_bytes, void **data, size_t *size) {
+  if (!path || !data) return rtp__error(RTP_EINVAL, "rtp_file_read: NULL argument");
+  *data = NULL;
+  if (size) *size = 0;
+  int fd;
+  uint64_t n;
+  int rc = rtp__file_open(path, max_bytes == SIZE_MAX ? UINT64_MAX : max_bytes, &fd, &n);
+  if (rc) return rc;
+  /* The size was checked before any read, and no more than it is read: a file that
+   * grows meanwhile cannot make the buffer grow. */
+  char *buf = n < SIZE_MAX ? malloc((size_t)n + 1) : NULL;
+  if (!buf) rc = rtp__error(RTP_ENOMEM, "%s: out of memory for %" PRIu64 " bytes", path, n);
+  if (!rc) rc = st_pread_fd(fd, path, buf, (size_t)n, 0);
+  close(fd);
+  if (rc) {
+    free(buf);
+    return rc;
+  }
+  buf[n] = '\0';
+  *data = buf;
+  if (size) *size = (size_t)n;
   return RTP_OK;
 }
 
@@ -396,6 +469,10 @@ void rtp_safetensors_close(struct rtp_safetensors *st) {
 }
 
 int rtp_safetensors_open(const char *path, struct rtp_safetensors **out) {
+  return rtp__safetensors_open(path, UINT64_MAX, out);
+}
+
+int rtp__safetensors_open(const char *path, uint64_t bytes, struct rtp_safetensors **out) {
   if (!out) return rtp__error(RTP_EINVAL, "rtp_safetensors_open: out is NULL");
   *out = NULL;
   if (!path) return rtp__error(RTP_EINVAL, "rtp_safetensors_open: path is NULL");
@@ -404,24 +481,16 @@ int rtp_safetensors_open(const char *path, struct rtp_safetensors **out) {
     free(st);
     return rtp__error(RTP_ENOMEM, "%s: out of memory", path);
   }
-  char eb[128];
   int rc = RTP_OK;
   char *hdr = NULL;
-  st->fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (st->fd < 0) {
-    rc = rtp__error(RTP_EIO, "%s: cannot open: %s", path, st_errno_str(errno, eb, sizeof(eb)));
+  uint64_t fsize;
+  if ((rc = rtp__file_open(path, UINT64_MAX, &st->fd, &fsize))) goto fail;
+  if (bytes != UINT64_MAX && fsize != bytes) {
+    rc = rtp__error(RTP_EFORMAT,
+                    "%s: truncated or changed: %" PRIu64 " bytes, expected %" PRIu64, path,
+                    fsize, bytes);
     goto fail;
   }
-  struct stat sb;
-  if (fstat(st->fd, &sb) != 0) {
-    rc = rtp__error(RTP_EIO, "%s: cannot stat: %s", path, st_errno_str(errno, eb, sizeof(eb)));
-    goto fail;
-  }
-  if (!S_ISREG(sb.st_mode)) {
-    rc = rtp__error(RTP_EIO, "%s: not a regular file", path);
-    goto fail;
-  }
-  uint64_t fsize = (uint64_t)sb.st_size;
   if (fsize < 8) {
     rc = rtp__error(RTP_EFORMAT,
                     "%s: truncated: %" PRIu64 " bytes, less than the 8-byte header length",
@@ -681,6 +750,38 @@ struct rtp_tensor *rtp_safetensors_load(struct rtp_context *ctx, struct rtp_safe
   rtp_tensor_set_name(t, "%s", name);
   if (rtp_safetensors_read(st, name, t) != RTP_OK) return NULL;
   return t;
+}
+
+int rtp_safetensors_check(const struct rtp_safetensors *st, struct rtp_tensor *const *tensors,
+                          int n) {
+  if (!st || n < 0 || (n > 0 && !tensors))
+    return rtp__error(RTP_EINVAL, "rtp_safetensors_check: bad arguments");
+  char a[160], b[160];
+  for (int i = 0; i < n; i++) {
+    const struct rtp_tensor *t = tensors[i];
+    if (!t) return rtp__error(RTP_EINVAL, "rtp_safetensors_check: tensor %d is NULL", i);
+    int k = rtp_safetensors_find(st, t->name);
+    rtp__file_shape_str(t->ne, rtp_tensor_n_dims(t), b, sizeof(b));
+    if (k < 0)
+      return rtp__error(RTP_ESHAPE, "%s: no tensor '%s' (%s %s expected)", st->path, t->name,
+                        st_type_name(t->type), b);
+    const struct st_entry *e = &st->e[k];
+    if (e->type != t->type || memcmp(e->ne, t->ne, sizeof(e->ne)) != 0)
+      return rtp__error(RTP_ESHAPE, "%s: tensor '%s' is %s %s in the file, expected %s %s",
+                        st->path, t->name, st_type_name(e->type), st_fmt_shape(e, a, sizeof(a)),
+                        st_type_name(t->type), b);
+  }
+  for (int k = 0; k < st->n; k++) {
+    bool listed = false;
+    for (int i = 0; i < n && !listed; i++)
+      listed = strcmp(st->e[k].name, tensors[i]->name) == 0;
+    if (!listed)
+      return rtp__error(RTP_ESHAPE,
+                        "%s: tensor '%s' (%s %s) is not expected (%d tensors, %d expected)",
+                        st->path, st->e[k].name, st_type_name(st->e[k].type),
+                        st_fmt_shape(&st->e[k], a, sizeof(a)), st->n, n);
+  }
+  return RTP_OK;
 }
 
 /* ---- the file size limit --------------------------------------------------------- */

@@ -506,6 +506,13 @@ RTP_API int rtp_safetensors_read_rows(struct rtp_safetensors *st, const char *na
 RTP_API struct rtp_tensor *rtp_safetensors_load(struct rtp_context *ctx,
                                                 struct rtp_safetensors *st, const char *name);
 /*
+ * Checks that the file holds exactly these n tensors, found by name: the same type and
+ * (padded) ne, and no tensor besides them. RTP_ESHAPE naming the first tensor that is
+ * missing, extra or different, with both shapes.
+ */
+RTP_API int rtp_safetensors_check(const struct rtp_safetensors *st,
+                                  struct rtp_tensor *const *tensors, int n);
+/*
  * Writes n tensors, each named by its t->name (non-empty, unique, not "__metadata__"),
  * in the given order, with the optional __metadata__ string pairs meta_kv = {k0, v0,
  * k1, v1, ..., NULL} (meta_kv may be NULL). A tensor is stored with ne's dims up to the
@@ -519,6 +526,15 @@ RTP_API struct rtp_tensor *rtp_safetensors_load(struct rtp_context *ctx,
  */
 RTP_API int rtp_safetensors_save(const char *path, struct rtp_tensor *const *tensors, int n,
                                  const char *const *meta_kv);
+/*
+ * The whole of the regular file path, of at most max_bytes (SIZE_MAX: any size), in a
+ * buffer the caller frees with free(), with a NUL after its *size bytes (size may be
+ * NULL). A FIFO, device, directory or socket is refused by its type before any read and
+ * without blocking (RTP_EIO, naming the file and its type), as is a file that cannot be
+ * opened (RTP_EIO) or a larger one (RTP_EFORMAT); no more than the size found at the
+ * open is read. Safetensors and checkpoint files are opened with the same checks.
+ */
+RTP_API int rtp_file_read(const char *path, size_t max_bytes, void **data, size_t *size);
 /* RTP-IO-END */
 
 /* ---- communication (rtp-comm.c; transports rtp-local.c, rtp-tcp*.c, rtp-nccl.c) ---- */
@@ -898,10 +914,12 @@ RTP_API int rtp_parallel_shard_copy(const struct rtp_parallel *p,
  *                                           ranks hold everything, so rank 0 alone writes;
  *                                           in a pipeline, of its stage's parameters (ddp:
  *                                           the stage's rank 0 alone)
- *   dir/step-<8 digits>/index.json          step, world_size, stages, strategy, adam_steps,
- *                                           the caller's state pairs, each rank file's bytes
- *                                           and sha256, each tensor's global shape
- *                                           (safetensors order) and the rows each rank holds
+ *   dir/step-<8 digits>/index.json          save_id (in each rank file too, tying it to
+ *                                           this index), step, world_size, stages,
+ *                                           strategy, adam_steps, the caller's state pairs,
+ *                                           each rank file's bytes and sha256, each tensor's
+ *                                           global shape (safetensors order) and the rows
+ *                                           each rank holds
  *   dir/step-<8 digits>/COMPLETE            "sha256 <index.json's>": written last
  *
  * Saving never endangers the previous checkpoint: every file is written to a temporary
@@ -949,7 +967,8 @@ RTP_API const char *rtp_ckpt_path(const struct rtp_ckpt *c); /* the step directo
 /* A value of the caller's state saved with it, or NULL. */
 RTP_API const char *rtp_ckpt_state(const struct rtp_ckpt *c, const char *key);
 /* Collective: fills this rank's blocks of p's parameters and states and the optimizer's
- * step count; a missing, truncated or corrupted file or a shape that differs fails every
+ * step count; a missing, truncated or corrupted file, a file of another save, or a tensor
+ * that the index, the files and p->params do not all have with the same shape fails every
  * rank (RTP_EFORMAT, RTP_ESHAPE, RTP_EIO) with a message naming it. */
 RTP_API int rtp_ckpt_load(const struct rtp_ckpt *c, const struct rtp_ckpt_params *p);
 

@@ -374,6 +374,70 @@ TEST(Ckpt, DamagedCheckpointsAreRefused) {
   expect_refused("latest", "echo bogus > ../latest", "step-<8 digits>");
 }
 
+// A checkpoint's file replaced by a FIFO, a device or a directory, or grown past what it
+// may hold, is refused by its type or size before it is read, naming it: a FIFO opened
+// for reading would wait for a writer, so each open and load runs in a child process with
+// a deadline.
+TEST(Ckpt, SpecialFilesAreRefusedWithoutBlocking) {
+  const char *files[] = {"../latest", "index.json", "COMPLETE", "rank-0.safetensors"};
+  const struct {
+    const char *what, *damage, *message;
+  } kinds[] = {
+      {"fifo", "rm -f F && mkfifo F", ": is a FIFO, not a regular file"},
+      {"device", "rm -f F && ln -s /dev/zero F", ": is a character device, not a regular file"},
+      {"dir", "rm -f F && mkdir F", ": is a directory, not a regular file"},
+      {"loop", "rm -f F && ln -s N F", ": cannot open: Too many levels of symbolic links"},
+      {"huge", "truncate -s 1G F", " bytes, more than the "},
+  };
+  for (const char *file : files)
+    for (const auto &k : kinds) {
+      std::string name = std::string(file).substr(std::string(file).rfind('/') + 1);
+      std::string dir = tmp_dir(("special-" + name + "-" + k.what).c_str());
+      std::string step = dir + "/step-00000001", damage = k.damage;
+      if (name == "rank-0.safetensors" && std::string(k.what) == "huge")
+        continue;  // its size is the index's, checked before a read: below
+      for (size_t at; (at = damage.find_first_of("FN")) != std::string::npos;)
+        damage.replace(at, 1, damage[at] == 'F' ? file : name);
+      ASSERT_EQ(save_one(dir, 1), 0) << rtp_last_error();
+      ASSERT_EQ(std::system(("cd '" + step + "' && " + damage).c_str()), 0) << damage;
+      SCOPED_TRACE(name + " " + k.what);
+      auto child = rtptest::run_procs(
+          1,
+          [&](int) {
+            Plan p;
+            if (!p.build(RTP_STRATEGY_NONE, nullptr)) return 10;
+            rtp_ckpt *c = nullptr;
+            int rc = rtp_ckpt_open(dir.c_str(), &c);
+            rtp_ckpt_params cp = p.ckpt(dir);
+            if (!rc) rc = rtp_ckpt_load(c, &cp);
+            rtp_ckpt_close(c);
+            std::string msg = rtp_last_error();
+            bool named = msg.find(name + k.message) != std::string::npos ||
+                         (std::string(k.what) == "huge" &&
+                          msg.find(name + ": 1073741824 bytes") != std::string::npos);
+            fprintf(stderr, "%s %s: %s\n", name.c_str(), k.what, msg.c_str());
+            return rc != RTP_OK && named ? 0 : 1;
+          },
+          20);
+      EXPECT_EQ(child[0].code, 0) << "(-1000: it blocked)";
+    }
+  // A rank file of another size than the index says is refused before it is hashed.
+  std::string dir = tmp_dir("special-rank-huge"), step = dir + "/step-00000001";
+  ASSERT_EQ(save_one(dir, 1), 0) << rtp_last_error();
+  ASSERT_EQ(truncate((step + "/rank-0.safetensors").c_str(), 1 << 30), 0);
+  rtp_ckpt *c = nullptr;
+  ASSERT_EQ(rtp_ckpt_open(dir.c_str(), &c), RTP_OK) << rtp_last_error();
+  Plan p;
+  ASSERT_TRUE(p.build(RTP_STRATEGY_NONE, nullptr));
+  rtp_ckpt_params cp = p.ckpt(dir);
+  EXPECT_NE(rtp_ckpt_load(c, &cp), RTP_OK);
+  rtp_ckpt_close(c);
+  EXPECT_NE(std::string(rtp_last_error())
+                .find("rank-0.safetensors: truncated or changed: 1073741824 bytes"),
+            std::string::npos)
+      << rtp_last_error();
+}
+
 // ---- index.json read as JSON ---------------------------------------------------------
 
 std::string slurp(const std::string &path) {
@@ -409,8 +473,11 @@ struct Index {
     std::string rank0 = slurp(step + "/rank-0.safetensors");
     bytes = std::to_string(rank0.size());
     sha = "\"" + sha256_hex(rank0) + "\"";
+    const std::string written = slurp(step + "/index.json"), key = "\"save_id\": ";
+    size_t at = written.find(key);
     top = {{"format", "\"rtp-checkpoint\""},
-           {"version", "1"},
+           {"version", "2"},
+           {"save_id", at == std::string::npos ? "" : written.substr(at + key.size(), 34)},
            {"step", "1"},
            {"world_size", "1"},
            {"stages", "1"},
@@ -571,7 +638,16 @@ TEST(CkptIndex, DamagedIndexesAreRefused) {
       {with("stepp", "1"), "unknown key 'stepp'"},
       {Index(good).erase("adam_steps").text(), "index.json: missing adam_steps"},
       {with("format", "\"safetensors\""), "format 'safetensors': not an rtp checkpoint index"},
-      {with("version", "2"), "version 2, this library reads version 1"},
+      {with("version", "3"), "version 3, this library reads versions 1 and 2"},
+      {with("version", "1"), "index.json: unknown key 'save_id'"},
+      {Index(good).erase("save_id").text(), "index.json: missing save_id"},
+      {with("save_id", "\"0123\""), "save_id '0123' is not 32 lowercase hex digits"},
+      {with("save_id", "\"" + std::string(32, 'G') + "\""), "is not 32 lowercase hex digits"},
+      {with("save_id", "7"), "save_id: expected a string, found an integer"},
+      {with("step", "-5"), "index.json: step: negative number -5"},
+      {with("adam_steps", "9007199254740993"),
+       "adam_steps: 9007199254740993 is out of range [0, 9007199254740992]"},
+      {with("adam_steps", "9223372036854775807"), "adam_steps: 9223372036854775807 is out of"},
       {with("step", "2"), "step 2 in the directory of step 1"},
       {with("strategy", "\"nope\""), "unknown strategy 'nope'"},
       {with("strategy", "null"), "strategy: expected a string, found null"},
@@ -633,6 +709,153 @@ TEST(CkptIndex, DamagedIndexesAreRefused) {
   EXPECT_EQ(load_one(dir), 0) << rtp_last_error();
   put_index(step, good.text());
   EXPECT_EQ(load_one(dir), 0) << "the good index, back";
+}
+
+// Rewrites step's rank-0.safetensors with its tensors under the metadata meta_kv, as a
+// writer of another version or a damaged file would have it; with a 1-d tensor of `rows`
+// named extra in place of the one of that name, or added.
+void resave_rank0(const std::string &step, const std::vector<const char *> &meta_kv,
+                  const char *extra = nullptr, int64_t rows = 3) {
+  std::string path = step + "/rank-0.safetensors";
+  rtp_safetensors *st = nullptr;
+  ASSERT_EQ(rtp_safetensors_open(path.c_str(), &st), RTP_OK) << rtp_last_error();
+  rtp_context *ctx = rtp_context_new({1 << 20, nullptr, false, nullptr, 0});
+  std::vector<rtp_tensor *> ts;
+  for (int i = 0; i < rtp_safetensors_count(st); i++) {
+    const char *name;
+    rtp_safetensors_info(st, i, &name, nullptr, nullptr, nullptr);
+    if (extra && std::string(name) == extra) continue;
+    ts.push_back(rtp_safetensors_load(ctx, st, name));
+    ASSERT_NE(ts.back(), nullptr) << rtp_last_error();
+  }
+  rtp_safetensors_close(st);
+  if (extra) {
+    ts.push_back(rtp_tensor_set_name(rtp_tensor_new_1d(ctx, RTP_TYPE_F32, rows), "%s", extra));
+    ASSERT_EQ(rtp_tensor_fill_f32(ts.back(), 0.0f), RTP_OK);
+  }
+  EXPECT_EQ(rtp_safetensors_save(path.c_str(), ts.data(), (int)ts.size(), meta_kv.data()),
+            RTP_OK)
+      << rtp_last_error();
+  rtp_context_free(ctx);
+}
+
+// Opens and loads dir; the load's status, with its message in *why.
+int open_and_load(const std::string &dir, std::string *why) {
+  Plan p;
+  if (!p.build(RTP_STRATEGY_NONE, nullptr)) return -1;
+  rtp_ckpt *c = nullptr;
+  int rc = rtp_ckpt_open(dir.c_str(), &c);
+  rtp_ckpt_params cp = p.ckpt(dir);
+  if (!rc) rc = rtp_ckpt_load(c, &cp);
+  rtp_ckpt_close(c);
+  *why = rtp_last_error();
+  return rc;
+}
+
+// A save's id ties its files to its index: a file of another save (here of the same
+// values, so only the id differs) is refused naming save_id, even with an index that
+// names its size and checksum; before save ids a checksum mismatch was all it said, and
+// an index rewritten with the file's checksum loaded it.
+TEST(CkptIndex, FilesOfAnotherSaveAreRefused) {
+  std::string dir = tmp_dir("save-id"), other = tmp_dir("save-id-other");
+  std::string step = dir + "/step-00000001", rank0 = "/step-00000001/rank-0.safetensors";
+  ASSERT_EQ(save_one(dir, 1), 0) << rtp_last_error();
+  ASSERT_EQ(save_one(other, 1), 0) << rtp_last_error();
+  Index mine(step);
+  ASSERT_NE(slurp(dir + rank0), slurp(other + rank0));
+  ASSERT_EQ(slurp(dir + rank0).size(), slurp(other + rank0).size());
+  std::string why;
+  for (bool reindexed : {false, true}) {
+    std::ofstream(dir + rank0, std::ios::binary) << slurp(other + rank0);
+    if (reindexed) put_index(step, Index(step).text());
+    EXPECT_EQ(open_and_load(dir, &why), RTP_EFORMAT) << why;
+    EXPECT_NE(why.find(dir + rank0 + ": metadata save_id is '"), std::string::npos) << why;
+    EXPECT_NE(why.find("', expected '" + mine["save_id"].substr(1, 32) + "' (index.json's"),
+              std::string::npos)
+        << why;
+  }
+}
+
+// An index of version 1 (before save ids) with files that have none loads; with a file
+// that has one it is refused, and so is a file without one under a version 2 index.
+TEST(CkptIndex, VersionOneWithoutSaveIdLoads) {
+  std::string dir = tmp_dir("version-1"), step = dir + "/step-00000001";
+  ASSERT_EQ(save_one(dir, 1), 0) << rtp_last_error();
+  std::string why;
+  Index v2(step), v1 = v2;
+  v1.erase("save_id")["version"] = "1";
+  put_index(step, v1.text());
+  EXPECT_EQ(open_and_load(dir, &why), RTP_EFORMAT);
+  EXPECT_NE(why.find("rank-0.safetensors: metadata save_id is '"), std::string::npos) << why;
+  EXPECT_NE(why.find("', expected ''"), std::string::npos) << why;
+  resave_rank0(step, {"format", "rtp-checkpoint", "rank", "0", nullptr});
+  Index old(step);
+  old.erase("save_id")["version"] = "1";
+  put_index(step, old.text());
+  EXPECT_EQ(open_and_load(dir, &why), RTP_OK) << why;
+  v2.bytes = old.bytes;
+  v2.sha = old.sha;
+  v2["files"] = "[" + v2.file() + "]";
+  put_index(step, v2.text());
+  EXPECT_EQ(open_and_load(dir, &why), RTP_EFORMAT);
+  EXPECT_NE(why.find("rank-0.safetensors: metadata save_id is '', expected '"),
+            std::string::npos)
+      << why;
+}
+
+// The index, its files and the model must agree on every tensor: a shape in the index
+// other than the model's, or a file with a tensor, a shape or a rank the index does not
+// give it, is refused naming the tensor and both shapes. The loader read the files'
+// shapes and ignored the index's, so each of these loaded.
+TEST(CkptIndex, IndexFilesAndModelMustAgree) {
+  std::string dir = tmp_dir("agree"), step = dir + "/step-00000001";
+  ASSERT_EQ(save_one(dir, 1), 0) << rtp_last_error();
+  const Index good(step);
+  const std::string id = good.top[2].second.substr(1, 32), b = Index::tensor("b", "[6]");
+  std::string why;
+  auto with_tensors = [&](const std::string &w) {
+    Index i(step);
+    i["tensors"] = "[" + w + ", " + b + "]";
+    return i.text();
+  };
+  const struct {
+    std::string text;
+    const char *message;
+  } cases[] = {
+      {with_tensors(Index::tensor("w", "[6, 9]")),
+       "index.json: tensor 'w' is [6, 9], the model's is [6, 8]"},
+      {with_tensors(Index::tensor("v", "[6, 8]")),
+       "index.json: no tensor 'w' (the model's is [6, 8])"},
+      {with_tensors(Index::tensor("w", "[6, 8]") + ", " + Index::tensor("u", "[6]")),
+       "index.json: tensor 'u' is not in the model (3 tensors, the model has 2)"},
+  };
+  for (const auto &c : cases) {
+    put_index(step, c.text);
+    EXPECT_EQ(open_and_load(dir, &why), RTP_ESHAPE) << why;
+    EXPECT_NE(why.find(c.message), std::string::npos) << why;
+  }
+  const std::vector<const char *> meta = {"format",  "rtp-checkpoint", "rank", "0",
+                                          "save_id", id.c_str(),       nullptr};
+  resave_rank0(step, meta, "adam.v.b", 5);
+  put_index(step, Index(step).text());
+  EXPECT_EQ(open_and_load(dir, &why), RTP_EFORMAT);
+  EXPECT_NE(
+      why.find("rank-0.safetensors: tensor 'adam.v.b' is F32 [5], index.json says F32 [6]"),
+      std::string::npos)
+      << why;
+  resave_rank0(step, meta, "adam.v.b", 6);
+  resave_rank0(step, meta, "x");
+  put_index(step, Index(step).text());
+  EXPECT_EQ(open_and_load(dir, &why), RTP_EFORMAT);
+  EXPECT_NE(why.find("rank-0.safetensors: tensor 'x' is not among the 2 index.json gives it"),
+            std::string::npos)
+      << why;
+  resave_rank0(step, {"format", "rtp-checkpoint", "rank", "1", "save_id", id.c_str(), nullptr});
+  put_index(step, Index(step).text());
+  EXPECT_EQ(open_and_load(dir, &why), RTP_EFORMAT);
+  EXPECT_NE(why.find("rank-0.safetensors: metadata rank is '1', expected '0'"),
+            std::string::npos)
+      << why;
 }
 
 // Random damage to the index, each time with a matching marker: open and load never crash

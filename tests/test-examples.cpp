@@ -322,7 +322,7 @@ TEST(TrainGptErrors, BadInputIsRefusedClearly) {
       {{"--init", other, "--config", "tiny", "--eval-only"}, 1, "no tensor"},
       {{"--init", tiny, "--d-model", "32", "--n-head", "2", "--eval-only"},
        1,
-       "destination is"},
+       "tensor 'transformer.wte.weight' is F32 [256, 64] in the file, expected F32 [256, 32]"},
       {{"--config", "tiny", "--data", missing}, 1, "no-such.safetensors"},
       {{"--config", "tiny", "--data", corrupt}, 1, "too few"},
       {{"--batch", "3", "--micro-batches", "2"},
@@ -501,6 +501,73 @@ TEST(TrainGptErrors, NonFiniteNumbersStopWithTheirName) {
   EXPECT_NE(diverged.err.find("' are not finite (NaN or infinity): the loss diverged"),
             std::string::npos)
       << diverged.err;
+}
+
+// A FIFO, a device, a directory or a link loop as --data or --init is refused with one
+// line naming it, at once: reading a FIFO would wait for a writer and /dev/zero would
+// fill memory, so each run has a deadline (timeout's status 124 says it blocked).
+TEST(TrainGptErrors, SpecialFilesAreRefusedWithoutBlocking) {
+  std::string dir = tmp_dir() + "special/", fifo = dir + "fifo", loop = dir + "loop";
+  ASSERT_EQ(mkdir(dir.c_str(), 0700), 0);
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  ASSERT_EQ(symlink(loop.c_str(), loop.c_str()), 0);
+  const std::pair<std::vector<std::string>, std::string> cases[] = {
+      {{"--data", fifo}, "--data " + fifo + ": " + fifo + ": is a FIFO, not a regular file"},
+      {{"--data", "/dev/zero"},
+       "--data /dev/zero: /dev/zero: is a character device, not a regular file"},
+      {{"--data", dir}, dir + ": is a directory, not a regular file"},
+      {{"--data", loop}, loop + ": cannot open: Too many levels of symbolic links"},
+      {{"--init", fifo, "--eval-only"}, "--init " + fifo + ": " + fifo + ": is a FIFO"},
+      {{"--init", "/dev/zero", "--eval-only"}, "/dev/zero: is a character device"},
+      {{"--init", dir, "--eval-only"}, dir + ": is a directory, not a regular file"},
+  };
+  for (const auto &c : cases) {
+    std::vector<std::string> argv = {"timeout", "20", TRAIN_GPT, "--config", "tiny"};
+    argv.insert(argv.end(), c.first.begin(), c.first.end());
+    Result r = run(argv);
+    EXPECT_EQ(r.code, 1) << c.first[1] << ": " << r.err;
+    EXPECT_EQ(r.err.rfind("train-gpt: ", 0), 0u) << r.err;
+    EXPECT_NE(r.err.find(c.second), std::string::npos)
+        << "expected '" << c.second << "' in: " << r.err;
+    EXPECT_EQ(lines(r.err).size(), 1u) << r.err;
+  }
+  std::remove(fifo.c_str());
+  std::remove(loop.c_str());
+  rmdir(dir.c_str());
+}
+
+// --init takes only a file of the model's own sizes: one with more or fewer layers, longer
+// or wider tensors, or metadata that disagrees (n_head changes no shape) is refused naming
+// the tensor and both shapes, or the size; it used to load the first rows and layers of a
+// larger model.
+TEST(TrainGptErrors, InitMustMatchTheModelExactly) {
+  const struct {
+    const char *name, *sizes, *message;
+  } cases[] = {
+      {"layers3", "--n-layer 3", "tensor 'transformer.h.2."},
+      {"layers1", "--n-layer 1", "no tensor 'transformer.h.1."},
+      {"longer", "--seq-len 64",
+       "tensor 'transformer.wpe.weight' is F32 [64, 64] in the file, expected F32 [32, 64]"},
+      {"wider", "--d-model 128",
+       "tensor 'transformer.wte.weight' is F32 [256, 128] in the file, expected F32 [256, 64]"},
+      {"heads", "--n-head 2", "its metadata says n_head 2, the model has 4"},
+  };
+  for (const auto &c : cases) {
+    std::string file = tmp_dir() + "init-" + c.name + ".safetensors";
+    Result made =
+        run(train_gpt(std::string("--config tiny --steps 0 ") + c.sizes, {"--export", file}));
+    ASSERT_EQ(made.code, 0) << made.err;
+    Result r = run(train_gpt("--config tiny --eval-only", {"--init", file}));
+    EXPECT_EQ(r.code, 1) << c.name << ": " << r.out << r.err;
+    EXPECT_NE(r.err.find("train-gpt: --init " + file + ": "), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(c.message), std::string::npos)
+        << c.name << ": expected '" << c.message << "' in: " << r.err;
+    if (std::string(c.name) == "layers3") {
+      EXPECT_NE(r.err.find("is not expected (41 tensors, 29 expected)"), std::string::npos)
+          << r.err;
+    }
+    std::remove(file.c_str());
+  }
 }
 
 // Under rtp-run: rtp-run's argv for n ranks of train-gpt with these flags.
@@ -1026,7 +1093,13 @@ TEST(TrainGptCkpt, PipelineCheckpointsResumeOnAnyLayout) {
 TEST(TrainGptCkpt, BadCheckpointsAreRefusedAndKept) {
   std::string dir = tmp_dir() + "ck-bad", step = dir + "/step-00000010";
   ASSERT_EQ(run(train_gpt(kCkptFlags + " --steps 10", {"--ckpt-dir", dir})).code, 0);
-  std::string good = slurp(step + "/rank-0.safetensors");
+  std::string good = slurp(step + "/rank-0.safetensors"), index = slurp(step + "/index.json"),
+              marker = slurp(step + "/COMPLETE");
+  // The same run again: its file differs from step's only in the save's id.
+  std::string other = dir + "-again";
+  ASSERT_EQ(run(train_gpt(kCkptFlags + " --steps 10", {"--ckpt-dir", other})).code, 0);
+  const std::string seal =
+      " index.json && printf 'sha256 %s\\n' $(sha256sum index.json | cut -c1-64) > COMPLETE";
   struct Case {
     std::string damage, flags, message;
     int code;
@@ -1034,7 +1107,16 @@ TEST(TrainGptCkpt, BadCheckpointsAreRefusedAndKept) {
   const Case cases[] = {
       {"", " --steps 20", "already has checkpoints: --resume", 2},
       {"", " --steps 20 --resume --batch 4", "global_batch 8, this run has 4", 1},
-      {"", " --steps 20 --resume --d-model 32 --n-head 2", "destination is", 1},
+      {"", " --steps 20 --resume --d-model 32 --n-head 2",
+       "index.json: tensor 'transformer.wte.weight' is [256, 64], the model's is [256, 32]", 1},
+      {"", " --steps 20 --resume --n-layer 1",
+       "index.json: tensor 'transformer.h.1.ln_1.weight' is not in the model", 1},
+      {"cp " + quote(other + "/step-00000010/rank-0.safetensors") + " .",
+       " --steps 20 --resume", "rank-0.safetensors: metadata save_id is '", 1},
+      {"sed -i 's/\"data_pos\": \"10\"/\"data_pos\": \"1x\"/'" + seal, " --steps 20 --resume",
+       "data_pos is '1x', expected 10 (its step)", 1},
+      {"sed -i 's/\"adam_steps\": 10/\"adam_steps\": 7/'" + seal, " --steps 20 --resume",
+       "adam_steps is 7, expected 10 (one a step)", 1},
       {"printf X | dd of=rank-0.safetensors bs=1 conv=notrunc seek=900000 2>/dev/null",
        " --steps 20 --resume", "checksum mismatch (corrupted)", 1},
       {"truncate -s 1000 rank-0.safetensors", " --steps 20 --resume", "rank-0.safetensors", 1},
@@ -1042,7 +1124,9 @@ TEST(TrainGptCkpt, BadCheckpointsAreRefusedAndKept) {
   };
   for (const Case &c : cases) {
     std::ofstream(step + "/rank-0.safetensors", std::ios::binary) << good;
-    std::system(("cd " + quote(step) + " && mv -f COMPLETE.x COMPLETE 2>/dev/null").c_str());
+    std::ofstream(step + "/index.json", std::ios::binary) << index;
+    std::remove((step + "/COMPLETE.x").c_str());
+    std::ofstream(step + "/COMPLETE", std::ios::binary) << marker;
     if (!c.damage.empty()) {
       ASSERT_EQ(std::system(("cd " + quote(step) + " && " + c.damage).c_str()), 0);
     }
@@ -1076,6 +1160,28 @@ std::vector<std::string> list_dir(const std::string &path) {
   return names;
 }
 
+// A checkpoint's file with its save's id, which every save draws anew, blanked out, and in
+// the index the checksums of the files that hold it (they are compared without it).
+std::string without_save_id(const std::string &step, const std::string &file) {
+  const std::string index = slurp(step + "/index.json"), key = "\"save_id\": \"",
+                    sha = "\"sha256\": \"";
+  std::string text = slurp(step + "/" + file);
+  size_t at = index.find(key);
+  if (at == std::string::npos) return text;
+  const std::string id = index.substr(at + key.size(), 32);
+  for (size_t p; (p = text.find(id)) != std::string::npos;) text.replace(p, 32, "<save id>");
+  for (size_t p = 0; file == "index.json" && (p = text.find(sha, p)) != std::string::npos;)
+    text.replace(p += sha.size(), 64, "<sha256>");
+  return text;
+}
+
+// Whether two steps' file is the same but for the save's id; COMPLETE, the checksum of an
+// index that holds the id, only in its length (a load checks it against the index).
+bool same_but_save_id(const std::string &a, const std::string &b, const std::string &file) {
+  if (file == "COMPLETE") return slurp(a + "/" + file).size() == slurp(b + "/" + file).size();
+  return without_save_id(a, file) == without_save_id(b, file);
+}
+
 // A full disk during a save loses nothing already saved: the run stops with status 1 and a
 // message naming the cause (training on without checkpoints would put ever more steps at
 // risk), latest still names the last good checkpoint, byte for byte the one a run with
@@ -1098,7 +1204,7 @@ void expect_failed_save_loses_nothing(const Result &failed, const std::string &d
   std::vector<std::string> files = list_dir(ref_dir + "/step-00000005");
   EXPECT_EQ(list_dir(dir + "/step-00000005"), files);
   for (const std::string &f : files)
-    EXPECT_TRUE(slurp(dir + "/step-00000005/" + f) == slurp(ref_dir + "/step-00000005/" + f))
+    EXPECT_TRUE(same_but_save_id(dir + "/step-00000005", ref_dir + "/step-00000005", f))
         << f << " differs from the one a run with room wrote";
 }
 

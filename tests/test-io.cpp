@@ -616,6 +616,71 @@ TEST_F(IoTest, OpenErrors) {
   EXPECT_EQ(st, nullptr);
 }
 
+// A FIFO, a device, a directory, a link loop or an unreadable file given as a file to
+// read is refused by its type (or its open's error) with one line naming it, and never
+// blocks: opening a FIFO for reading waits for a writer unless told not to, so each check
+// runs in a child process with a deadline. Both readers go through one check.
+TEST_F(IoTest, SpecialFilesAreRefusedWithoutBlocking) {
+  std::string fifo = Path("fifo"), loop = Path("loop"), sub = Path("sub"),
+              secret = Path("secret"), to_fifo = Path("to-fifo");
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  ASSERT_EQ(symlink(loop.c_str(), loop.c_str()), 0);
+  ASSERT_EQ(symlink(fifo.c_str(), to_fifo.c_str()), 0);
+  fs::create_directory(sub);
+  WriteFile(secret, std::vector<uint8_t>(16, 'x'));
+  ASSERT_EQ(chmod(secret.c_str(), 0), 0);
+  const struct {
+    std::string path, words;
+  } cases[] = {
+      {fifo, ": is a FIFO, not a regular file"},
+      {to_fifo, ": is a FIFO, not a regular file"},
+      {"/dev/zero", ": is a character device, not a regular file"},
+      {sub, ": is a directory, not a regular file"},
+      {loop, ": cannot open: Too many levels of symbolic links"},
+      {secret, ": cannot open: Permission denied"},
+  };
+  for (const auto &c : cases) {
+    auto child = rtptest::run_procs(
+        1,
+        [&](int) {
+          // root reads any file: the unreadable one is tried as nobody
+          if (geteuid() == 0 && c.path == secret && setuid(65534) != 0) return 9;
+          rtp_safetensors *st = nullptr;
+          void *data = nullptr;
+          int bad = 0;
+          for (int reader = 0; reader < 2; reader++) {
+            int rc = reader ? rtp_file_read(c.path.c_str(), SIZE_MAX, &data, nullptr)
+                            : rtp_safetensors_open(c.path.c_str(), &st);
+            std::string msg = rtp_last_error();
+            if (rc != RTP_EIO || st || data || msg != c.path + c.words) {
+              fprintf(stderr, "reader %d: status %d: %s\n", reader, rc, msg.c_str());
+              bad++;
+            }
+          }
+          return bad;
+        },
+        10);
+    EXPECT_EQ(child[0].code, 0) << c.path << c.words << " (-1000: it blocked)";
+  }
+}
+
+// rtp_file_read checks the size before it reads: a larger file is refused, one within the
+// limit is read whole with a NUL after it.
+TEST_F(IoTest, FileReadChecksTheSizeFirst) {
+  std::string path = Path("text");
+  WriteFile(path, std::vector<uint8_t>(100, 'a'));
+  void *data = nullptr;
+  size_t n = 0;
+  EXPECT_EQ(rtp_file_read(path.c_str(), 99, &data, &n), RTP_EFORMAT);
+  EXPECT_EQ(std::string(rtp_last_error()), path + ": 100 bytes, more than the 99 allowed");
+  EXPECT_EQ(data, nullptr);
+  ASSERT_EQ(rtp_file_read(path.c_str(), 100, &data, &n), RTP_OK) << rtp_last_error();
+  EXPECT_EQ(n, 100u);
+  EXPECT_EQ(std::string((const char *)data), std::string(100, 'a'));
+  free(data);
+  EXPECT_EQ(rtp_file_read(nullptr, 1, &data, &n), RTP_EINVAL);
+}
+
 // Random corruption of a good file: never a crash, an out-of-bounds access (ASan build)
 // or a wrong acceptance of a broken tiling; whatever opens can be read.
 TEST_F(IoTest, FuzzedFilesNeverCrash) {
@@ -716,6 +781,37 @@ TEST_F(IoTest, ReadShapeMismatch) {
   nodata.data = nullptr;
   EXPECT_EQ(rtp_safetensors_read(st, "w", &nodata), RTP_EINVAL);
   EXPECT_EQ(rtp_safetensors_read(st, "w", nullptr), RTP_EINVAL);
+  rtp_safetensors_close(st);
+}
+
+// rtp_safetensors_check: the file must hold exactly the tensors given, by name, type and
+// shape; the first one missing, extra or different is named with both shapes.
+TEST_F(IoTest, CheckWantsExactlyTheTensors) {
+  std::string path = Path("model.safetensors");
+  rtp_tensor *w = F32({4, 3}, "w"), *b = F32({3}, "b");
+  rtp_tensor *both[] = {w, b};
+  ASSERT_EQ(rtp_safetensors_save(path.c_str(), both, 2, nullptr), RTP_OK) << rtp_last_error();
+  rtp_safetensors *st = nullptr;
+  ASSERT_EQ(rtp_safetensors_open(path.c_str(), &st), RTP_OK) << rtp_last_error();
+  EXPECT_EQ(rtp_safetensors_check(st, both, 2), RTP_OK) << rtp_last_error();
+  rtp_tensor *longer = F32({4, 2}, "w"), *wider = F32({5, 3}, "w"), *i32 = I32({4, 3}, "w");
+  rtp_tensor *c = F32({3}, "c");
+  const struct {
+    std::vector<rtp_tensor *> ts;
+    std::string message;
+  } cases[] = {
+      {{w}, ": tensor 'b' (F32 [3]) is not expected (2 tensors, 1 expected)"},
+      {{w, b, c}, ": no tensor 'c' (F32 [3] expected)"},
+      {{longer, b}, ": tensor 'w' is F32 [3, 4] in the file, expected F32 [2, 4]"},
+      {{wider, b}, ": tensor 'w' is F32 [3, 4] in the file, expected F32 [3, 5]"},
+      {{i32, b}, ": tensor 'w' is F32 [3, 4] in the file, expected I32 [3, 4]"},
+      {{w, w}, ": tensor 'b' (F32 [3]) is not expected (2 tensors, 2 expected)"},
+  };
+  for (const auto &k : cases) {
+    EXPECT_EQ(rtp_safetensors_check(st, k.ts.data(), (int)k.ts.size()), RTP_ESHAPE);
+    EXPECT_EQ(std::string(rtp_last_error()), path + k.message);
+  }
+  EXPECT_EQ(rtp_safetensors_check(st, nullptr, 1), RTP_EINVAL);
   rtp_safetensors_close(st);
 }
 

@@ -413,32 +413,13 @@ static int make_addition_task(struct dataset *d) {
   return RTP_OK;
 }
 
-/* Any file, its bytes as tokens; the last tenth is held out (all of it with --eval-only). */
+/* Any regular file, its bytes as tokens; the last tenth is held out (all of it with
+ * --eval-only). A FIFO or a device is refused before it is read. */
 static int load_data_file(const char *path, bool eval_only, struct dataset *d) {
-  FILE *f = fopen(path, "rb");
-  if (!f) {
-    fprintf(stderr, "train-gpt: --data %s: %s\n", path, strerror(errno));
-    return RTP_EIO;
-  }
-  size_t cap = 1 << 20, n = 0;
-  uint8_t *buf = malloc(cap);
-  for (size_t got = 1; buf && got > 0;) {
-    if (n == cap) {
-      uint8_t *bigger = realloc(buf, cap *= 2);
-      if (!bigger) free(buf);
-      buf = bigger;
-      if (!buf) break;
-    }
-    got = fread(buf + n, 1, cap - n, f);
-    n += got;
-  }
-  bool bad = ferror(f) || !buf;
-  fclose(f);
-  if (bad) {
-    free(buf);
-    fprintf(stderr, "train-gpt: --data %s: cannot read the file\n", path);
-    return RTP_EIO;
-  }
+  void *buf;
+  size_t n;
+  int rc = rtp_file_read(path, SIZE_MAX, &buf, &n);
+  if (rc) return fail(rc, "--data %s", path);
   *d = (struct dataset){buf, n, eval_only ? 0 : n - n / 10, false};
   return RTP_OK;
 }
@@ -1078,9 +1059,31 @@ static int run_sample(struct trainer *tr, const struct dataset *d, const struct 
 /* ---- files --------------------------------------------------------------------------------
  */
 
+/* The file must be this model, not one that shares a prefix of its rows or layers: every
+ * tensor of the shape the model has and no other, and sizes in its metadata (the only
+ * place n_head shows) that are the model's. */
+static int check_init(const struct trainer *tr, struct rtp_safetensors *st, const char *path) {
+  const struct gpt_config c = tr->m.cfg;
+  const char *keys[] = {"vocab", "seq_len", "d_model", "n_layer", "n_head"};
+  const int model[] = {c.vocab, c.seq_len, c.d_model, c.n_layer, c.n_head};
+  int rc = rtp_safetensors_check(st, tr->m.params, tr->m.n_params);
+  if (rc) return fail(rc, "--init %s", path);
+  for (int i = 0; i < 5; i++) {
+    const char *saved = rtp_safetensors_meta(st, keys[i]);
+    int v;
+    if (!saved || (meta_int(st, keys[i], &v) == 1 && v == model[i])) continue;
+    fprintf(stderr, "train-gpt: --init %s: its metadata says %s %s, the model has %d\n", path,
+            keys[i], saved, model[i]);
+    return RTP_ESHAPE;
+  }
+  return RTP_OK;
+}
+
 /* Each rank reads only its block of every parameter; under tp, whose pieces are not all
  * blocks of rows, each parameter whole, and keeps its part of it. */
 static int load_init(struct trainer *tr, struct rtp_safetensors *st, const char *path) {
+  int checked = check_init(tr, st, path);
+  if (checked) return checked;
   bool tp = tr->strategy == RTP_STRATEGY_TP;
   size_t hdr_bytes = (size_t)tr->m.n_params * 1024 + (64u << 10);
   struct rtp_context *hdr =
@@ -1303,6 +1306,30 @@ static int check_resume_state(const struct rtp_ckpt *c, const struct ckpt_state 
   return RTP_OK;
 }
 
+/* This trainer draws the data of step s from (seed, s) and takes one Adam step a step, so
+ * a checkpoint of step s says data_pos s and has s Adam steps: anything else is not one
+ * of its checkpoints (or a damaged one), and would resume on other data or bias
+ * corrections. */
+static int check_resume_position(const struct rtp_ckpt *c, const struct trainer *tr) {
+  int64_t step = rtp_ckpt_step(c), adam = rtp_optimizer_steps(tr->opt);
+  const char *pos = rtp_ckpt_state(c, "data_pos");
+  char want[24];
+  snprintf(want, sizeof(want), "%" PRId64, step);
+  if (!pos || strcmp(pos, want)) {
+    fprintf(stderr, "train-gpt: --resume: %s: data_pos is '%s', expected %s (its step)\n",
+            rtp_ckpt_path(c), pos ? pos : "(none)", want);
+    return RTP_EFORMAT;
+  }
+  if (adam != step) {
+    fprintf(stderr,
+            "train-gpt: --resume: %s: adam_steps is %" PRId64 ", expected %" PRId64
+            " (one a step)\n",
+            rtp_ckpt_path(c), adam, step);
+    return RTP_EFORMAT;
+  }
+  return RTP_OK;
+}
+
 /* The weights, Adam states and step of --ckpt-dir's latest checkpoint. */
 static int resume(struct trainer *tr, const struct options *o, int64_t *step) {
   struct rtp_ckpt *c = NULL;
@@ -1312,6 +1339,7 @@ static int resume(struct trainer *tr, const struct options *o, int64_t *step) {
   struct rtp_ckpt_params p = ckpt_params(tr, o, &cs, 0);
   rc = check_resume_state(c, &cs);
   if (!rc && (rc = rtp_ckpt_load(c, &p))) fail(rc, "--resume from %s", rtp_ckpt_path(c));
+  if (!rc) rc = check_resume_position(c, tr);
   *step = rtp_ckpt_step(c);
   if (!rc) tr->saved = *step;
   if (!rc && tr->rank == 0 && rtp_ckpt_world_size(c) == 1)
