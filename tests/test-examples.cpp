@@ -282,6 +282,31 @@ TEST_F(TrainGpt, SamplesFromTheExport) {
       << r.out;
 }
 
+// The built-in task's sample marks each sum the model wrote right or wrong, and counts
+// them (a model of 300 steps writes sums, with wrong answers yet).
+TEST(TrainGptSample, SumsAreMarkedRightOrWrong) {
+  std::string model = tmp_dir() + "sums.safetensors";
+  Result t =
+      run(train_gpt("--config tiny --steps 300 --lr 3e-3 --seed 7 --threads 2 "
+                    "--log-every 300 --eval-windows 0 --eval-problems 0",
+                    {"--export", model}));
+  ASSERT_EQ(t.code, 0) << t.err;
+  Result r = run({TRAIN_GPT, "--init", model, "--steps", "0", "--sample", "64"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  int marked = 0, right = 0, a, b, c;
+  char mark[8];
+  for (const std::string &l : lines(r.out)) {
+    if (std::sscanf(l.c_str(), "%3d+%3d=%4d   %7s", &a, &b, &c, mark) != 4) continue;
+    marked++;
+    right += std::string(mark) == "right";
+    EXPECT_EQ(std::string(mark), a + b == c ? "right" : "wrong") << l;
+  }
+  EXPECT_GE(marked, 3) << r.out;
+  EXPECT_NE(r.out.find(std::to_string(right) + " of " + std::to_string(marked) + " sums right"),
+            std::string::npos)
+      << r.out;
+}
+
 TEST_F(TrainGpt, LoadsInPyTorch) {
   ASSERT_EQ(train_.code, 0) << train_.err;
   if (run({"/usr/bin/python3", "-c", "import torch"}).code != 0)
