@@ -283,7 +283,8 @@ TEST_F(TrainGpt, SamplesFromTheExport) {
 }
 
 // The built-in task's sample marks each sum the model wrote right or wrong, and counts
-// them (a model of 300 steps writes sums, with wrong answers yet).
+// them (a model of 300 steps writes sums, with wrong answers yet); a long sample says how
+// far it is on stderr.
 TEST(TrainGptSample, SumsAreMarkedRightOrWrong) {
   std::string model = tmp_dir() + "sums.safetensors";
   Result t =
@@ -302,6 +303,14 @@ TEST(TrainGptSample, SumsAreMarkedRightOrWrong) {
     EXPECT_EQ(std::string(mark), a + b == c ? "right" : "wrong") << l;
   }
   EXPECT_GE(marked, 3) << r.out;
+  EXPECT_EQ(r.err.find("sampling: "), std::string::npos) << r.err;  // short: no progress
+  Result l = run({TRAIN_GPT, "--init", model, "--steps", "0", "--sample", "300"});
+  ASSERT_EQ(l.code, 0) << l.err;
+  std::vector<std::string> progress;
+  for (const std::string &e : lines(l.err))
+    if (e.rfind("sampling: ", 0) == 0) progress.push_back(e);
+  ASSERT_EQ(progress.size(), 10u) << l.err;
+  EXPECT_EQ(progress[9], "sampling: 270/300 bytes") << l.err;
   EXPECT_NE(r.out.find(std::to_string(right) + " of " + std::to_string(marked) + " sums right"),
             std::string::npos)
       << r.out;
