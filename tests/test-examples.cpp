@@ -1007,6 +1007,44 @@ TEST(TrainGptCkpt, PipelineCheckpointsResumeOnAnyLayout) {
   }
 }
 
+// A resumed run's metrics file continues the curve: a run that logged steps 1..10 and
+// stopped before its checkpoint of step 10 was complete, resumed from step 5, leaves steps
+// 1..15 once each with the losses of a run never stopped. A line without a step is kept;
+// a run without --resume starts the file anew.
+TEST(TrainGptCkpt, ResumedMetricsContinueTheCurve) {
+  std::string ref = tmp_dir() + "ckm-ref.jsonl", dir = tmp_dir() + "ckm",
+              m = tmp_dir() + "ckm.jsonl";
+  ASSERT_EQ(std::system(("rm -rf " + quote(dir)).c_str()), 0);
+  ASSERT_EQ(run(train_gpt(kCkptFlags + " --steps 15", {"--metrics", ref})).code, 0);
+  Result a = run(train_gpt(kCkptFlags + " --steps 10 --ckpt-every 5",
+                           {"--ckpt-dir", dir, "--metrics", m}));
+  ASSERT_EQ(a.code, 0) << a.err;
+  std::vector<std::string> logged = lines(slurp(m));
+  ASSERT_EQ(logged.size(), 10u);
+  std::string crashed;  // a line that is not train-gpt's, and step 11's cut short
+  for (size_t i = 0; i < logged.size(); i++)
+    crashed += (i == 3 ? "# a note\n" : "") + logged[i] + "\n";
+  std::ofstream(m, std::ios::binary) << crashed << "{\"step\": 11, \"lo";
+  std::ofstream(dir + "/latest", std::ios::binary) << "step-00000005\n";
+  ASSERT_EQ(std::system(("rm -rf " + quote(dir + "/step-00000010")).c_str()), 0);
+  Result b =
+      run(train_gpt(kCkptFlags + " --steps 15 --resume", {"--ckpt-dir", dir, "--metrics", m}));
+  ASSERT_EQ(b.code, 0) << b.err;
+  EXPECT_NE(b.err.find("line 4 has no step: kept"), std::string::npos) << b.err;
+  std::vector<std::string> got = lines(slurp(m));
+  ASSERT_EQ(got.size(), 16u) << slurp(m);
+  EXPECT_EQ(got[3], "# a note");
+  for (size_t i = 0; i < 5; i++) EXPECT_EQ(got[i < 3 ? i : i + 1], logged[i]);
+  std::vector<double> steps = metric(m, "step");
+  ASSERT_EQ(steps.size(), 15u);
+  for (size_t i = 0; i < steps.size(); i++) EXPECT_EQ(steps[i], i + 1);
+  EXPECT_EQ(metric(m, "loss"), metric(ref, "loss"));
+  EXPECT_FALSE(std::ifstream(m + ".tmp").good()) << "the temporary file is renamed";
+  ASSERT_EQ(run(train_gpt(kCkptFlags + " --steps 2", {"--metrics", m})).code, 0);
+  EXPECT_EQ(metric(m, "step"), (std::vector<double>{1, 2}));
+  EXPECT_EQ(lines(slurp(m)).size(), 2u);
+}
+
 TEST(TrainGptCkpt, BadCheckpointsAreRefusedAndKept) {
   std::string dir = tmp_dir() + "ck-bad", step = dir + "/step-00000010";
   ASSERT_EQ(run(train_gpt(kCkptFlags + " --steps 10", {"--ckpt-dir", dir})).code, 0);

@@ -95,7 +95,8 @@ static int flag_table(struct options *o, struct flag *f) {
        "mixed precision: bf16 products (f32 sums, weights, Adam); rtp rotates bf16 blocks"},
       {"--data", ARG_STR, &o->data, "FILE",
        "bytes as tokens, last 10% held out (default: built-in sums)"},
-      {"--metrics", ARG_STR, &o->metrics, "FILE", "write one JSON object per step (JSONL)"},
+      {"--metrics", ARG_STR, &o->metrics, "FILE",
+       "write one JSON object per step (JSONL; --resume appends)"},
       {"--init", ARG_STR, &o->init, "FILE", "start from a consolidated .safetensors model"},
       {"--export", ARG_STR, &o->export_path, "FILE",
        "write the model as .safetensors at the end"},
@@ -148,7 +149,8 @@ static void print_usage(FILE *out) {
           "ranks per stage and the\nglobal batch is D x B; --strategy runs inside each stage "
           "(rtp, fsdp or ddp).\n"
           "A checkpoint that cannot be written (e.g. a full disk) stops training with status "
-          "1; the\nprevious one is kept and --resume continues from it.\n"
+          "1; the\nprevious one is kept and --resume continues from it, its --metrics file "
+          "too (the steps\nlogged after the checkpoint are dropped).\n"
           "Exit status: 0 success, 1 failure, 2 bad command line.\n");
 }
 
@@ -1452,16 +1454,68 @@ static int open_inputs(struct options *o, struct rtp_safetensors **init, struct 
   return check_data(d, c->seq_len, o->eval_only, o->data ? o->data : "the built-in task");
 }
 
-/* Rank 0 writes FILE, rank k FILE.rank<k>. */
-static int open_metrics(const struct trainer *tr, const char *path, FILE **f) {
+static int metrics_error(const char *name) {
+  fprintf(stderr, "train-gpt: --metrics %s: %s\n", name, strerror(errno));
+  return RTP_EIO;
+}
+
+/* The step a metrics line starts with (write_metrics); false if it has none. */
+static bool metrics_step(const char *line, int64_t *step) {
+  static const char key[] = "{\"step\": ";
+  if (strncmp(line, key, sizeof(key) - 1) != 0) return false;
+  const char *digits = line + sizeof(key) - 1;
+  char *end;
+  errno = 0;
+  long long v = strtoll(digits, &end, 10);
+  *step = v;
+  return end != digits && !errno;
+}
+
+/* A resumed run continues the curve in the file: the lines of steps up to the checkpoint's
+ * (last) are kept, those of later steps, which the stopped run logged after its last
+ * checkpoint, dropped. The kept lines go to FILE.tmp, renamed over FILE, so a crash here
+ * leaves FILE as it was. A line without a step is not train-gpt's to judge: it is kept, with
+ * a warning, and so is a last line cut short (given its newline) if its step is kept. */
+static int keep_metrics_until(const char *name, int64_t last) {
+  FILE *in = fopen(name, "r");
+  if (!in) return errno == ENOENT ? RTP_OK : metrics_error(name);
+  char tmp[4200];
+  snprintf(tmp, sizeof(tmp), "%s.tmp", name);
+  FILE *out = fopen(tmp, "w");
+  char *line = NULL;
+  size_t cap = 0;
+  ssize_t len;
+  for (int64_t n = 1; out && (len = getline(&line, &cap, in)) > 0; n++) {
+    int64_t step;
+    bool has_step = metrics_step(line, &step);
+    if (has_step && step > last) continue;
+    if (!has_step)
+      fprintf(stderr, "train-gpt: warning: --metrics %s: line %" PRId64 " has no step: kept\n",
+              name, n);
+    fwrite(line, 1, (size_t)len, out);
+    if (line[len - 1] != '\n') fputc('\n', out);
+  }
+  free(line);
+  bool bad = ferror(in) || !out || fflush(out) || fsync(fileno(out)) || ferror(out);
+  fclose(in);
+  if (out && fclose(out)) bad = true;
+  if (!bad && rename(tmp, name) == 0) return RTP_OK;
+  int rc = metrics_error(name);
+  remove(tmp);
+  return rc;
+}
+
+/* Rank 0 writes FILE, rank k FILE.rank<k>: anew, or after --resume from step resumed (-1:
+ * none) appended to the curve of the run it continues. */
+static int open_metrics(const struct trainer *tr, const char *path, int64_t resumed, FILE **f) {
   char name[4096];
   if (tr->rank == 0)
     snprintf(name, sizeof(name), "%s", path);
   else
     snprintf(name, sizeof(name), "%s.rank%d", path, tr->rank);
-  if ((*f = fopen(name, "w"))) return RTP_OK;
-  fprintf(stderr, "train-gpt: --metrics %s: %s\n", name, strerror(errno));
-  return RTP_EIO;
+  if (resumed >= 0 && keep_metrics_until(name, resumed)) return RTP_EIO;
+  if ((*f = fopen(name, resumed >= 0 ? "a" : "w"))) return RTP_OK;
+  return metrics_error(name);
 }
 
 static void print_model(const struct trainer *tr, const struct options *o) {
@@ -1497,7 +1551,7 @@ static int run(struct options *o) {
   if (!rc && !o->resume)
     rc = init ? load_init(&tr, init, o->init) : init_weights(&tr, (uint64_t)o->seed);
   if (!rc && init) rc = check_init_finite(&tr, o->init);
-  if (!rc && o->metrics) rc = open_metrics(&tr, o->metrics, &metrics);
+  if (!rc && o->metrics) rc = open_metrics(&tr, o->metrics, o->resume ? first : -1, &metrics);
   if (!rc && !o->eval_only && o->steps > first) {
     if (tr.rank == 0) print_model(&tr, o);
     rc = run_training(&tr, &data, o, first, metrics);
