@@ -1007,6 +1007,98 @@ TEST(TrainGptCkpt, PipelineCheckpointsResumeOnAnyLayout) {
   }
 }
 
+// A checkpoint read as a model by the README's lines as written there, which give neither
+// --config (the sizes come from the checkpoint) nor --steps: the export and --eval-only
+// give the trained model's loss, and PyTorch, with the README's snippet, loads the export
+// and picks the byte that --sample picked.
+TEST(TrainGptCkpt, ReadmeReadsTheCheckpointAsAModel) {
+  std::vector<std::string> readme;
+  for (const std::string &l : lines(slurp(RTP_TEST_DIR "/../README.md")))
+    if (l.rfind("build/examples/train-gpt --ckpt-dir ckpt ", 0) == 0) readme.push_back(l);
+  ASSERT_EQ(readme.size(), 3u) << "README.md: expected the export, eval-only and sample lines";
+  std::string dir = tmp_dir() + "ck-model", trained = tmp_dir() + "ck-trained.safetensors",
+              model = tmp_dir() + "ck-model.safetensors";
+  ASSERT_EQ(std::system(("rm -rf " + quote(dir)).c_str()), 0);
+  Result t = run(train_gpt(kCkptFlags + " --steps 30 --ckpt-every 20",
+                           {"--ckpt-dir", dir, "--export", trained}));
+  ASSERT_EQ(t.code, 0) << t.err;
+  std::vector<Result> r;
+  for (const std::string &l : readme) {
+    std::string cmd;
+    std::stringstream ss(l);
+    for (std::string w; ss >> w; cmd += w + " ") {
+      if (w == "build/examples/train-gpt") w = quote(TRAIN_GPT);
+      if (w == "ckpt") w = quote(dir);
+      if (w == "model.safetensors") w = quote(model);
+    }
+    r.push_back(run({"sh", "-c", cmd + "--threads 1"}));
+    ASSERT_EQ(r.back().code, 0) << cmd << "\n" << r.back().out << r.back().err;
+  }
+  EXPECT_EQ(r[0].out, "") << "--export prints nothing";
+  rtp_safetensors *st = nullptr;
+  ASSERT_EQ(rtp_safetensors_open(model.c_str(), &st), RTP_OK) << rtp_last_error();
+  EXPECT_STREQ(rtp_safetensors_meta(st, "step"), "30");
+  EXPECT_STREQ(rtp_safetensors_meta(st, "d_model"), "64");
+  rtp_safetensors_close(st);
+  for (const std::string &m : {trained, model}) {
+    Result e = run({TRAIN_GPT, "--init", m, "--eval-only", "--threads", "1"});
+    ASSERT_EQ(e.code, 0) << e.err;
+    EXPECT_EQ(e.out, r[1].out) << "--eval-only of the checkpoint and of " << m;
+  }
+  const std::string head = "--- sample (8 bytes, greedy) ---\n12+34=";
+  size_t at = r[2].out.find(head);
+  ASSERT_NE(at, std::string::npos) << r[2].out;
+  std::string picked = r[2].out.substr(at + head.size(), 1);
+
+  if (run({"/usr/bin/python3", "-c", "import torch"}).code != 0)
+    GTEST_SKIP() << "/usr/bin/python3 has no torch (apt install python3-torch)";
+  std::string snippet;
+  bool in = false;
+  for (const std::string &l : lines(slurp(RTP_TEST_DIR "/../README.md"))) {
+    if (in && l == "```") break;
+    if (in) snippet += l + "\n";
+    in = in || l == "```python";
+  }
+  ASSERT_EQ(lines(snippet).size(), 5u) << "README.md: expected the five lines of PyTorch";
+  size_t name = snippet.find("\"model.safetensors\"");
+  ASSERT_NE(name, std::string::npos) << snippet;
+  snippet.replace(name, 19, "\"" + model + "\"");
+  Result py = run({"sh", "-c",
+                   "cd " + quote(RTP_TEST_DIR "/..") +
+                       " && PYTHONDONTWRITEBYTECODE=1 /usr/bin/python3 -c " + quote(snippet)});
+  ASSERT_EQ(py.code, 0) << snippet << py.err;
+  EXPECT_EQ(py.out, picked + "\n") << "PyTorch's greedy byte after 12+34= and train-gpt's";
+}
+
+// --eval-only and --sample with nothing but random weights are refused, and so are flags
+// that train with a checkpoint read; a training run still never replaces checkpoints.
+TEST(TrainGptCkpt, ReadingWithoutWeightsIsRefused) {
+  std::string dir = tmp_dir() + "ck-weights", empty = tmp_dir() + "ck-empty";
+  ASSERT_EQ(std::system(("rm -rf " + quote(dir) + " && mkdir -p " + quote(empty)).c_str()), 0);
+  ASSERT_EQ(run(train_gpt(kCkptFlags + " --steps 1", {"--ckpt-dir", dir})).code, 0);
+  const BadCase cases[] = {
+      {{"--eval-only"}, 2, "--eval-only has no weights but random ones: give --init FILE"},
+      {{"--config", "tiny", "--steps", "0", "--sample", "4"},
+       2,
+       "--sample with --steps 0 has no weights but random ones"},
+      {{"--eval-only", "--ckpt-dir", empty}, 2, "--ckpt-dir " + empty + " has no checkpoint"},
+      {{"--eval-only", "--ckpt-dir", dir, "--resume"}, 2, "without --resume"},
+      {{"--ckpt-dir", dir, "--export", empty + "/m", "--steps", "5"}, 2, "trains nothing"},
+      {{"--ckpt-dir", dir, "--sample", "4", "--metrics", empty + "/m"}, 2, "trains nothing"},
+      {{"--ckpt-dir", dir, "--eval-only", "--init", empty + "/m"}, 2, "both give the weights"},
+      {{"--ckpt-dir", dir, "--steps", "5"}, 2, "already has checkpoints"},
+  };
+  for (const BadCase &c : cases) {
+    std::vector<std::string> argv = {TRAIN_GPT};
+    argv.insert(argv.end(), c.args.begin(), c.args.end());
+    Result r = run(argv);
+    EXPECT_EQ(r.code, c.code) << testing::PrintToString(c.args) << ": " << r.err;
+    EXPECT_NE(r.err.find(c.message), std::string::npos)
+        << "expected '" << c.message << "' in: " << r.err;
+  }
+  EXPECT_EQ(ckpt_step(dir), 1);
+}
+
 // A resumed run's metrics file continues the curve: a run that logged steps 1..10 and
 // stopped before its checkpoint of step 10 was complete, resumed from step 5, leaves steps
 // 1..15 once each with the losses of a run never stopped. A line without a step is kept;
