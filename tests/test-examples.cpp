@@ -1124,6 +1124,136 @@ TEST(TrainGptCkpt, PipelineCheckpointsResumeOnAnyLayout) {
   }
 }
 
+// A checkpoint read as a model by the README's lines as written there, which give neither
+// --config (the sizes come from the checkpoint) nor --steps: the export and --eval-only
+// give the trained model's loss, and PyTorch, with the README's snippet, loads the export
+// and picks the byte that --sample picked.
+TEST(TrainGptCkpt, ReadmeReadsTheCheckpointAsAModel) {
+  std::vector<std::string> readme;
+  for (const std::string &l : lines(slurp(RTP_TEST_DIR "/../README.md")))
+    if (l.rfind("build/examples/train-gpt --ckpt-dir ckpt ", 0) == 0) readme.push_back(l);
+  ASSERT_EQ(readme.size(), 3u) << "README.md: expected the export, eval-only and sample lines";
+  std::string dir = tmp_dir() + "ck-model", trained = tmp_dir() + "ck-trained.safetensors",
+              model = tmp_dir() + "ck-model.safetensors";
+  ASSERT_EQ(std::system(("rm -rf " + quote(dir)).c_str()), 0);
+  Result t = run(train_gpt(kCkptFlags + " --steps 30 --ckpt-every 20",
+                           {"--ckpt-dir", dir, "--export", trained}));
+  ASSERT_EQ(t.code, 0) << t.err;
+  std::vector<Result> r;
+  for (const std::string &l : readme) {
+    std::string cmd;
+    std::stringstream ss(l);
+    for (std::string w; ss >> w; cmd += w + " ") {
+      if (w == "build/examples/train-gpt") w = quote(TRAIN_GPT);
+      if (w == "ckpt") w = quote(dir);
+      if (w == "model.safetensors") w = quote(model);
+    }
+    r.push_back(run({"sh", "-c", cmd + "--threads 1"}));
+    ASSERT_EQ(r.back().code, 0) << cmd << "\n" << r.back().out << r.back().err;
+  }
+  EXPECT_EQ(r[0].out, "") << "--export prints nothing";
+  rtp_safetensors *st = nullptr;
+  ASSERT_EQ(rtp_safetensors_open(model.c_str(), &st), RTP_OK) << rtp_last_error();
+  EXPECT_STREQ(rtp_safetensors_meta(st, "step"), "30");
+  EXPECT_STREQ(rtp_safetensors_meta(st, "d_model"), "64");
+  rtp_safetensors_close(st);
+  for (const std::string &m : {trained, model}) {
+    Result e = run({TRAIN_GPT, "--init", m, "--eval-only", "--threads", "1"});
+    ASSERT_EQ(e.code, 0) << e.err;
+    EXPECT_EQ(e.out, r[1].out) << "--eval-only of the checkpoint and of " << m;
+  }
+  const std::string head = "--- sample (8 bytes, greedy) ---\n12+34=";
+  size_t at = r[2].out.find(head);
+  ASSERT_NE(at, std::string::npos) << r[2].out;
+  std::string picked = r[2].out.substr(at + head.size(), 1);
+
+  if (run({"/usr/bin/python3", "-c", "import torch"}).code != 0)
+    GTEST_SKIP() << "/usr/bin/python3 has no torch (apt install python3-torch)";
+  std::string snippet;
+  bool in = false;
+  for (const std::string &l : lines(slurp(RTP_TEST_DIR "/../README.md"))) {
+    if (in && l == "```") break;
+    if (in) snippet += l + "\n";
+    in = in || l == "```python";
+  }
+  ASSERT_EQ(lines(snippet).size(), 5u) << "README.md: expected the five lines of PyTorch";
+  size_t name = snippet.find("\"model.safetensors\"");
+  ASSERT_NE(name, std::string::npos) << snippet;
+  snippet.replace(name, 19, "\"" + model + "\"");
+  Result py = run({"sh", "-c",
+                   "cd " + quote(RTP_TEST_DIR "/..") +
+                       " && PYTHONDONTWRITEBYTECODE=1 /usr/bin/python3 -c " + quote(snippet)});
+  ASSERT_EQ(py.code, 0) << snippet << py.err;
+  EXPECT_EQ(py.out, picked + "\n") << "PyTorch's greedy byte after 12+34= and train-gpt's";
+}
+
+// --eval-only and --sample with nothing but random weights are refused, and so are flags
+// that train with a checkpoint read; a training run still never replaces checkpoints.
+TEST(TrainGptCkpt, ReadingWithoutWeightsIsRefused) {
+  std::string dir = tmp_dir() + "ck-weights", empty = tmp_dir() + "ck-empty";
+  ASSERT_EQ(std::system(("rm -rf " + quote(dir) + " && mkdir -p " + quote(empty)).c_str()), 0);
+  ASSERT_EQ(run(train_gpt(kCkptFlags + " --steps 1", {"--ckpt-dir", dir})).code, 0);
+  const BadCase cases[] = {
+      {{"--eval-only"}, 2, "--eval-only has no weights but random ones: give --init FILE"},
+      {{"--config", "tiny", "--steps", "0", "--sample", "4"},
+       2,
+       "--sample with --steps 0 has no weights but random ones"},
+      {{"--eval-only", "--ckpt-dir", empty}, 2, "--ckpt-dir " + empty + " has no checkpoint"},
+      {{"--eval-only", "--ckpt-dir", dir, "--resume"}, 2, "without --resume"},
+      {{"--ckpt-dir", dir, "--export", empty + "/m", "--steps", "5"}, 2, "trains nothing"},
+      {{"--ckpt-dir", dir, "--sample", "4", "--metrics", empty + "/m"}, 2, "trains nothing"},
+      {{"--ckpt-dir", dir, "--eval-only", "--init", empty + "/m"}, 2, "both give the weights"},
+      {{"--ckpt-dir", dir, "--steps", "5"}, 2, "already has checkpoints"},
+  };
+  for (const BadCase &c : cases) {
+    std::vector<std::string> argv = {TRAIN_GPT};
+    argv.insert(argv.end(), c.args.begin(), c.args.end());
+    Result r = run(argv);
+    EXPECT_EQ(r.code, c.code) << testing::PrintToString(c.args) << ": " << r.err;
+    EXPECT_NE(r.err.find(c.message), std::string::npos)
+        << "expected '" << c.message << "' in: " << r.err;
+  }
+  EXPECT_EQ(ckpt_step(dir), 1);
+}
+
+// A resumed run's metrics file continues the curve: a run that logged steps 1..10 and
+// stopped before its checkpoint of step 10 was complete, resumed from step 5, leaves steps
+// 1..15 once each with the losses of a run never stopped. A line without a step is kept;
+// a run without --resume starts the file anew.
+TEST(TrainGptCkpt, ResumedMetricsContinueTheCurve) {
+  std::string ref = tmp_dir() + "ckm-ref.jsonl", dir = tmp_dir() + "ckm",
+              m = tmp_dir() + "ckm.jsonl";
+  ASSERT_EQ(std::system(("rm -rf " + quote(dir)).c_str()), 0);
+  ASSERT_EQ(run(train_gpt(kCkptFlags + " --steps 15", {"--metrics", ref})).code, 0);
+  Result a = run(train_gpt(kCkptFlags + " --steps 10 --ckpt-every 5",
+                           {"--ckpt-dir", dir, "--metrics", m}));
+  ASSERT_EQ(a.code, 0) << a.err;
+  std::vector<std::string> logged = lines(slurp(m));
+  ASSERT_EQ(logged.size(), 10u);
+  std::string crashed;  // a line that is not train-gpt's, and step 11's cut short
+  for (size_t i = 0; i < logged.size(); i++)
+    crashed += (i == 3 ? "# a note\n" : "") + logged[i] + "\n";
+  std::ofstream(m, std::ios::binary) << crashed << "{\"step\": 11, \"lo";
+  std::ofstream(dir + "/latest", std::ios::binary) << "step-00000005\n";
+  ASSERT_EQ(std::system(("rm -rf " + quote(dir + "/step-00000010")).c_str()), 0);
+  Result b =
+      run(train_gpt(kCkptFlags + " --steps 15 --resume", {"--ckpt-dir", dir, "--metrics", m}));
+  ASSERT_EQ(b.code, 0) << b.err;
+  EXPECT_NE(b.err.find("line 4 has no step: kept"), std::string::npos) << b.err;
+  std::vector<std::string> got = lines(slurp(m));
+  ASSERT_EQ(got.size(), 16u) << slurp(m);
+  EXPECT_EQ(got[3], "# a note");
+  for (size_t i = 0; i < 5; i++) EXPECT_EQ(got[i < 3 ? i : i + 1], logged[i]);
+  std::vector<double> steps = metric(m, "step");
+  ASSERT_EQ(steps.size(), 15u);
+  for (size_t i = 0; i < steps.size(); i++) EXPECT_EQ(steps[i], i + 1);
+  EXPECT_EQ(metric(m, "loss"), metric(ref, "loss"));
+  EXPECT_FALSE(std::ifstream(m + ".tmp").good()) << "the temporary file is renamed";
+  ASSERT_EQ(run(train_gpt(kCkptFlags + " --steps 2", {"--metrics", m})).code, 0);
+  EXPECT_EQ(metric(m, "step"), (std::vector<double>{1, 2}));
+  EXPECT_EQ(lines(slurp(m)).size(), 2u);
+}
+
 TEST(TrainGptCkpt, BadCheckpointsAreRefusedAndKept) {
   std::string dir = tmp_dir() + "ck-bad", step = dir + "/step-00000010";
   ASSERT_EQ(run(train_gpt(kCkptFlags + " --steps 10", {"--ckpt-dir", dir})).code, 0);

@@ -6,6 +6,7 @@
  *     train-gpt --init model.safetensors --eval-only --data test.txt
  *     train-gpt --init model.safetensors --sample 200 --prompt "12+34="
  *     train-gpt --ckpt-dir ck --ckpt-every 50            # then, after a crash: --resume
+ *     train-gpt --ckpt-dir ck --export model.safetensors # ck's latest checkpoint as a model
  *     rtp-run -n 2 -- train-gpt --config tiny --strategy rtp --batch 4
  *     rtp-run -n 2 -- train-gpt --config tiny --strategy tp --batch 8
  *
@@ -95,14 +96,16 @@ static int flag_table(struct options *o, struct flag *f) {
        "mixed precision: bf16 products (f32 sums, weights, Adam); rtp rotates bf16 blocks"},
       {"--data", ARG_STR, &o->data, "FILE",
        "bytes as tokens, last 10% held out (default: built-in sums)"},
-      {"--metrics", ARG_STR, &o->metrics, "FILE", "write one JSON object per step (JSONL)"},
+      {"--metrics", ARG_STR, &o->metrics, "FILE",
+       "write one JSON object per step (JSONL; --resume appends)"},
       {"--init", ARG_STR, &o->init, "FILE", "start from a consolidated .safetensors model"},
       {"--export", ARG_STR, &o->export_path, "FILE",
        "write the model as .safetensors at the end"},
       {"--eval-only", ARG_BOOL, &o->eval_only, NULL,
-       "print {\"eval_loss\": x, \"windows\": n} over all of --data"},
+       "print {\"eval_loss\": x, \"windows\": n} over all of --data"
+       ", for --init's or --ckpt-dir's model"},
       {"--sample", ARG_INT, &o->sample, "N",
-       "generate N bytes after training (or from --init)"},
+       "generate N bytes after training (or from --init or --ckpt-dir)"},
       {"--temperature", ARG_FLOAT, &o->temperature, "X", "sampling temperature (0: greedy)"},
       {"--prompt", ARG_STR, &o->prompt, "TEXT",
        "what --sample continues (default: held-out text)"},
@@ -112,7 +115,7 @@ static int flag_table(struct options *o, struct flag *f) {
       {"--eval-problems", ARG_INT, &o->eval_problems, "N",
        "held-out sums for the accuracy (64)"},
       {"--ckpt-dir", ARG_STR, &o->ckpt_dir, "DIR",
-       "write sharded checkpoints there (the last 2 are kept)"},
+       "write sharded checkpoints there (the last 2 are kept), or read the latest"},
       {"--ckpt-every", ARG_INT, &o->ckpt_every, "N",
        "steps between checkpoints (0: only at the end)"},
       {"--resume", ARG_BOOL, &o->resume, NULL,
@@ -148,7 +151,10 @@ static void print_usage(FILE *out) {
           "ranks per stage and the\nglobal batch is D x B; --strategy runs inside each stage "
           "(rtp, fsdp or ddp).\n"
           "A checkpoint that cannot be written (e.g. a full disk) stops training with status "
-          "1; the\nprevious one is kept and --resume continues from it.\n"
+          "1; the\nprevious one is kept and --resume continues from it, its --metrics file "
+          "too (the steps\nlogged after the checkpoint are dropped). --ckpt-dir DIR with "
+          "--export, --eval-only or\n--sample and without --resume reads DIR's latest "
+          "checkpoint, sizes included, and trains\nnothing.\n"
           "Exit status: 0 success, 1 failure, 2 bad command line.\n");
 }
 
@@ -201,7 +207,7 @@ static int parse_args(int argc, char **argv, struct options *o) {
                         .threads = -1,
                         .unit = -1,
                         .batch = 8,
-                        .steps = 200,
+                        .steps = -1,
                         .seed = 1337,
                         .eval_windows = 256,
                         .eval_problems = 64,
@@ -233,6 +239,36 @@ static bool has_checkpoint(const char *dir) {
   return access(path, F_OK) == 0;
 }
 
+/* --export, --eval-only and --sample with a --ckpt-dir that has a checkpoint, and no
+ * --resume: the model is that checkpoint, and nothing is trained. */
+static bool reads_checkpoint(const struct options *o) {
+  return o->ckpt_dir && !o->resume && (o->export_path || o->eval_only || o->sample) &&
+         has_checkpoint(o->ckpt_dir);
+}
+
+/* Where the weights come from. Evaluating or sampling the random weights a run starts from
+ * would print numbers that look like a result, so it is refused; so are the flags of
+ * training with a checkpoint read, rather than ignored. */
+static int check_weights(const struct options *o) {
+  if (reads_checkpoint(o) && o->init)
+    return usage_error("--init and --ckpt-dir %s's checkpoint both give the weights",
+                       o->ckpt_dir);
+  if (reads_checkpoint(o) && (o->steps >= 0 || o->ckpt_every || o->metrics))
+    return usage_error(
+        "--ckpt-dir %s: reading its checkpoint trains nothing, so --steps, --ckpt-every and "
+        "--metrics do not apply (--resume trains on from it)",
+        o->ckpt_dir);
+  if (reads_checkpoint(o)) return 0;
+  if (o->resume && o->eval_only)
+    return usage_error("--eval-only reads --ckpt-dir's checkpoint without --resume");
+  if (o->eval_only && o->ckpt_dir)
+    return usage_error("--eval-only: --ckpt-dir %s has no checkpoint", o->ckpt_dir);
+  if ((o->eval_only || (o->sample && o->steps == 0)) && !o->init && !o->resume)
+    return usage_error("%s has no weights but random ones: give --init FILE or --ckpt-dir DIR",
+                       o->eval_only ? "--eval-only" : "--sample with --steps 0");
+  return 0;
+}
+
 /* What the parser accepts but this build cannot do yet gets a clear refusal. */
 static int check_options(const struct options *o) {
   static const char *const strategies[] = {"rtp", "ddp", "fsdp", "tp"};
@@ -242,9 +278,10 @@ static int check_options(const struct options *o) {
     return usage_error("--strategy must be rtp, ddp, fsdp or tp, not '%s'", o->strategy);
   if ((o->ckpt_every || o->resume) && !o->ckpt_dir)
     return usage_error("--ckpt-every and --resume need --ckpt-dir");
-  if (o->ckpt_dir && o->eval_only) return usage_error("--eval-only does not take --ckpt-dir");
   if (o->resume && o->init) return usage_error("--resume and --init both give the weights");
-  if (o->ckpt_dir && !o->resume && has_checkpoint(o->ckpt_dir))
+  int rc = check_weights(o);
+  if (rc) return rc;
+  if (o->ckpt_dir && !o->resume && !reads_checkpoint(o) && has_checkpoint(o->ckpt_dir))
     return usage_error("--ckpt-dir %s already has checkpoints: --resume continues from them",
                        o->ckpt_dir);
   struct rtp_comm_params p;
@@ -333,13 +370,31 @@ static bool config_from_file(struct rtp_safetensors *st, struct gpt_config *c) {
   return true;
 }
 
-/* --config (or --init's sizes), then the size flags on top. */
+static const char *const size_keys[] = {"vocab", "seq_len", "d_model", "n_layer", "n_head"};
+
+/* The sizes train-gpt records in a checkpoint's state (ckpt_params), into c; a checkpoint of
+ * an older train-gpt has none, and --config and the size flags must give them. */
+static void config_from_ckpt(const struct rtp_ckpt *ck, struct gpt_config *c) {
+  struct gpt_config f = *c;
+  int *dst[] = {&f.vocab, &f.seq_len, &f.d_model, &f.n_layer, &f.n_head};
+  for (int i = 0; i < 5; i++) {
+    const char *s = rtp_ckpt_state(ck, size_keys[i]);
+    char *end;
+    long v = s ? strtol(s, &end, 10) : 0;
+    if (!s || !*s || *end || v <= 0 || v > 1 << 20) return;
+    *dst[i] = (int)v;
+  }
+  *c = f;
+}
+
+/* --config (or the sizes of --init or of the checkpoint read), then the size flags on top. */
 static int resolve_config(struct options *o, struct rtp_safetensors *init,
-                          struct gpt_config *c) {
+                          const struct rtp_ckpt *ck, struct gpt_config *c) {
   const struct preset *p = find_preset(o->config ? o->config : "small");
   if (!p) return usage_error("--config must be tiny, small or medium, not '%s'", o->config);
   *c = p->cfg;
   if (!o->config && init) config_from_file(init, c);
+  if (!o->config && ck) config_from_ckpt(ck, c);
   if (o->lr < 0) o->lr = p->lr;
   if (o->n_layer >= 0) c->n_layer = o->n_layer;
   if (o->d_model >= 0) c->d_model = o->d_model;
@@ -726,11 +781,14 @@ static int build_graphs(struct trainer *tr, bool train) {
   return RTP_OK;
 }
 
-static int trainer_init(struct trainer *tr, struct gpt_config c, const struct options *o) {
+/* train: plan the training graph and make the optimizer (not for --eval-only or a
+ * checkpoint read). */
+static int trainer_init(struct trainer *tr, struct gpt_config c, const struct options *o,
+                        bool train) {
   *tr = (struct trainer){.world = 1, .rank = 0, .stages = 1, .per_stage = 1, .saved = -1};
   int rc = join_job(tr, o);
   if (!rc) rc = parallelize(tr, c, o);
-  if (!rc) rc = build_graphs(tr, !o->eval_only);
+  if (!rc) rc = build_graphs(tr, train);
   if (rc) return rc;
   tr->tp = rtp_threadpool_new(thread_count(o));
   if (!tr->tp) return fail(RTP_ENOMEM, "starting %d threads", thread_count(o));
@@ -738,7 +796,7 @@ static int trainer_init(struct trainer *tr, struct gpt_config c, const struct op
     return usage_error("--threads %d: the library runs at most %d", o->threads,
                        rtp_threadpool_size(tr->tp));
   warn_threads(o);
-  if (o->eval_only) return RTP_OK;
+  if (!train) return RTP_OK;
   struct rtp_adamw_params hp = rtp_adamw_params_default();
   hp.lr = o->lr;
   tr->opt = rtp_parallel_optimizer(tr->par, hp);
@@ -1293,8 +1351,8 @@ static int export_model(struct trainer *tr, const char *path, int64_t steps) {
  * batches are drawn from (seed, step) over the global batch, so the data position is the
  * step itself. */
 struct ckpt_state {
-  char seed[24], batch[24], pos[24];
-  const char *kv[7];
+  char seed[24], batch[24], pos[24], sizes[5][24]; /* sizes: for reading it as a model */
+  const char *kv[17];
 };
 
 static struct rtp_ckpt_params ckpt_params(struct trainer *tr, const struct options *o,
@@ -1302,8 +1360,16 @@ static struct rtp_ckpt_params ckpt_params(struct trainer *tr, const struct optio
   snprintf(cs->seed, sizeof(cs->seed), "%" PRId64, o->seed);
   snprintf(cs->batch, sizeof(cs->batch), "%d", data_ranks(tr) * tr->batch);
   snprintf(cs->pos, sizeof(cs->pos), "%" PRId64, step);
-  const char *kv[] = {"seed", cs->seed, "global_batch", cs->batch, "data_pos", cs->pos, NULL};
+  const char *kv[] = {"seed", cs->seed, "global_batch", cs->batch, "data_pos", cs->pos};
   memcpy(cs->kv, kv, sizeof(kv));
+  struct gpt_config c = tr->m.cfg;
+  int sizes[] = {c.vocab, c.seq_len, c.d_model, c.n_layer, c.n_head}, n = 6;
+  for (int i = 0; i < 5; i++) {
+    snprintf(cs->sizes[i], sizeof(cs->sizes[i]), "%d", sizes[i]);
+    cs->kv[n++] = size_keys[i];
+    cs->kv[n++] = cs->sizes[i];
+  }
+  cs->kv[n] = NULL;
   return (struct rtp_ckpt_params){o->ckpt_dir,    tr->par, tr->comm, tr->strategy, tr->m.params,
                                   tr->m.n_params, tr->opt, 2,        cs->kv};
 }
@@ -1401,6 +1467,17 @@ static int resume(struct trainer *tr, const struct options *o, int64_t *step) {
            *step, rtp_ckpt_world_size(c), rtp_strategy_name(rtp_ckpt_strategy(c)));
   rtp_ckpt_close(c);
   return rc;
+}
+
+/* A checkpoint read as a model (reads_checkpoint): its weights alone; the seed and batch,
+ * which decide training's batches, do not matter. *step: the checkpoint's. */
+static int load_checkpoint(struct trainer *tr, const struct options *o,
+                           const struct rtp_ckpt *ck, int64_t *step) {
+  struct ckpt_state cs;
+  struct rtp_ckpt_params p = ckpt_params(tr, o, &cs, 0);
+  int rc = rtp_ckpt_load(ck, &p);
+  *step = rtp_ckpt_step(ck);
+  return rc ? fail(rc, "--ckpt-dir: reading %s", rtp_ckpt_path(ck)) : RTP_OK;
 }
 
 /* ---- progress and metrics ------------------------------------------------------------------
@@ -1532,27 +1609,79 @@ static int run_eval_only(struct trainer *tr, const struct dataset *d, const stru
 /* ---- main ----------------------------------------------------------------------------------
  */
 
-static int open_inputs(struct options *o, struct rtp_safetensors **init, struct gpt_config *c,
-                       struct dataset *d) {
+static int open_inputs(struct options *o, const struct rtp_ckpt *ck,
+                       struct rtp_safetensors **init, struct gpt_config *c, struct dataset *d) {
   if (o->init && rtp_safetensors_open(o->init, init))
     return fail(RTP_EIO, "--init %s", o->init);
-  int rc = resolve_config(o, *init, c);
+  int rc = resolve_config(o, *init, ck, c);
   if (rc) return rc;
   rc = o->data ? load_data_file(o->data, o->eval_only, d) : make_addition_task(d);
   if (rc) return rc;
   return check_data(d, c->seq_len, o->eval_only, o->data ? o->data : "the built-in task");
 }
 
-/* Rank 0 writes FILE, rank k FILE.rank<k>. */
-static int open_metrics(const struct trainer *tr, const char *path, FILE **f) {
+static int metrics_error(const char *name) {
+  fprintf(stderr, "train-gpt: --metrics %s: %s\n", name, strerror(errno));
+  return RTP_EIO;
+}
+
+/* The step a metrics line starts with (write_metrics); false if it has none. */
+static bool metrics_step(const char *line, int64_t *step) {
+  static const char key[] = "{\"step\": ";
+  if (strncmp(line, key, sizeof(key) - 1) != 0) return false;
+  const char *digits = line + sizeof(key) - 1;
+  char *end;
+  errno = 0;
+  long long v = strtoll(digits, &end, 10);
+  *step = v;
+  return end != digits && !errno;
+}
+
+/* A resumed run continues the curve in the file: the lines of steps up to the checkpoint's
+ * (last) are kept, those of later steps, which the stopped run logged after its last
+ * checkpoint, dropped. The kept lines go to FILE.tmp, renamed over FILE, so a crash here
+ * leaves FILE as it was. A line without a step is not train-gpt's to judge: it is kept, with
+ * a warning, and so is a last line cut short (given its newline) if its step is kept. */
+static int keep_metrics_until(const char *name, int64_t last) {
+  FILE *in = fopen(name, "r");
+  if (!in) return errno == ENOENT ? RTP_OK : metrics_error(name);
+  char tmp[4200];
+  snprintf(tmp, sizeof(tmp), "%s.tmp", name);
+  FILE *out = fopen(tmp, "w");
+  char *line = NULL;
+  size_t cap = 0;
+  ssize_t len;
+  for (int64_t n = 1; out && (len = getline(&line, &cap, in)) > 0; n++) {
+    int64_t step;
+    bool has_step = metrics_step(line, &step);
+    if (has_step && step > last) continue;
+    if (!has_step)
+      fprintf(stderr, "train-gpt: warning: --metrics %s: line %" PRId64 " has no step: kept\n",
+              name, n);
+    fwrite(line, 1, (size_t)len, out);
+    if (line[len - 1] != '\n') fputc('\n', out);
+  }
+  free(line);
+  bool bad = ferror(in) || !out || fflush(out) || fsync(fileno(out)) || ferror(out);
+  fclose(in);
+  if (out && fclose(out)) bad = true;
+  if (!bad && rename(tmp, name) == 0) return RTP_OK;
+  int rc = metrics_error(name);
+  remove(tmp);
+  return rc;
+}
+
+/* Rank 0 writes FILE, rank k FILE.rank<k>: anew, or after --resume from step resumed (-1:
+ * none) appended to the curve of the run it continues. */
+static int open_metrics(const struct trainer *tr, const char *path, int64_t resumed, FILE **f) {
   char name[4096];
   if (tr->rank == 0)
     snprintf(name, sizeof(name), "%s", path);
   else
     snprintf(name, sizeof(name), "%s.rank%d", path, tr->rank);
-  if ((*f = fopen(name, "w"))) return RTP_OK;
-  fprintf(stderr, "train-gpt: --metrics %s: %s\n", name, strerror(errno));
-  return RTP_EIO;
+  if (resumed >= 0 && keep_metrics_until(name, resumed)) return RTP_EIO;
+  if ((*f = fopen(name, resumed >= 0 ? "a" : "w"))) return RTP_OK;
+  return metrics_error(name);
 }
 
 static void print_model(const struct trainer *tr, const struct options *o) {
@@ -1578,27 +1707,34 @@ static void print_model(const struct trainer *tr, const struct options *o) {
 
 static int run(struct options *o) {
   struct rtp_safetensors *init = NULL;
+  struct rtp_ckpt *ck = NULL; /* a checkpoint read as the model (reads_checkpoint) */
   struct gpt_config cfg;
   struct dataset data = {0};
   struct trainer tr = {0};
   FILE *metrics = NULL;
-  int64_t first = 0;
-  int rc = open_inputs(o, &init, &cfg, &data);
-  if (!rc) rc = trainer_init(&tr, cfg, o);
-  bool trains = !o->eval_only && o->steps > 0;
+  int64_t first = 0; /* the step the weights are at: 0, or their checkpoint's */
+  int rc = reads_checkpoint(o) ? rtp_ckpt_open(o->ckpt_dir, &ck) : RTP_OK;
+  if (rc) rc = fail(rc, "--ckpt-dir %s", o->ckpt_dir);
+  if (!rc) rc = open_inputs(o, ck, &init, &cfg, &data);
+  if (!rc) rc = trainer_init(&tr, cfg, o, !o->eval_only && !ck);
+  bool trains = !o->eval_only && !ck && o->steps > 0;
   if (!rc && trains && shows_progress(&tr)) print_model(&tr, o);
-  if (!rc && o->resume) rc = resume(&tr, o, &first);
-  if (!rc && !o->resume)
+  if (!rc && o->resume)
+    rc = resume(&tr, o, &first);
+  else if (!rc && ck)
+    rc = load_checkpoint(&tr, o, ck, &first);
+  else if (!rc)
     rc = init ? load_init(&tr, init, o->init) : init_weights(&tr, (uint64_t)o->seed);
   if (!rc && init) rc = check_init_finite(&tr, o->init);
-  if (!rc && o->metrics) rc = open_metrics(&tr, o->metrics, &metrics);
-  if (!rc && trains && o->steps > first) rc = run_training(&tr, &data, o, first, metrics);
+  if (!rc && o->metrics) rc = open_metrics(&tr, o->metrics, o->resume ? first : -1, &metrics);
+  bool train = trains && o->steps > first;
+  if (!rc && train) rc = run_training(&tr, &data, o, first, metrics);
   if (!rc && o->eval_only) rc = run_eval_only(&tr, &data, o);
   if (!rc && o->sample) rc = run_sample(&tr, &data, o);
-  if (!rc && o->export_path)
-    rc = export_model(&tr, o->export_path, o->eval_only ? 0 : o->steps);
+  if (!rc && o->export_path) rc = export_model(&tr, o->export_path, train ? o->steps : first);
   if (metrics && fclose(metrics) && !rc) rc = fail(RTP_EIO, "--metrics %s", o->metrics);
   trainer_free(&tr);
+  rtp_ckpt_close(ck);
   rtp_safetensors_close(init);
   free(data.bytes);
   return rc;
@@ -1614,6 +1750,7 @@ int main(int argc, char **argv) {
   }
   rc = check_options(&o);
   if (rc) return rc;
+  if (o.steps < 0) o.steps = 200; /* left out; -1 until check_options saw whether it was */
   rc = run(&o);
   return rc == EXIT_USAGE ? EXIT_USAGE : rc ? 1 : 0;
 }
