@@ -17,8 +17,10 @@ cat > "$scratch/bin/cmake" <<'FAKE'
 exit 0
 FAKE
 chmod +x "$scratch/bin/cmake"
-# -o deps: the packages are not this test's business
-out=$(cd "$src" && PATH="$scratch/bin:$PATH" make -o deps build BUILD="$scratch/build" 2>&1)
+# -o deps: the packages are not this test's business. Under `make test` this runs below a
+# make whose flags would reach these makes; they must come from the Makefile alone.
+out=$(cd "$src" && env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL PATH="$scratch/bin:$PATH" \
+      make -o deps build BUILD="$scratch/build" 2>&1)
 echo "$out"
 grep -q 'fake build done' <<< "$out" || { echo "the fake build did not run"; exit 1; }
 if grep -q 'Entering directory' <<< "$out"; then
