@@ -3,6 +3,9 @@
 BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
+# The makes that cmake --build runs under this one would each print "Entering directory"
+# lines around the build's output.
+MAKEFLAGS += --no-print-directory
 
 .PHONY: all deps build test test-release test-asan test-tsan run bench clean format
 

@@ -1,12 +1,18 @@
 // test-comm-run.cpp - the rtp-run launcher: environment, output prefixes, failure
-// propagation and exit codes, signal forwarding, and a real job whose ranks are this
+// propagation and exit codes, signal forwarding, --help, and a real job whose ranks are this
 // binary (the RunWorker tests, which only run under rtp-run).
 #include <gtest/gtest.h>
+
+#include <dirent.h>
 
 #include <csignal>
 
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -44,6 +50,24 @@ std::string self() {
   ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
   buf[n > 0 ? n : 0] = 0;
   return buf;
+}
+
+std::string slurp(const std::string &path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// Each first group of re in text.
+void collect(const std::string &text, const std::regex &re, std::set<std::string> *out) {
+  for (std::sregex_iterator m(text.begin(), text.end(), re), end; m != end; ++m)
+    out->insert((*m)[1]);
+}
+
+// Whether text has w as a word of its own ("-n" is in every "--nnodes").
+bool names(const std::string &text, const std::string &w) {
+  return std::regex_search(text, std::regex("(^|[^-\\w])" + w + "($|[^-\\w])"));
 }
 
 }  // namespace
@@ -124,6 +148,34 @@ TEST(Run, BadNumbersAreRefused) {
     EXPECT_TRUE(has(o.text, "rtp-run: " + c.second)) << c.first << ": " << o.text;
     EXPECT_FALSE(has(o.text, "started")) << c.first << ": " << o.text;
   }
+}
+
+// --help names every flag rtp-run parses, every variable it reads or sets and every one the
+// library reads in a rank, all taken from the sources: a new one cannot go unmentioned.
+TEST(Run, HelpNamesEveryFlagAndVariable) {
+  Out o = run(kRun + " --help");
+  EXPECT_EQ(o.code, 0) << o.text;
+  const std::string root = std::string(RTP_TEST_DIR) + "/..";
+  const std::regex var(R"re((?:getenv|setenv|env_str|env_int)\("(RTP_\w+)")re");
+  std::set<std::string> flags, vars;
+  std::string launcher = slurp(root + "/tools/rtp-run.c");
+  collect(launcher, std::regex(R"re(strcmp\(a, "(--?[a-z][-a-z]*)"\))re"), &flags);
+  collect(launcher, var, &vars);
+  DIR *d = opendir(root.c_str());
+  ASSERT_NE(d, nullptr);
+  while (dirent *e = readdir(d)) {
+    std::string n = e->d_name;
+    if (std::regex_match(n, std::regex(R"(.*\.(c|cu))")))
+      collect(slurp(root + "/" + n), var, &vars);
+  }
+  closedir(d);
+  // the sources still read the way the patterns expect
+  EXPECT_TRUE(flags.count("--timeout-ms") && flags.count("-n")) << flags.size();
+  EXPECT_TRUE(vars.count("RTP_RUN_BLAME_FD") && vars.count("RTP_IFNAME") &&
+              vars.count("RTP_TRACE"))
+      << vars.size();
+  for (const std::string &f : flags) EXPECT_TRUE(names(o.text, f)) << f << "\n" << o.text;
+  for (const std::string &v : vars) EXPECT_TRUE(names(o.text, v)) << v << "\n" << o.text;
 }
 
 // A real job: the ranks are this binary running the RunWorker tests.

@@ -62,11 +62,71 @@ static void on_signal(int sig) {
   got_signal = sig;
 }
 
+#define USAGE                                                                        \
+  "usage: rtp-run -n RANKS_PER_NODE [--nnodes K --node-rank I --master HOST:PORT]\n" \
+  "               [--timeout-ms MS] -- PROGRAM [ARGS...]\n"
+
 static void usage(void) {
-  fprintf(stderr,
-          "usage: rtp-run -n RANKS_PER_NODE [--nnodes K --node-rank I --master HOST:PORT]\n"
-          "               [--timeout-ms MS] -- PROGRAM [ARGS...]\n");
+  fprintf(stderr, USAGE "(rtp-run --help says more)\n");
   exit(2);
+}
+
+/* Every flag and every variable rtp-run reads or sets, and those the library reads in the
+ * ranks (Run.HelpNamesEveryFlagAndVariable finds them in the sources). */
+static void help(void) {
+  printf(USAGE
+         "\n"
+         "Starts the ranks of an rtp job on this host, each line they print prefixed with\n"
+         "\"[rank] \". SIGINT, SIGTERM and SIGHUP are passed on to the ranks. When a rank\n"
+         "fails, the others get SIGTERM, then SIGKILL after %d s, and rtp-run exits with\n"
+         "the failing rank's status, naming the rank at fault.\n"
+         "\n"
+         "Options:\n"
+         "  -n, --nproc-per-node N  ranks on this host (default 1)\n"
+         "  --nnodes K              hosts in the job (default 1): run rtp-run on each, with\n"
+         "                          the same -n, --master and RTP_TOKEN\n"
+         "  --node-rank I           this host's index, 0..K-1: it runs ranks I*N .. I*N+N-1\n"
+         "  --master HOST:PORT      rank 0's host ([IPv6]:PORT too) and a port free there;\n"
+         "                          needed with --nnodes > 1, else 127.0.0.1 and a free port\n"
+         "  --timeout-ms MS         RTP_TIMEOUT_MS for the ranks, 1..%d\n"
+         "  -h, --help              this text\n"
+         "\n"
+         "Read by rtp-run:\n"
+         "  RTP_TOKEN               the job's secret, the same on every host (needed with\n"
+         "                          --nnodes > 1: export RTP_TOKEN=$(openssl rand -hex 32));\n"
+         "                          on one host, fresh random bytes when unset\n"
+         "\n"
+         "Set for each rank:\n"
+         "  RTP_RANK, RTP_WORLD_SIZE     its rank, and the number of ranks\n"
+         "  RTP_LOCAL_RANK, RTP_LOCAL_WORLD_SIZE\n"
+         "                               its index among this host's ranks, and their number\n"
+         "  RTP_MASTER_ADDR, RTP_MASTER_PORT\n"
+         "                               where rank 0 listens\n"
+         "  RTP_TOKEN                    the job's secret\n"
+         "  RTP_TIMEOUT_MS               with --timeout-ms (below)\n"
+         "  RTP_RUN_BLAME_FD             a pipe on which a failing rank names the peer that\n"
+         "                               went silent or was lost\n"
+         "\n"
+         "Read by the library in each rank (set them for rtp-run, which passes them on):\n"
+         "  RTP_BACKEND                  tcp, nccl or local (default: tcp; one rank: local)\n"
+         "  RTP_BIND_ADDR, RTP_IFNAME    the address or interface to listen on and announce\n"
+         "                               (default: the route to the master)\n"
+         "  RTP_TIMEOUT_MS               rendezvous, silence and no-progress limit in ms\n"
+         "                               (default 60000)\n"
+         "  RTP_DEVICE                   nccl: this rank's CUDA device (default: the local\n"
+         "                               rank modulo the device count)\n"
+         "  RTP_SOCKET_BUFFER=BYTES      fixed socket buffers (default: kernel autotuning)\n"
+         "  RTP_DIRECT_COPY=0            ranks on one host send through the loopback\n"
+         "                               instead of writing into each other's memory\n"
+         "  RTP_PROFILE=1                print the time spent in each op at exit\n"
+         "  RTP_TRACE=PREFIX             write what each rank ran as a Chrome trace,\n"
+         "                               PREFIX.RANK.json\n"
+         "\n"
+         "Without rtp-run, a rank's number and the world size come from RTP_RANK and\n"
+         "RTP_WORLD_SIZE, else SLURM_PROCID and SLURM_NTASKS, else OMPI_COMM_WORLD_RANK and\n"
+         "OMPI_COMM_WORLD_SIZE.\n",
+         GRACE_MS / 1000, MAX_TIMEOUT_MS);
+  exit(0);
 }
 
 /* The integer value of flag's argument s in [min, max], or exit 2 saying why: atoi would
@@ -218,7 +278,7 @@ int main(int argc, char **argv) {
     } else if (!strcmp(a, "--timeout-ms") && i + 1 < argc) {
       timeout_ms = parse_int(a, argv[++i], 1, MAX_TIMEOUT_MS);
     } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-      usage();
+      help();
     } else if (a[0] == '-') {
       fprintf(stderr, "rtp-run: unknown option %s\n", a);
       usage();

@@ -31,6 +31,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "eta.h"
 #include "gpt.h"
 #include "rtp.h"
 
@@ -1566,12 +1567,14 @@ static int run_training(struct trainer *tr, const struct dataset *d, const struc
   int every = o->log_every ? o->log_every : (o->steps >= 20 ? o->steps / 20 : 1);
   bool tty = isatty(STDOUT_FILENO);
   double start = now_s(), tokens = (double)data_ranks(tr) * tr->batch * tr->m.cfg.seq_len;
+  struct eta_times times = {0};
   for (int64_t step = first; step < o->steps; step++) {
     double t0 = now_s();
     float loss = 0;
     int rc = train_step(tr, d, (uint64_t)o->seed, step, &loss);
     if (rc) return rc;
     double dt = now_s() - t0;
+    eta_add_step(&times, dt);
     if (!isfinite(loss)) {
       fprintf(stderr, "train-gpt: the loss is %f at step %" PRId64 " (try a lower --lr)\n",
               loss, step + 1);
@@ -1580,14 +1583,26 @@ static int run_training(struct trainer *tr, const struct dataset *d, const struc
     struct step_stats s = {step + 1, o->steps, loss, 1e3 * dt, tokens / dt, 0, NULL};
     struct eval_stats e;
     bool log = s.step % every == 0 || s.step == 1 || s.step == o->steps;
-    if (log && (rc = eval_all(tr, d, o->eval_windows, o->eval_problems, &e))) return rc;
+    if (log) {
+      double te = now_s();
+      if ((rc = eval_all(tr, d, o->eval_windows, o->eval_problems, &e))) return rc;
+      times.evals++;
+      times.evals_s += now_s() - te;
+    }
     s.eval = log ? &e : NULL;
-    s.eta_s = (now_s() - start) / (double)(s.step - first) * (double)(o->steps - s.step);
+    /* this step's checkpoint is still to come: it is saved after the progress line */
+    s.eta_s = eta_left(&times, o->steps - s.step, eta_events_left(s.step, o->steps, every),
+                       o->ckpt_dir ? eta_events_left(s.step - 1, o->steps, o->ckpt_every) : 0);
     if (metrics) write_metrics(metrics, tr, &s);
     if (log && shows_progress(tr)) print_progress(tr, &s, tty);
     bool ckpt =
         o->ckpt_dir && ((o->ckpt_every && s.step % o->ckpt_every == 0) || s.step == o->steps);
-    if (ckpt && (rc = save_checkpoint(tr, o, s.step))) return rc;
+    if (ckpt) {
+      double tc = now_s();
+      if ((rc = save_checkpoint(tr, o, s.step))) return rc;
+      times.ckpts++;
+      times.ckpts_s += now_s() - tc;
+    }
   }
   if (tr->rank == 0)
     printf("trained %" PRId64 " steps in %.1f s\n", o->steps - first, now_s() - start);
