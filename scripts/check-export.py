@@ -3,12 +3,17 @@
 (DESIGN.md section 6, nanoGPT's names) and gives train-gpt's loss.
 
     /usr/bin/python3 scripts/check-export.py MODEL.safetensors DATA [--train-gpt BIN]
+        [--sample N --prompt TEXT]
 
 Prints the mean next-byte loss over the windows DATA[i*T .. i*T+T] (T+1 bytes each, every
 i that fits), computed in float64 from the exported float32 weights. With --train-gpt it
 also runs `BIN --init MODEL --eval-only --data DATA` and fails unless both agree within
-1e-4 relative. Needs only torch (Debian: python3-torch); the safetensors file is read by
-hand. Exit status: 0 agree, 1 disagree or error, 77 torch is missing.
+1e-4 relative; with --sample, also `BIN --init MODEL --steps 0 --sample N --prompt TEXT`
+(greedy, through its KV cache), and fails unless each byte it wrote is the greedy pick of
+the whole context's forward here (or within 1e-4 of it: a near tie), the context being
+train-gpt's: a suffix of the text, the last T/2 bytes once it would pass T. Needs only
+torch (Debian: python3-torch); the safetensors file is read by hand. Exit status: 0 agree,
+1 disagree or error, 77 torch is missing.
 """
 import argparse
 import json
@@ -61,12 +66,63 @@ def torch_loss(model_path, data_path):
     return loss.item(), idx.shape[0]
 
 
+def sample_text(out):
+    """The bytes of train-gpt's sample section (\\xNN escapes undone, marks dropped)."""
+    body = out.split(" ---\n", 1)[1].rsplit("\n---\n", 1)[0]
+    lines = [l[:-8] if l.endswith("   right") or l.endswith("   wrong") else l
+             for l in body.split("\n")]
+    text, raw, i = bytearray(), "\n".join(lines), 0
+    while i < len(raw):
+        if raw.startswith("\\x", i):
+            text.append(int(raw[i + 2:i + 4], 16))
+            i += 4
+        else:
+            text.append(ord(raw[i]))
+            i += 1
+    return bytes(text)
+
+
+def check_sample(model_path, train_gpt, n, prompt):
+    tensors, meta = read_safetensors(model_path)
+    cfg = {k: int(meta[k]) for k in ("vocab", "seq_len", "d_model", "n_layer", "n_head")}
+    model = GPT(**cfg).double()
+    model.load_state_dict({k: v.double() for k, v in tensors.items()}, strict=True)
+    out = subprocess.run([train_gpt, "--init", model_path, "--steps", "0", "--sample", str(n),
+                          "--prompt", prompt], capture_output=True, text=True, encoding="latin-1")
+    if out.returncode != 0:
+        print(f"train-gpt failed ({out.returncode}): {out.stderr}")
+        return 1
+    text = sample_text(out.stdout)
+    T, start, plen = cfg["seq_len"], 0, len(prompt)
+    if len(text) != plen + n or text[:plen] != prompt.encode():
+        print(f"train-gpt's sample is not the prompt and {n} bytes: {text!r}")
+        return 1
+    for length in range(plen, plen + n):
+        if length - 1 - start >= T:
+            start = length - T // 2
+        ctx = torch.tensor([list(text[start:length])], dtype=torch.long)
+        with torch.no_grad():
+            logits = model(ctx)[0, -1]
+        got, best = logits[text[length]].item(), logits.max().item()
+        if got < best - 1e-4 * max(1.0, abs(best)):
+            print(f"byte {length}: train-gpt wrote {text[length]}, the greedy pick is "
+                  f"{int(logits.argmax())} ({got} < {best})")
+            return 1
+    print(f"sample: {n} bytes after {prompt!r}, each the greedy pick of its context: OK")
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model")
     ap.add_argument("data")
     ap.add_argument("--train-gpt", help="the train-gpt binary to compare with")
+    ap.add_argument("--sample", type=int, help="also check a greedy sample of N bytes")
+    ap.add_argument("--prompt", default="12+34=", help="the sample's prompt")
     args = ap.parse_args()
+    if args.sample and args.train_gpt:
+        if check_sample(args.model, args.train_gpt, args.sample, args.prompt):
+            return 1
     loss, n = torch_loss(args.model, args.data)
     print(f"pytorch: eval_loss {loss:.9g} over {n} windows")
     if not args.train_gpt:

@@ -320,8 +320,10 @@ TEST_F(TrainGpt, LoadsInPyTorch) {
   ASSERT_EQ(train_.code, 0) << train_.err;
   if (run({"/usr/bin/python3", "-c", "import torch"}).code != 0)
     GTEST_SKIP() << "/usr/bin/python3 has no torch (apt install python3-torch)";
-  Result r = run(
-      {"/usr/bin/python3", CHECK_EXPORT, model_, write_data_file(), "--train-gpt", TRAIN_GPT});
+  // the eval loss, and a greedy sample of 100 bytes through the KV cache (past the window
+  // of 32 twice) against the whole context's forward there
+  Result r = run({"/usr/bin/python3", CHECK_EXPORT, model_, write_data_file(), "--train-gpt",
+                  TRAIN_GPT, "--sample", "100"});
   EXPECT_EQ(r.code, 0) << r.out << r.err;
   std::printf("%s", r.out.c_str());
 }

@@ -211,3 +211,88 @@ void gpt_init_tensor(const struct gpt *m, int i, uint64_t seed, float *data) {
 void gpt_init_weights(struct gpt *m, uint64_t seed) {
   for (int i = 0; i < m->n_params; i++) gpt_init_tensor(m, i, seed, m->params[i]->data);
 }
+
+/* ---- decoding with a KV cache ------------------------------------------------------ */
+
+/* Attention of one token (x {d, 1}) over the cached keys and values and its own. */
+static struct rtp_tensor *decode_attention(struct rtp_context *ctx, struct gpt_decode *dec,
+                                           const struct gpt_block *blk, int l,
+                                           struct rtp_tensor *x) {
+  int64_t d = dec->cfg.d_model, H = dec->cfg.n_head, hd = d / H;
+  struct rtp_tensor *qkv = linear(ctx, x, blk->c_attn_w, blk->c_attn_b); /* {3d, 1} */
+  dec->qkv[l] = qkv;
+  size_t f = sizeof(float), nb[4] = {f, 3 * d * f, hd * f, 3 * d * H * f};
+  int64_t ne[4] = {hd, 1, H, 1};
+  struct rtp_tensor *heads[3];
+  for (int i = 0; i < 3; i++) /* {hd, 1, H}: head h at hd * h */
+    heads[i] = rtp_cont(ctx, rtp_view(ctx, qkv, 4, ne, nb, (size_t)i * d * f));
+  struct rtp_tensor *k = rtp_concat(ctx, dec->k_cache[l], heads[1], 1); /* {hd, T+1, H} */
+  struct rtp_tensor *v = rtp_concat(ctx, dec->v_cache[l], heads[2], 1);
+  struct rtp_tensor *scores = rtp_add(ctx, rtp_mul_mat(ctx, k, heads[0]), dec->mask);
+  struct rtp_tensor *att = rtp_soft_max(ctx, scores, 1.0f / sqrtf((float)hd), false);
+  struct rtp_tensor *out = rtp_mul_mat(ctx, rtp_cont(ctx, rtp_transpose(ctx, v)), att);
+  return linear(ctx, rtp_reshape_2d(ctx, out, d, 1), blk->attn_proj_w, blk->attn_proj_b);
+}
+
+int gpt_build_decode(struct rtp_context *ctx, struct gpt_decode *dec, const struct gpt *m) {
+  memset(dec, 0, sizeof(*dec));
+  struct gpt_config c = m->cfg;
+  dec->cfg = c;
+  int64_t d = c.d_model, H = c.n_head, hd = d / H, T = c.seq_len;
+  dec->tok = rtp_tensor_new_1d(ctx, RTP_TYPE_I32, 1);
+  dec->pos = rtp_tensor_new_1d(ctx, RTP_TYPE_I32, 1);
+  dec->mask = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, T + 1);
+  for (int l = 0; l < c.n_layer; l++) {
+    dec->k_cache[l] = rtp_tensor_new_3d(ctx, RTP_TYPE_F32, hd, T, H);
+    dec->v_cache[l] = rtp_tensor_new_3d(ctx, RTP_TYPE_F32, hd, T, H);
+  }
+  if (rtp_context_error(ctx, NULL)) return rtp_context_error(ctx, NULL);
+  rtp_tensor_set_input(dec->tok);
+  rtp_tensor_set_input(dec->pos);
+  rtp_tensor_set_input(dec->mask);
+  for (int l = 0; l < c.n_layer; l++) { /* zeros: what a slot holds before its token */
+    rtp_tensor_set_input(dec->k_cache[l]);
+    rtp_tensor_set_input(dec->v_cache[l]);
+    memset(dec->k_cache[l]->data, 0, rtp_tensor_nbytes(dec->k_cache[l]));
+    memset(dec->v_cache[l]->data, 0, rtp_tensor_nbytes(dec->v_cache[l]));
+  }
+  struct rtp_tensor *x =
+      rtp_add(ctx, rtp_get_rows(ctx, m->wte, dec->tok), rtp_get_rows(ctx, m->wpe, dec->pos));
+  for (int l = 0; l < c.n_layer; l++) {
+    const struct gpt_block *blk = &m->blocks[l];
+    struct rtp_tensor *h = rtp_layer_norm(ctx, x, blk->ln_1_w, blk->ln_1_b, 1e-5f);
+    x = rtp_add(ctx, x, decode_attention(ctx, dec, blk, l, h));
+    h = rtp_layer_norm(ctx, x, blk->ln_2_w, blk->ln_2_b, 1e-5f);
+    x = rtp_add(ctx, x, mlp(ctx, blk, h));
+    if (dec->qkv[l]) rtp_tensor_set_output(dec->qkv[l]); /* read by gpt_decode_commit */
+  }
+  x = rtp_layer_norm(ctx, x, m->ln_f_w, m->ln_f_b, 1e-5f);
+  dec->logits = linear(ctx, x, m->lm_head, NULL);
+  int rc = rtp_context_error(ctx, NULL);
+  if (!rc) rtp_tensor_set_output(dec->logits);
+  return rc;
+}
+
+int gpt_decode_inputs(struct gpt_decode *dec, int tok, int p) {
+  int T = dec->cfg.seq_len;
+  if (p < 0 || p >= T || tok < 0 || tok >= dec->cfg.vocab)
+    return rtp__gpt_error("gpt_decode_inputs: token %d at position %d (vocab %d, T %d)", tok, p,
+                          dec->cfg.vocab, T);
+  ((int32_t *)dec->tok->data)[0] = tok;
+  ((int32_t *)dec->pos->data)[0] = p;
+  float *mask = dec->mask->data;
+  for (int j = 0; j <= T; j++) mask[j] = j < p || j == T ? 0.0f : -1e30f;
+  return 0;
+}
+
+void gpt_decode_commit(struct gpt_decode *dec, int p) {
+  int64_t d = dec->cfg.d_model, H = dec->cfg.n_head, hd = d / H, T = dec->cfg.seq_len;
+  for (int l = 0; l < dec->cfg.n_layer; l++) {
+    const float *qkv = dec->qkv[l]->data;
+    float *k = dec->k_cache[l]->data, *v = dec->v_cache[l]->data;
+    for (int64_t h = 0; h < H; h++) { /* slot p of head h: {hd, T, H} */
+      memcpy(k + (h * T + p) * hd, qkv + d + h * hd, (size_t)hd * sizeof(float));
+      memcpy(v + (h * T + p) * hd, qkv + 2 * d + h * hd, (size_t)hd * sizeof(float));
+    }
+  }
+}

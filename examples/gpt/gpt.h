@@ -68,6 +68,25 @@ void gpt_init_weights(struct gpt *m, uint64_t seed);
  * what gpt_init_weights puts there, for models whose parameters have no memory of their
  * own (built with no_alloc and sharded by rtp_parallel_new). */
 void gpt_init_tensor(const struct gpt *m, int i, uint64_t seed, float *data);
+/* Decoding one token at a time with a cache of every earlier token's keys and values
+ * (sampling): a token costs O(T d + d^2) instead of a forward over the whole window. Built
+ * on a one-device model of batch 1 whose parameters hold data (gpt_build in an allocated
+ * context). Per step: the token, its position p (< T), and the mask that lets it attend
+ * to cache slots 0..p-1 and itself; after the step, gpt_decode_commit writes its keys and
+ * values into slot p. */
+struct gpt_decode {
+  struct gpt_config cfg;
+  struct rtp_tensor *tok, *pos; /* i32 {1} */
+  struct rtp_tensor *mask;      /* f32 {T + 1}: per cache slot, then the token itself */
+  struct rtp_tensor *k_cache[GPT_MAX_LAYERS], *v_cache[GPT_MAX_LAYERS]; /* {hd, T, H} */
+  struct rtp_tensor *qkv[GPT_MAX_LAYERS]; /* {3d, 1}: the token's q, k, v (outputs) */
+  struct rtp_tensor *logits;              /* {V, 1} */
+};
+int gpt_build_decode(struct rtp_context *ctx, struct gpt_decode *dec, const struct gpt *m);
+/* Sets the inputs of the step for token tok at position p (0 <= p < T). */
+int gpt_decode_inputs(struct gpt_decode *dec, int tok, int p);
+/* After the step's compute: its keys and values into cache slot p. */
+void gpt_decode_commit(struct gpt_decode *dec, int p);
 /* Model FLOPs of one training step (forward + backward): 6 x params x tokens + attention. */
 double gpt_step_flops(struct gpt_config cfg, int batch);
 
