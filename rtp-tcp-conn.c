@@ -106,6 +106,13 @@ void rtp__tcp_link_close(struct rc_link *l) {
     c->links[l->rank] = NULL;
     c->n_up--;
   }
+  if (l->bye_rx && l->n_rtrs) { /* the peer left; what it was ready for may still come */
+    struct rc_left_rtr *a =
+        realloc(c->left_rtrs, sizeof(*a) * (size_t)(c->n_left_rtrs + l->n_rtrs));
+    for (int i = 0; a && i < l->n_rtrs; i++)
+      a[c->n_left_rtrs++] = (struct rc_left_rtr){l->rank, l->rtrs[i]};
+    if (a) c->left_rtrs = a;
+  }
   while (l->tx_legs) rtp__tcp_leg_unlink(l->tx_legs);
   while (l->rx_legs) {
     struct tcp_req *r = l->rx_legs->req;

@@ -335,6 +335,32 @@ static struct rc_link *leg_connect(struct tcp *c, struct tcp_req *r, struct rc_l
   return l;
 }
 
+/* Whether r's send is empty and its receiver, which has left (BYE), was ready for it:
+ * then the send is done (ready, no frame) without the connection. Consumes the frame. */
+static bool rtr_left_behind(struct tcp *c, struct tcp_req *r) {
+  const struct rtp_comm_op *op = r->op;
+  struct rc_link *l = c->links[r->tx.peer];
+  if (r->tx.nframes || (l && !l->bye_rx)) return false;
+  struct rc_rtr *table = l ? l->rtrs : NULL;
+  int n = l ? l->n_rtrs : 0;
+  for (int i = 0; i < n; i++)
+    if (table[i].group == op->group && table[i].cls == r->cls && table[i].seq == op->seq) {
+      struct rc_rtr t = table[i];
+      table[i] = table[--l->n_rtrs];
+      return rtr_match(c, r, &t);
+    }
+  for (int i = 0; !l && i < c->n_left_rtrs; i++) {
+    struct rc_left_rtr *e = &c->left_rtrs[i];
+    if (e->rank == r->tx.peer && e->t.group == op->group && e->t.cls == r->cls &&
+        e->t.seq == op->seq) {
+      struct rc_rtr t = e->t;
+      c->left_rtrs[i] = c->left_rtrs[--c->n_left_rtrs];
+      return rtr_match(c, r, &t);
+    }
+  }
+  return false;
+}
+
 static void req_start(struct tcp *c, struct tcp_req *r) {
   const struct rtp_comm_op *op = r->op;
   r->anext = c->active;
@@ -374,7 +400,7 @@ static void req_start(struct tcp *c, struct tcp_req *r) {
       return;
     }
   }
-  if (r->tx.peer >= 0) {
+  if (r->tx.peer >= 0 && !rtr_left_behind(c, r)) {
     if (!(l = leg_connect(c, r, &r->tx))) return;
     for (int i = 0; i < l->n_rtrs; i++) {
       struct rc_rtr *t = &l->rtrs[i];
@@ -707,6 +733,7 @@ static void tcp_destroy(struct tcp *c) {
   pthread_mutex_destroy(&c->gmu);
   free(c->reqs);
   free(c->links);
+  free(c->left_rtrs);
   free(c->peers);
   free(c);
 }

@@ -252,6 +252,14 @@ struct tcp {
   uint64_t shutdown_deadline, init_deadline;
   struct rc_link *links_all;
   int n_links_alive;
+  /* Ready-to-receive frames of ranks that left (BYE) before this rank posted the
+   * operation: a broadcast's last rank owes its root only an empty send, which such a
+   * frame completes after the root is gone (rtp__tcp_link_close keeps them). */
+  struct rc_left_rtr {
+    int rank;
+    struct rc_rtr t;
+  } * left_rtrs;
+  int n_left_rtrs;
   int n_pending; /* accepted connections still in the handshake */
   long n_shed;   /* of them, dropped for room or time (rtp__tcp_shed) */
   struct rc_source {

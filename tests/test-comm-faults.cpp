@@ -420,6 +420,25 @@ TEST(CommFaults, FloodOfIdleAndTricklingConnections) {
   for (int i = 0; i < 4; i++) EXPECT_EQ(res[i].code, 0) << "process " << i;
 }
 
+// A broadcast's root leaves (rtp_comm_free, exit) as soon as its part is done, before the
+// last rank of the chain, whose only part towards the root is an empty send, posts: that
+// rank still gets the data and succeeds (the root's ready-to-receive outlives it).
+TEST(CommFaults, RootLeavesRightAfterBroadcast) {
+  int port = free_port();
+  auto res = run_procs(3, [&](int rank) {
+    rtp_comm_params p = params(rank, 3, port, 10000);
+    rtp_comm *c;
+    if (rtp_comm_init(&p, &c) != RTP_OK) return 2;
+    std::vector<float> v(100, rank == 0 ? 7.0f : 0.0f);
+    if (rank == 2) usleep(500000);  // the root is gone by now
+    int st = rtp_comm_broadcast(c, v.data(), v.size() * sizeof(float), 0, nullptr);
+    if (st != RTP_OK) fprintf(stderr, "rank %d: %s\n", rank, rtp_last_error());
+    rtp_comm_free(c);
+    return st == RTP_OK && v[99] == 7.0f ? 0 : 3;
+  });
+  for (int r = 0; r < 3; r++) EXPECT_EQ(res[r].code, 0) << "rank " << r;
+}
+
 // A peer that passed the handshake sends a malformed frame: rank 0 fails cleanly with
 // RTP_EFORMAT naming rank 1, whatever the frame says.
 TEST(CommFaults, MalformedFrames) {
