@@ -7,7 +7,10 @@
 // commands; checkpoints resume with the same losses, also across strategies, damaged ones
 // are refused, and a full disk during a save loses nothing already saved; embed-c and
 // train-gpt-cpp run and save.
+#include <arpa/inet.h>
 #include <dirent.h>
+#include <sys/socket.h>
+#include <netinet/in.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/mount.h>
@@ -17,6 +20,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <thread>
+#include <atomic>
 #include <cctype>
 #include <cerrno>
 #include <cmath>
@@ -674,6 +679,59 @@ void expect_losses_of_one_process(const std::string &strategy) {
   expect_one_process_losses(two, "2 ranks (" + strategy + ")");
   EXPECT_NE(r.out.find("[0] step 10/10"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("[1] "), std::string::npos) << r.out;
+}
+
+// A stranger floods rank 0's port while 2 ranks meet and train (~600 connections kept
+// open, 30 of them trickling a byte at a time): the job trains to the losses of one
+// process all the same (docs/transport.md, "Strangers").
+TEST(TrainGptRanks, FloodedJobTrainsToTheSameLosses) {
+  int port = rtptest::free_port();
+  std::atomic<bool> stop{false};
+  std::atomic<long> opened{0};
+  std::thread flood([&] {
+    std::vector<int> fds;
+    while (!stop) {
+      while (fds.size() < 600) {
+        int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+        sockaddr_in a{};
+        a.sin_family = AF_INET;
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        a.sin_port = htons((uint16_t)port);
+        if (fd < 0) break;
+        if (connect(fd, (sockaddr *)&a, sizeof(a)) < 0 && errno != EINPROGRESS) {
+          close(fd);
+          break;
+        }
+        fds.push_back(fd);
+        opened++;
+      }
+      std::vector<int> open;
+      for (size_t i = 0; i < fds.size(); i++) {
+        char ch;
+        if (i < 30) send(fds[i], "R", 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+        ssize_t r = recv(fds[i], &ch, 1, MSG_DONTWAIT);
+        if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != ENOTCONN))
+          close(fds[i]);
+        else
+          open.push_back(fds[i]);
+      }
+      fds.swap(open);
+      usleep(20000);
+    }
+    for (int fd : fds) close(fd);
+  });
+  usleep(300000);  // the flood first
+  std::string m = tmp_dir() + "flooded.jsonl";
+  std::vector<std::string> argv = {
+      RTP_RUN, "-n", "2", "--master", "127.0.0.1:" + std::to_string(port), "--"};
+  for (const std::string &a : train_gpt(kRanksFlags + " --batch 2", {"--metrics", m}))
+    argv.push_back(a);
+  Result r = run(argv);
+  stop = true;
+  flood.join();
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_GT(opened.load(), 1000) << "the flood did not flood";
+  expect_one_process_losses(m, "2 flooded ranks (rtp)");
 }
 
 TEST(TrainGptRanks, RtpLossesMatchOneProcess) {
