@@ -903,6 +903,120 @@ RTP_API int rtp_parallel_shard_copy(const struct rtp_parallel *p,
                                     const struct rtp_tensor *param, const float *full,
                                     float *mine);
 
+/* ---- resharding: layouts and the planner (rtp-reshard.c) --------------------------- */
+/*
+ * Cross-mesh resharding (the Alpa team's, arXiv 2211.05322): a tensor laid out one way
+ * on a mesh A of ranks is needed laid out another way on a mesh B (the same ranks or
+ * others, the same shape or another). rtp_reshard_plan cuts the move into slices, picks
+ * a sender for each slice so that no host's NIC carries much more than the others, and
+ * groups the broadcasts into rounds of host-disjoint broadcasts. It only plans: nothing
+ * here communicates (the execution is not built yet). docs/resharding.md.
+ */
+#define RTP_MESH_MAX_RANKS 256
+
+/* A group of job ranks seen as a 1-D or 2-D grid. Ranks that share a host share its NIC:
+ * hosts[i] names rank ranks[i]'s host (0 .. RTP_MESH_MAX_RANKS - 1). */
+struct rtp_mesh {
+  int n_axes;                    /* 1 or 2 */
+  int shape[2];                  /* ranks along each axis; shape[1] is 1 on a 1-D mesh */
+  int ranks[RTP_MESH_MAX_RANKS]; /* the job rank at (i, j): ranks[i * shape[1] + j] */
+  int hosts[RTP_MESH_MAX_RANKS]; /* the host of each of them */
+};
+
+/* n ranks in a row (ranks NULL: 0 .. n-1) on the given hosts (n of them). RTP_EINVAL for
+ * n out of 1 .. RTP_MESH_MAX_RANKS, a negative or repeated rank, or a host out of range. */
+RTP_API int rtp_mesh_init_1d(struct rtp_mesh *m, int n, const int *ranks, const int *hosts);
+/* rows x cols ranks, row-major (rtp_comm_mesh_2d's order); as rtp_mesh_init_1d. */
+RTP_API int rtp_mesh_init_2d(struct rtp_mesh *m, int rows, int cols, const int *ranks,
+                             const int *hosts);
+/* The ranks of c as a 1-D mesh of job ranks (rtp_comm_world_rank); hosts[k] is job rank
+ * k's host (the communicator does not learn hosts at rendezvous: the caller knows them,
+ * e.g. from rtp-run's RTP_LOCAL_RANK). */
+RTP_API int rtp_mesh_init_comm(struct rtp_mesh *m, const struct rtp_comm *c, const int *hosts);
+
+#define RTP_LAYOUT_REPLICATED (-1)
+
+/*
+ * A sharding spec: per tensor dimension (ggml order, ne[0] innermost), the mesh axis it is
+ * chunked over, or RTP_LAYOUT_REPLICATED. A dimension chunked over an axis of n ranks is
+ * cut into groups equal parts, each part into n blocks as rtp_comm_block cuts it (uneven:
+ * the first blocks one longer), and the rank at coordinate i on that axis holds block i of
+ * every part; groups is 1 except for tp's fused column weights (q, k, v: 3). A tensor is
+ * replicated over the mesh axes that none of its dimensions is chunked over. At most one
+ * dimension per axis.
+ */
+struct rtp_layout {
+  int axis[RTP_MAX_DIMS];
+  int groups[RTP_MAX_DIMS];
+};
+
+/* Every rank holds the whole tensor (ddp; tp's unmarked parameters). */
+RTP_API struct rtp_layout rtp_layout_replicated(void);
+/* Chunks dimension dim over mesh axis `axis` in `groups` parts (>= 1). RTP_EINVAL for dim,
+ * axis or groups out of range, or an axis another dimension is chunked over. */
+RTP_API int rtp_layout_chunk(struct rtp_layout *l, int dim, int axis, int groups);
+/* What each rank of a strategy's 1-D group holds of param: rtp and fsdp a block of its
+ * outermost dimension; tp by its mark (rtp_tensor_set_tp: a column weight or bias the
+ * outermost dimension in each group, a row weight ne[0], else whole); ddp and none whole. */
+RTP_API int rtp_layout_param(enum rtp_strategy s, const struct rtp_tensor *param,
+                             struct rtp_layout *out);
+/* The activations of a micro-batch with n_dims dimensions, the outermost being the batch:
+ * ddp, fsdp and rtp ranks each hold their own batch (a block of the outermost dimension
+ * on the stage's group); tp ranks (and one process) hold all of it. A pipeline stage's
+ * boundary moves one such tensor per micro-batch. */
+RTP_API int rtp_layout_activation(enum rtp_strategy s, int n_dims, struct rtp_layout *out);
+/* param's layout in plan p on p's group (in a pipeline, its stage's), checked against
+ * this rank's block (rtp_parallel_block). RTP_EINVAL for a tensor that is not one of p's
+ * parameters, or another stage's. */
+RTP_API int rtp_parallel_layout(const struct rtp_parallel *p, const struct rtp_tensor *param,
+                                struct rtp_layout *out);
+
+struct rtp_reshard_params {
+  const struct rtp_mesh *src_mesh, *dst_mesh;
+  const struct rtp_layout *src, *dst;
+  int64_t ne[RTP_MAX_DIMS]; /* the whole tensor's shape (unused dimensions 1) */
+  size_t elem_size;         /* bytes per element */
+  double bandwidth;         /* bytes/s of each host's NIC, each way (0: 1 Gbit/s) */
+  bool first_owner;         /* each slice's first holder sends it (the baseline) instead of
+                               the balanced choice */
+};
+
+/* A hyper-rectangle of the tensor and who moves it. */
+struct rtp_reshard_slice {
+  int64_t first[RTP_MAX_DIMS], len[RTP_MAX_DIMS]; /* elements */
+  size_t nbytes;
+  const int *holders; /* the ranks of A that hold it (candidate senders), by mesh order */
+  int n_holders;
+  /* The ranks of B that need it: the first n_local hold it already (local copies), the
+   * rest receive it from sender, in chain order (the sender's host, then host by host). */
+  const int *receivers;
+  int n_receivers, n_local;
+  int sender; /* -1 when every receiver is a local copy */
+  int round;  /* the round of its broadcast; -1 when it crosses no NIC (local copies, or
+                 a sender with every receiver on its host) */
+};
+
+struct rtp_reshard {
+  struct rtp_reshard_slice *slices;
+  int n_slices;
+  int n_rounds;
+  int n_hosts;          /* host ids 0 .. n_hosts - 1 */
+  uint64_t *nic_sent;   /* per host: bytes its NIC sends */
+  uint64_t *nic_recv;   /* per host: bytes its NIC receives */
+  uint64_t nic_max;     /* the busiest NIC's bytes, either way */
+  double makespan_s;    /* the sum over rounds of each round's longest broadcast */
+  double lower_bound_s; /* nic_max / bandwidth */
+};
+
+/*
+ * Plans moving a tensor from p->src on p->src_mesh to p->dst on p->dst_mesh (a pure
+ * function). A rank in both meshes must be on the same host in both. RTP_EINVAL, with a
+ * message, for a malformed mesh or layout or a shape the layout cannot split; RTP_ENOMEM.
+ * Free *out with rtp_reshard_free.
+ */
+RTP_API int rtp_reshard_plan(const struct rtp_reshard_params *p, struct rtp_reshard **out);
+RTP_API void rtp_reshard_free(struct rtp_reshard *r); /* NULL is fine */
+
 /* ---- checkpoints (rtp-ckpt.c) ------------------------------------------------------ */
 /*
  * A sharded checkpoint of a parallel plan's parameters and their Adam states, one
