@@ -283,8 +283,10 @@ static uint64_t max_after(const uint64_t *sent, const uint64_t *recv, uint64_t c
 
 /* Senders for every slice that has receivers to reach: the first holder, or greedily in
  * decreasing size (largest first, as list scheduling does) the holder that leaves the
- * busiest NIC least loaded, then the one that puts the fewest bytes on the network (a
- * holder on a receiver's host). Fills r's NIC counts; returns the busiest NIC's bytes. */
+ * busiest NIC least loaded, then the one that puts the fewest hosts on the chain (a
+ * holder on a receiver's host), then the one whose host has sent least (which spreads the
+ * load of the hosts below the busiest). Fills r's NIC counts; returns the busiest NIC's
+ * bytes. */
 static uint64_t choose_senders(struct planner *pl, const int *order, bool first_owner, int *D) {
   struct rtp_reshard *r = pl->r;
   memset(r->nic_sent, 0, sizeof(uint64_t) * (size_t)r->n_hosts);

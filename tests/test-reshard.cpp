@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "rtp.h"
+#include "test-util.h"
 
 namespace {
 
@@ -269,7 +270,7 @@ TEST(ReshardSuite, EveryPairCoversEachReceiverOnce) {
           plans++;
         }
     }
-  EXPECT_GT(plans, 5000);
+  EXPECT_EQ(plans, 9 * 66 * 66);  // 66 layouts on the meshes of each side
 }
 
 // The same layout on the same ranks moves nothing: every slice is a local copy.
@@ -469,6 +470,53 @@ TEST(ReshardLayout, TpColumnToRtpRows) {
   EXPECT_EQ(pl.r->slices[0].len[1], 2);
   EXPECT_EQ(pl.r->slices[0].n_local, 1);
   EXPECT_EQ(pl.r->slices[0].receivers[0], 0);
+}
+
+// A plan's parameter layouts, derived on 3 ranks (7 rows: blocks of 3, 2, 2), agree with
+// each strategy's: rtp and fsdp row blocks, ddp whole; one process holds it whole.
+TEST(ReshardLayout, DerivedFromAPlan) {
+  const int world = 3;
+  int port = rtptest::free_port();
+  auto layout_in = [](rtp_comm *comm, rtp_strategy s, rtp_layout *l) {
+    rtp_init_params mip = {1 << 20, nullptr, true, nullptr, 0};
+    rtp_context *meta = rtp_context_new(mip);
+    rtp_tensor *w = rtp_tensor_set_name(rtp_tensor_new_2d(meta, RTP_TYPE_F32, 4, 7), "w");
+    rtp_tensor *x = rtp_tensor_new_2d(meta, RTP_TYPE_F32, 4, 5);
+    rtp_tensor_set_param(w);
+    rtp_tensor *loss = rtp_sum(meta, rtp_mul_mat(meta, w, x));
+    rtp_graph *g = rtp_graph_new(meta, 64);
+    rtp_graph_build(g, loss);
+    rtp_init_params ip = {1 << 20, nullptr, false, nullptr, 0};
+    rtp_context *ctx = rtp_context_new(ip);
+    rtp_parallel_params pp{};
+    pp.strategy = s;
+    pp.comm = comm;
+    rtp_parallel *p = rtp_parallel_new(ctx, g, loss, &pp);
+    int rc = p ? rtp_parallel_layout(p, w, l) : RTP_EINVAL;
+    if (!rc && rtp_parallel_layout(p, x, l) != RTP_EINVAL) rc = RTP_ESTATE;  // not a parameter
+    rtp_context_free(ctx);
+    rtp_context_free(meta);
+    return rc;
+  };
+  rtp_layout l;
+  ASSERT_EQ(layout_in(nullptr, RTP_STRATEGY_RTP, &l), RTP_OK) << rtp_last_error();
+  EXPECT_EQ(l.axis[1], RTP_LAYOUT_REPLICATED);  // one process: the identity
+  auto res = rtptest::run_procs(world, [&](int r) {
+    rtp_comm_params cp = rtptest::params(r, world, port);
+    rtp_comm *comm = nullptr;
+    if (rtp_comm_init(&cp, &comm)) return 50;
+    int code = 0;
+    for (rtp_strategy s : {RTP_STRATEGY_RTP, RTP_STRATEGY_FSDP, RTP_STRATEGY_DDP}) {
+      rtp_layout got;
+      if (layout_in(comm, s, &got)) code = 51;
+      int want = s == RTP_STRATEGY_DDP ? RTP_LAYOUT_REPLICATED : 0;
+      if (!code && (got.axis[1] != want || got.axis[0] != RTP_LAYOUT_REPLICATED)) code = 52;
+    }
+    rtp_comm_barrier(comm, nullptr);  // nobody leaves while a rank still talks to it
+    rtp_comm_free(comm);
+    return code;
+  });
+  for (int r = 0; r < world; r++) EXPECT_EQ(res[r].code, 0) << "rank " << r;
 }
 
 // ---- bad input ----------------------------------------------------------------------------
