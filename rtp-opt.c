@@ -86,12 +86,18 @@ struct rtp_optimizer *rtp_optimizer_new(struct rtp_context *ctx, struct rtp_grap
   return opt;
 }
 
+/* The factor decoupled weight decay multiplies parameter k's weights by this step. */
+static float param_decay(const struct rtp_optimizer *opt, int k) {
+  if (opt->params[k]->flags & RTP_FLAG_NO_DECAY) return 1.0f;
+  return 1.0f - opt->hp.lr * opt->hp.weight_decay;
+}
+
 /* Each thread takes the same share of every parameter, so the split stays balanced. */
 static void adam_job(const struct rtp_compute_params *p, void *arg) {
   const struct rtp_optimizer *opt = arg;
   float b1 = opt->hp.beta1, b2 = opt->hp.beta2, eps = opt->hp.eps;
-  float decay = 1.0f - opt->hp.lr * opt->hp.weight_decay;
   for (int k = 0; k < opt->n; k++) {
+    float decay = param_decay(opt, k);
     int64_t n = rtp_tensor_nelements(opt->params[k]);
     int64_t i0 = n * p->ith / p->nth, i1 = n * (p->ith + 1) / p->nth;
     float *w = opt->params[k]->data, *m = opt->m[k]->data, *v = opt->v[k]->data;
@@ -145,7 +151,7 @@ static int adam_device(struct rtp_optimizer *opt) {
                               opt->hp.beta1,
                               opt->hp.beta2,
                               opt->hp.eps,
-                              1.0f - opt->hp.lr * opt->hp.weight_decay,
+                              param_decay(opt, k),
                               opt->lr_t,
                               opt->bc2};
     int rc = opt->backend->i->adam(opt->backend, &a);

@@ -157,6 +157,9 @@ enum rtp_flag {
   RTP_FLAG_INPUT = 1 << 1,  /* filled by the caller before each compute */
   RTP_FLAG_OUTPUT = 1 << 2, /* read after compute: the planner never reuses it */
   RTP_FLAG_LOSS = 1 << 3,   /* the scalar that backward differentiates */
+  /* a parameter that AdamW's weight decay leaves alone (as nanoGPT, biases and LayerNorm
+   * weights); set it with t->flags |= RTP_FLAG_NO_DECAY, parallel plans keep it */
+  RTP_FLAG_NO_DECAY = 1 << 4,
 };
 
 RTP_API const char *rtp_op_name(enum rtp_op op);
@@ -427,7 +430,7 @@ struct rtp_adamw_params {
   float beta1;
   float beta2;
   float eps;
-  float weight_decay; /* decoupled (AdamW); 0 is Adam */
+  float weight_decay; /* decoupled (AdamW), not on RTP_FLAG_NO_DECAY parameters; 0 is Adam */
   float clip_norm;    /* > 0: scale gradients so their global L2 norm is at most this */
 };
 RTP_API struct rtp_adamw_params rtp_adamw_params_default(

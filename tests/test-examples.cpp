@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "rtp.h"
+#include "lr-schedule.h"
 #include "test-util.h"
 
 namespace {
@@ -1312,6 +1313,50 @@ TEST(TrainGptCkpt, ResumedMetricsContinueTheCurve) {
   ASSERT_EQ(run(train_gpt(kCkptFlags + " --steps 2", {"--metrics", m})).code, 0);
   EXPECT_EQ(metric(m, "step"), (std::vector<double>{1, 2}));
   EXPECT_EQ(lines(slurp(m)).size(), 2u);
+}
+
+// The learning-rate schedule survives --resume: 10 steps of a cosine schedule of 20 with
+// warm-up, then --resume --steps 20, train the last 10 steps with the losses and rates of
+// one run of 20 (rates as lr-schedule.h computes them); the schedule's flags come from the
+// checkpoint, and one that differs from it is refused. Weight decay and clipping change
+// the losses.
+TEST(TrainGptCkpt, LrScheduleSurvivesResume) {
+  const std::string flags = kCkptFlags +
+                            " --lr-schedule cosine --warmup 5 --max-steps 20"
+                            " --weight-decay 0.1 --grad-clip 1";
+  std::string ref = tmp_dir() + "cks-ref.jsonl", dir = tmp_dir() + "cks",
+              m = tmp_dir() + "cks.jsonl", plain = tmp_dir() + "cks-plain.jsonl";
+  ASSERT_EQ(std::system(("rm -rf " + quote(dir)).c_str()), 0);
+  Result r = run(train_gpt(flags + " --steps 20", {"--metrics", ref}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  std::vector<double> lr = metric(ref, "lr");
+  ASSERT_EQ(lr.size(), 20u) << slurp(ref);
+  lr_schedule want = {LR_COSINE, 5, 20, 3e-3f, 3e-3f / 10};
+  for (int i = 0; i < 20; i++) EXPECT_EQ((float)lr[i], lr_at(&want, i)) << "step " << i + 1;
+  EXPECT_LT(lr[0], lr[4]);
+  EXPECT_GT(lr[5], lr[19]);
+  Result a = run(train_gpt(flags + " --steps 10", {"--ckpt-dir", dir}));
+  ASSERT_EQ(a.code, 0) << a.err;
+  Result bad =
+      run(train_gpt(kCkptFlags + " --steps 20 --resume --max-steps 30", {"--ckpt-dir", dir}));
+  EXPECT_EQ(bad.code, 1);
+  EXPECT_NE(bad.err.find("was saved with --max-steps 20, this run has 30"), std::string::npos)
+      << bad.err;
+  // Only the optimizer's flags again: the schedule's are the checkpoint's.
+  Result b = run(train_gpt(kCkptFlags + " --weight-decay 0.1 --grad-clip 1 --steps 20 --resume",
+                           {"--ckpt-dir", dir, "--metrics", m}));
+  ASSERT_EQ(b.code, 0) << b.err;
+  EXPECT_EQ(metric(m, "loss"), losses_after(ref, 10));
+  EXPECT_EQ(metric(m, "lr"), std::vector<double>(lr.begin() + 10, lr.end()));
+  ASSERT_EQ(run(train_gpt(kCkptFlags + " --lr-schedule cosine --warmup 5 --max-steps 20 "
+                                       "--steps 20",
+                          {"--metrics", plain}))
+                .code,
+            0);
+  std::vector<double> without = metric(plain, "loss"), with = metric(ref, "loss");
+  ASSERT_EQ(without.size(), 20u);
+  EXPECT_EQ(without[0], with[0]);  // the first step's loss is before any update
+  EXPECT_NE(without[19], with[19]) << "weight decay and clipping changed nothing";
 }
 
 TEST(TrainGptCkpt, BadCheckpointsAreRefusedAndKept) {

@@ -133,4 +133,57 @@ TEST(TrainSlow, SmallGptLearnsText) {
   EXPECT_LT(last, 0.3f * first) << "first " << first << " last " << last;
 }
 
+// AdamW's decoupled decay: one step with weight_decay wd multiplies a parameter by
+// 1 - lr * wd on top of the Adam update, except a RTP_FLAG_NO_DECAY one (nanoGPT decays
+// neither biases nor LayerNorm weights), which takes the Adam update alone.
+TEST(Train, WeightDecaySkipsNoDecayParameters) {
+  const int in = 3, out = 2, n = 4;
+  const float lr = 0.1f, wd = 0.5f;
+  rtp_init_params ip = {4 << 20, nullptr, false, nullptr, 0};
+  rtp_context *ctx = rtp_context_new(ip);
+  ASSERT_NE(ctx, nullptr);
+  rtp_tensor *x = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, in, n);
+  rtp_tensor *y = rtp_tensor_new_1d(ctx, RTP_TYPE_I32, n);
+  rtp_tensor *w = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, in, out);
+  rtp_tensor *b = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, out);
+  for (int i = 0; i < in * n; i++) ((float *)x->data)[i] = 0.25f * (float)(i % 5) - 0.5f;
+  for (int i = 0; i < n; i++) ((int32_t *)y->data)[i] = i % out;
+  rtp_tensor_set_param(w);
+  rtp_tensor_set_param(b);
+  b->flags |= RTP_FLAG_NO_DECAY;
+  rtp_tensor *loss = rtp_cross_entropy(ctx, rtp_add(ctx, rtp_mul_mat(ctx, w, x), b), y);
+  rtp_graph *g = rtp_graph_new(ctx, 64);
+  ASSERT_EQ(rtp_graph_build(g, loss), 0) << rtp_last_error();
+  ASSERT_EQ(rtp_graph_build_backward(ctx, g, loss), 0) << rtp_last_error();
+  ASSERT_EQ(rtp_graph_plan(ctx, g), 0) << rtp_last_error();
+  rtp_adamw_params hp = rtp_adamw_params_default();
+  hp.lr = lr;
+  rtp_optimizer *adam = rtp_optimizer_new(ctx, g, hp);
+  hp.weight_decay = wd;
+  rtp_optimizer *adamw = rtp_optimizer_new(ctx, g, hp);
+  ASSERT_NE(adam, nullptr);
+  ASSERT_NE(adamw, nullptr);
+  std::vector<float> w0(in * out), b0(out);
+  for (int i = 0; i < in * out; i++) w0[i] = ((float *)w->data)[i] = 0.1f * (float)(i + 1);
+  for (int i = 0; i < out; i++) b0[i] = ((float *)b->data)[i] = 0.2f * (float)(i + 1);
+  ASSERT_EQ(rtp_graph_compute(g, nullptr), 0) << rtp_last_error();
+  // The same gradients and fresh Adam states: only the decay differs between the two.
+  ASSERT_EQ(rtp_optimizer_step(adam, nullptr), 0) << rtp_last_error();
+  std::vector<float> w1(in * out), b1(out);
+  std::memcpy(w1.data(), w->data, w1.size() * sizeof(float));
+  std::memcpy(b1.data(), b->data, b1.size() * sizeof(float));
+  std::memcpy(w->data, w0.data(), w0.size() * sizeof(float));
+  std::memcpy(b->data, b0.data(), b0.size() * sizeof(float));
+  ASSERT_EQ(rtp_optimizer_step(adamw, nullptr), 0) << rtp_last_error();
+  for (int i = 0; i < in * out; i++) {
+    EXPECT_NE(w1[i], w0[i]) << "the Adam step moved w[" << i << "]";
+    EXPECT_NEAR(((float *)w->data)[i], w1[i] - lr * wd * w0[i], 1e-6f) << "w[" << i << "]";
+  }
+  for (int i = 0; i < out; i++) {
+    EXPECT_NE(b1[i], b0[i]) << "the Adam step moved b[" << i << "]";
+    EXPECT_EQ(((float *)b->data)[i], b1[i]) << "b[" << i << "] decayed";
+  }
+  rtp_context_free(ctx);
+}
+
 }  // namespace

@@ -66,6 +66,7 @@ static struct rtp_tensor *param(struct rtp_context *ctx, struct gpt *m, int64_t 
                                  : rtp_tensor_new_1d(ctx, RTP_TYPE_F32, ne0);
   if (!t) return NULL;
   rtp_tensor_set_param(t);
+  if (ne1 <= 0) t->flags |= RTP_FLAG_NO_DECAY; /* biases and LayerNorm: no weight decay */
   rtp_tensor_set_name(t, fmt, layer);
   m->params[m->n_params++] = t;
   return t;

@@ -32,6 +32,7 @@
 #include <unistd.h>
 
 #include "eta.h"
+#include "lr-schedule.h"
 #include "gpt.h"
 #include "rtp.h"
 
@@ -47,13 +48,19 @@ struct options {
   int threads;                 /* -1: the cores shared by the local ranks */
   int pp, micro_batches, unit; /* pipeline stages, micro-batches per step, zeropp's unit */
   float lr;                    /* -1: the config's */
+  /* the schedule (lr-schedule.h): -1 or NULL when left out, then the checkpoint's on
+   * --resume, else constant, 0, --steps and lr / 10 (resolve_schedule) */
+  const char *lr_schedule;
+  int warmup, max_steps;
+  float lr_min;
+  float weight_decay, grad_clip; /* AdamW's; 0 disables */
   float temperature;
   int64_t seed;
   const char *strategy, *schedule, *data, *metrics, *init, *export_path, *ckpt_dir, *prompt;
   bool eval_only, resume, bf16, recompute, help;
 };
 
-#define MAX_FLAGS 40
+#define MAX_FLAGS 48
 
 enum arg_kind { ARG_INT, ARG_I64, ARG_FLOAT, ARG_STR, ARG_BOOL };
 
@@ -78,6 +85,17 @@ static int flag_table(struct options *o, struct flag *f) {
        "sequences per step and rank (default 8; tp: shared by all ranks)"},
       {"--steps", ARG_INT, &o->steps, "N", "optimizer steps (default 200; 0: only --init)"},
       {"--lr", ARG_FLOAT, &o->lr, "X", "Adam learning rate (tiny 1e-3, else 3e-4)"},
+      {"--lr-schedule", ARG_STR, &o->lr_schedule, "S",
+       "constant | cosine | linear decay to --lr-min at --max-steps (default constant)"},
+      {"--warmup", ARG_INT, &o->warmup, "N",
+       "steps of linear warm-up to --lr (default 0; nanoGPT: 2000)"},
+      {"--max-steps", ARG_INT, &o->max_steps, "N",
+       "the schedule's length, kept by --resume (default: --steps)"},
+      {"--lr-min", ARG_FLOAT, &o->lr_min, "X", "the decay's floor (default --lr / 10)"},
+      {"--weight-decay", ARG_FLOAT, &o->weight_decay, "X",
+       "AdamW decay, not on biases and LayerNorm (default 0; nanoGPT: 0.1)"},
+      {"--grad-clip", ARG_FLOAT, &o->grad_clip, "X",
+       "clip the global gradient norm to X (default 0: off; nanoGPT: 1)"},
       {"--seed", ARG_I64, &o->seed, "N", "seed of the weights, batches and sampling (1337)"},
       {"--threads", ARG_INT, &o->threads, "N",
        "compute threads per rank (default: the cores / local ranks)"},
@@ -205,6 +223,9 @@ static int parse_args(int argc, char **argv, struct options *o) {
                         .n_head = -1,
                         .seq_len = -1,
                         .lr = -1,
+                        .warmup = -1,
+                        .max_steps = -1,
+                        .lr_min = -1,
                         .threads = -1,
                         .unit = -1,
                         .batch = 8,
@@ -277,6 +298,11 @@ static int check_options(const struct options *o) {
   for (int i = 0; i < 4; i++) known |= strcmp(o->strategy, strategies[i]) == 0;
   if (!known)
     return usage_error("--strategy must be rtp, ddp, fsdp or tp, not '%s'", o->strategy);
+  enum lr_kind kind;
+  if (o->lr_schedule && !lr_kind_parse(o->lr_schedule, &kind))
+    return usage_error("--lr-schedule must be constant, cosine or linear, not '%s'",
+                       o->lr_schedule);
+  if (o->max_steps == 0) return usage_error("--max-steps must be at least 1");
   if ((o->ckpt_every || o->resume) && !o->ckpt_dir)
     return usage_error("--ckpt-every and --resume need --ckpt-dir");
   if (o->resume && o->init) return usage_error("--resume and --init both give the weights");
@@ -800,6 +826,8 @@ static int trainer_init(struct trainer *tr, struct gpt_config c, const struct op
   if (!train) return RTP_OK;
   struct rtp_adamw_params hp = rtp_adamw_params_default();
   hp.lr = o->lr;
+  hp.weight_decay = o->weight_decay;
+  hp.clip_norm = o->grad_clip;
   tr->opt = rtp_parallel_optimizer(tr->par, hp);
   return tr->opt ? RTP_OK : fail(RTP_ENOMEM, "creating the optimizer");
 }
@@ -854,13 +882,15 @@ static int init_weights(struct trainer *tr, uint64_t seed) {
 /* One optimizer step on this rank's share of the global batch (tp: all of it); *loss is
  * the global mean. */
 static int train_step(struct trainer *tr, const struct dataset *d, uint64_t seed, int64_t step,
-                      float *loss) {
+                      float lr, float *loss) {
   sample_batch(d, seed, step, data_rank(tr), tr->batch, tr->micro, tr->m.cfg.seq_len, tr->idx,
                tr->targets);
   int rc = rtp_graph_compute(tr->train, tr->tp);
   if (rc) return fail(rc, "step %" PRId64 ": forward and backward", step + 1);
   if ((rc = rtp_tensor_get_f32(tr->loss, 0, loss)))
     return fail(rc, "step %" PRId64 ": reading the loss", step + 1);
+  if ((rc = rtp_optimizer_set_lr(tr->opt, lr)))
+    return fail(rc, "step %" PRId64 ": setting the learning rate", step + 1);
   rc = rtp_optimizer_step(tr->opt, tr->tp);
   return rc ? fail(rc, "step %" PRId64 ": optimizer", step + 1) : RTP_OK;
 }
@@ -1409,8 +1439,23 @@ static int export_model(struct trainer *tr, const char *path, int64_t steps) {
  * step itself. */
 struct ckpt_state {
   char seed[24], batch[24], pos[24], sizes[5][24]; /* sizes: for reading it as a model */
-  const char *kv[17];
+  char sched[3][24];                               /* the schedule's numbers */
+  const char *kv[25];
 };
+
+/* The learning-rate schedule's flags as the checkpoint's state records them; the step is
+ * the checkpoint's own. */
+static const char *const sched_keys[] = {"lr_schedule", "warmup", "max_steps", "lr_min"};
+
+/* The schedule's flags as text, as the checkpoint's state holds them: out[0] the kind,
+ * out[1..3] into buf. */
+static void sched_text(const struct options *o, char buf[3][24], const char *out[4]) {
+  snprintf(buf[0], 24, "%d", o->warmup);
+  snprintf(buf[1], 24, "%d", o->max_steps);
+  snprintf(buf[2], 24, "%.9g", o->lr_min);
+  out[0] = o->lr_schedule;
+  for (int i = 0; i < 3; i++) out[i + 1] = buf[i];
+}
 
 static struct rtp_ckpt_params ckpt_params(struct trainer *tr, const struct options *o,
                                           struct ckpt_state *cs, int64_t step) {
@@ -1425,6 +1470,12 @@ static struct rtp_ckpt_params ckpt_params(struct trainer *tr, const struct optio
     snprintf(cs->sizes[i], sizeof(cs->sizes[i]), "%d", sizes[i]);
     cs->kv[n++] = size_keys[i];
     cs->kv[n++] = cs->sizes[i];
+  }
+  const char *sched[4];
+  sched_text(o, cs->sched, sched);
+  for (int i = 0; i < 4 && o->lr_schedule; i++) { /* once resolve_schedule has run */
+    cs->kv[n++] = sched_keys[i];
+    cs->kv[n++] = sched[i];
   }
   cs->kv[n] = NULL;
   return (struct rtp_ckpt_params){o->ckpt_dir,    tr->par, tr->comm, tr->strategy, tr->m.params,
@@ -1498,14 +1549,69 @@ static int check_resume_position(const struct rtp_ckpt *c, const struct trainer 
   return RTP_OK;
 }
 
-/* The weights, Adam states and step of --ckpt-dir's latest checkpoint. */
-static int resume(struct trainer *tr, const struct options *o, int64_t *step) {
+/* The schedule's flags: those left out from checkpoint c (NULL: none; an older train-gpt
+ * recorded none) so that a resumed run continues its curve, else their defaults; a flag
+ * given that differs from c's would bend the curve, and is refused. */
+static int resolve_schedule(struct options *o, const struct rtp_ckpt *c) {
+  static const char *const flags[] = {"--lr-schedule", "--warmup", "--max-steps", "--lr-min"};
+  char buf[3][24];
+  const char *mine[4];
+  sched_text(o, buf, mine);
+  bool given[] = {o->lr_schedule != NULL, o->warmup >= 0, o->max_steps >= 0, o->lr_min >= 0};
+  for (int i = 0; i < 4 && c; i++) {
+    const char *saved = rtp_ckpt_state(c, sched_keys[i]);
+    if (!saved) continue;
+    if (given[i] && strcmp(saved, mine[i])) {
+      fprintf(stderr,
+              "train-gpt: --resume: %s was saved with %s %s, this run has %s (leave the "
+              "flag out to continue its schedule)\n",
+              rtp_ckpt_path(c), flags[i], saved, mine[i]);
+      return RTP_EINVAL;
+    }
+    char *end = NULL;
+    long v = i == 1 || i == 2 ? strtol(saved, &end, 10) : 0;
+    float x = i == 3 ? strtof(saved, &end) : 0;
+    bool ok = i == 0 || (*saved && !*end &&
+                         (i == 3 ? x >= 0 && isfinite(x) : v >= (i == 2) && v <= 1 << 30));
+    if (!ok) {
+      fprintf(stderr, "train-gpt: --resume: %s: %s is '%s'\n", rtp_ckpt_path(c), sched_keys[i],
+              saved);
+      return RTP_EFORMAT;
+    }
+    if (i == 0) o->lr_schedule = saved;
+    if (i == 1) o->warmup = (int)v;
+    if (i == 2) o->max_steps = (int)v;
+    if (i == 3) o->lr_min = x;
+  }
+  enum lr_kind kind = LR_CONSTANT;
+  if (o->lr_schedule && !lr_kind_parse(o->lr_schedule, &kind)) {
+    fprintf(stderr, "train-gpt: --resume: %s: lr_schedule is '%s'\n", rtp_ckpt_path(c),
+            o->lr_schedule);
+    return RTP_EFORMAT;
+  }
+  o->lr_schedule = lr_kind_name(kind); /* not the checkpoint's string, freed with it */
+  if (o->warmup < 0) o->warmup = 0;
+  if (o->max_steps < 0) o->max_steps = o->steps > 0 ? o->steps : 1;
+  if (o->lr_min < 0) o->lr_min = o->lr / 10;
+  return RTP_OK;
+}
+
+static struct lr_schedule schedule_of(const struct options *o) {
+  enum lr_kind kind = LR_CONSTANT;
+  lr_kind_parse(o->lr_schedule, &kind);
+  return (struct lr_schedule){kind, o->warmup, o->max_steps, o->lr, o->lr_min};
+}
+
+/* The weights, Adam states and step of --ckpt-dir's latest checkpoint, and the schedule's
+ * flags left out (resolve_schedule). */
+static int resume(struct trainer *tr, struct options *o, int64_t *step) {
   struct rtp_ckpt *c = NULL;
   struct ckpt_state cs;
   int rc = rtp_ckpt_open(o->ckpt_dir, &c);
   if (rc) return fail(rc, "--resume");
   struct rtp_ckpt_params p = ckpt_params(tr, o, &cs, 0);
   rc = check_resume_state(c, &cs);
+  if (!rc) rc = resolve_schedule(o, c);
   if (!rc && (rc = rtp_ckpt_load(c, &p))) fail(rc, "--resume from %s", rtp_ckpt_path(c));
   if (!rc) rc = check_resume_position(c, tr);
   *step = rtp_ckpt_step(c);
@@ -1560,7 +1666,7 @@ static size_t peak_rss(void) {
 
 struct step_stats {
   int64_t step, steps; /* 1-based */
-  float loss;
+  float loss, lr;
   double ms, tokens_per_s, eta_s;
   const struct eval_stats *eval; /* NULL unless evaluated at this step */
 };
@@ -1571,12 +1677,12 @@ static void write_metrics(FILE *f, const struct trainer *tr, const struct step_s
   fprintf(
       f,
       "{\"step\": %" PRId64
-      ", \"loss\": %.9g, \"ms_per_step\": %.4f, \"tokens_per_s\": %.2f"
+      ", \"loss\": %.9g, \"lr\": %.9g, \"ms_per_step\": %.4f, \"tokens_per_s\": %.2f"
       ", \"params\": %zu, \"grads\": %zu, \"optim\": %zu, \"activations\": %zu, \"comm\": %zu"
       ", \"peak_rss\": %zu",
-      s->step, s->loss, s->ms, s->tokens_per_s, r.bytes[RTP_ROLE_PARAM], r.bytes[RTP_ROLE_GRAD],
-      r.bytes[RTP_ROLE_OPTIM], r.bytes[RTP_ROLE_ACTIVATION], r.bytes[RTP_ROLE_COMM],
-      peak_rss());
+      s->step, s->loss, s->lr, s->ms, s->tokens_per_s, r.bytes[RTP_ROLE_PARAM],
+      r.bytes[RTP_ROLE_GRAD], r.bytes[RTP_ROLE_OPTIM], r.bytes[RTP_ROLE_ACTIVATION],
+      r.bytes[RTP_ROLE_COMM], peak_rss());
   if (s->eval) fprintf(f, ", \"eval_loss\": %.9g", s->eval->loss);
   if (s->eval && s->eval->problems) fprintf(f, ", \"accuracy\": %.6g", s->eval->acc);
   fprintf(f, "}\n");
@@ -1624,10 +1730,11 @@ static int run_training(struct trainer *tr, const struct dataset *d, const struc
   bool tty = isatty(STDOUT_FILENO);
   double start = now_s(), tokens = (double)data_ranks(tr) * tr->batch * tr->m.cfg.seq_len;
   struct eta_times times = {0};
+  struct lr_schedule sched = schedule_of(o);
   for (int64_t step = first; step < o->steps; step++) {
     double t0 = now_s();
-    float loss = 0;
-    int rc = train_step(tr, d, (uint64_t)o->seed, step, &loss);
+    float loss = 0, lr = lr_at(&sched, step);
+    int rc = train_step(tr, d, (uint64_t)o->seed, step, lr, &loss);
     if (rc) return rc;
     double dt = now_s() - t0;
     eta_add_step(&times, dt);
@@ -1636,7 +1743,7 @@ static int run_training(struct trainer *tr, const struct dataset *d, const struc
               loss, step + 1);
       return RTP_EINVAL;
     }
-    struct step_stats s = {step + 1, o->steps, loss, 1e3 * dt, tokens / dt, 0, NULL};
+    struct step_stats s = {step + 1, o->steps, loss, lr, 1e3 * dt, tokens / dt, 0, NULL};
     struct eval_stats e;
     bool log = s.step % every == 0 || s.step == 1 || s.step == o->steps;
     if (log) {
@@ -1790,6 +1897,7 @@ static int run(struct options *o) {
   if (!rc) rc = trainer_init(&tr, cfg, o, !o->eval_only && !ck);
   bool trains = !o->eval_only && !ck && o->steps > 0;
   if (!rc && trains && shows_progress(&tr)) print_model(&tr, o);
+  if (!rc && !o->resume) rc = resolve_schedule(o, NULL);
   if (!rc && o->resume)
     rc = resume(&tr, o, &first);
   else if (!rc && ck)
