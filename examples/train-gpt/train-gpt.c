@@ -49,7 +49,8 @@ struct options {
   int pp, micro_batches, unit; /* pipeline stages, micro-batches per step, zeropp's unit */
   float lr;                    /* -1: the config's */
   /* the schedule (lr-schedule.h): -1 or NULL when left out, then the checkpoint's on
-   * --resume, else constant, 0, --steps and lr / 10 (resolve_schedule) */
+   * --resume, else constant, 0, --steps (constant: 0, unused) and lr / 10
+   * (resolve_schedule) */
   const char *lr_schedule;
   int warmup, max_steps;
   float lr_min;
@@ -86,11 +87,11 @@ static int flag_table(struct options *o, struct flag *f) {
       {"--steps", ARG_INT, &o->steps, "N", "optimizer steps (default 200; 0: only --init)"},
       {"--lr", ARG_FLOAT, &o->lr, "X", "Adam learning rate (tiny 1e-3, else 3e-4)"},
       {"--lr-schedule", ARG_STR, &o->lr_schedule, "S",
-       "constant | cosine | linear decay to --lr-min at --max-steps (default constant)"},
+       "constant (default) | cosine | linear decay to --lr-min at --max-steps"},
       {"--warmup", ARG_INT, &o->warmup, "N",
        "steps of linear warm-up to --lr (default 0; nanoGPT: 2000)"},
       {"--max-steps", ARG_INT, &o->max_steps, "N",
-       "the schedule's length, kept by --resume (default: --steps)"},
+       "the decay's length, kept by --resume (default: --steps)"},
       {"--lr-min", ARG_FLOAT, &o->lr_min, "X", "the decay's floor (default --lr / 10)"},
       {"--weight-decay", ARG_FLOAT, &o->weight_decay, "X",
        "AdamW decay, not on biases and LayerNorm (default 0; nanoGPT: 0.1)"},
@@ -1571,8 +1572,8 @@ static int resolve_schedule(struct options *o, const struct rtp_ckpt *c) {
     char *end = NULL;
     long v = i == 1 || i == 2 ? strtol(saved, &end, 10) : 0;
     float x = i == 3 ? strtof(saved, &end) : 0;
-    bool ok = i == 0 || (*saved && !*end &&
-                         (i == 3 ? x >= 0 && isfinite(x) : v >= (i == 2) && v <= 1 << 30));
+    bool ok = i == 0 ||
+              (*saved && !*end && (i == 3 ? x >= 0 && isfinite(x) : v >= 0 && v <= 1 << 30));
     if (!ok) {
       fprintf(stderr, "train-gpt: --resume: %s: %s is '%s'\n", rtp_ckpt_path(c), sched_keys[i],
               saved);
@@ -1591,7 +1592,8 @@ static int resolve_schedule(struct options *o, const struct rtp_ckpt *c) {
   }
   o->lr_schedule = lr_kind_name(kind); /* not the checkpoint's string, freed with it */
   if (o->warmup < 0) o->warmup = 0;
-  if (o->max_steps < 0) o->max_steps = o->steps > 0 ? o->steps : 1;
+  /* constant: 0, unused, so that runs of any --steps save the same state */
+  if (o->max_steps < 0) o->max_steps = kind == LR_CONSTANT ? 0 : o->steps > 0 ? o->steps : 1;
   if (o->lr_min < 0) o->lr_min = o->lr / 10;
   return RTP_OK;
 }
