@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <random>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -62,9 +63,9 @@ inline float f32_at(const rtp_tensor *t, int64_t i) {
 // which ctest may run beside this one) must not take it between this choice and the bind.
 // Random, so that tests run together rarely pick the same.
 inline int free_port() {
-  static unsigned seed = (unsigned)getpid() * 2654435761u ^ (unsigned)time(nullptr);
+  std::random_device random;  // not a seed: forked ranks would all draw the same ports
   for (int i = 0; i < 1000; i++) {
-    int port = 20000 + (int)(rand_r(&seed) % 12000);
+    int port = 20000 + (int)(random() % 12000);
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in a{};
     a.sin_family = AF_INET;
