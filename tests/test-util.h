@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <random>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -57,17 +58,24 @@ inline float f32_at(const rtp_tensor *t, int64_t i) {
 }
 
 // A TCP port that was free a moment ago (the kernel's choice for port 0).
+// A free port for a test's rank 0, below Linux's ephemeral range (32768 on): the ports
+// the kernel hands out for outgoing connections (thousands a second in the flood tests,
+// which ctest may run beside this one) must not take it between this choice and the bind.
+// Random, so that tests run together rarely pick the same.
 inline int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  bind(fd, (sockaddr *)&a, sizeof(a));
-  socklen_t n = sizeof(a);
-  getsockname(fd, (sockaddr *)&a, &n);
-  close(fd);
-  return ntohs(a.sin_port);
+  std::random_device random;  // not a seed: forked ranks would all draw the same ports
+  for (int i = 0; i < 1000; i++) {
+    int port = 20000 + (int)(random() % 12000);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_ANY);
+    a.sin_port = htons((uint16_t)port);
+    bool ok = fd >= 0 && bind(fd, (sockaddr *)&a, sizeof(a)) == 0;
+    if (fd >= 0) close(fd);
+    if (ok) return port;
+  }
+  return 0;
 }
 
 // Block b of n of a count-element tensor for the rotation tests: distinct values that

@@ -149,7 +149,28 @@ static double now_ms(void) {
   return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
 }
 
+static bool port_free(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a;
+  memset(&a, 0, sizeof(a));
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  a.sin_port = htons((uint16_t)port);
+  bool ok = fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof(a)) == 0;
+  if (fd >= 0) close(fd);
+  return ok;
+}
+
+/* A free port for rank 0, below Linux's ephemeral range (32768 on): a port the kernel hands
+ * out for outgoing connections may be taken by one between this choice and rank 0's
+ * bind. Random, so that jobs started together rarely pick the same; the kernel's choice
+ * if none of 64 tries is free. */
 static int free_port(void) {
+  unsigned seed = (unsigned)getpid() ^ (unsigned)(now_ms() * 1e3);
+  for (int i = 0; i < 64; i++) {
+    int port = 20000 + (int)(rand_r(&seed) % 12000);
+    if (port_free(port)) return port;
+  }
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   struct sockaddr_in a;
   memset(&a, 0, sizeof(a));
