@@ -735,6 +735,29 @@ TEST(TrainGptRanks, FloodedJobTrainsToTheSameLosses) {
   expect_one_process_losses(m, "2 flooded ranks (rtp)");
 }
 
+// A cosine schedule with warm-up, AdamW's decay (off the biases and LayerNorm weights on
+// every rank's share) and clipping train on 2 ranks as in one process, under every
+// strategy.
+TEST(TrainGptRanks, ScheduleDecayAndClipMatchOneProcess) {
+  const std::string flags = kRanksFlags +
+                            " --weight-decay 0.1 --grad-clip 1 --lr-schedule cosine --warmup 3 "
+                            "--max-steps 10";
+  std::string one = tmp_dir() + "wd-one.jsonl";
+  ASSERT_EQ(run(train_gpt(flags + " --batch 4", {"--metrics", one})).code, 0);
+  std::vector<double> want = metric(one, "loss");
+  ASSERT_EQ(want.size(), 10u);
+  for (const std::string st : {"rtp", "fsdp", "ddp", "tp"}) {
+    std::string m = tmp_dir() + "wd-" + st + ".jsonl";
+    std::string batch = st == "tp" ? " --batch 4" : " --batch 2";
+    Result r = run(on_ranks(2, flags + batch + " --strategy " + st, {"--metrics", m}));
+    ASSERT_EQ(r.code, 0) << st << ": " << r.err;
+    std::vector<double> got = metric(m, "loss");
+    ASSERT_EQ(got.size(), want.size()) << st;
+    for (size_t i = 0; i < want.size(); i++)
+      EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << st << ", step " << i + 1;
+  }
+}
+
 TEST(TrainGptRanks, RtpLossesMatchOneProcess) {
   expect_losses_of_one_process("rtp");
 }
