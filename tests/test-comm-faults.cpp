@@ -354,41 +354,8 @@ TEST(CommFaults, FloodOfIdleAndTricklingConnections) {
       4,
       [&](int who) {
         if (who == 3) {  // the flood, for 5 s
-          std::vector<int> fds;
           double end = now_s() + 5.0;
-          long opened = 0;
-          while (now_s() < end) {
-            while (fds.size() < 600) {
-              int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
-              sockaddr_in a{};
-              a.sin_family = AF_INET;
-              a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-              a.sin_port = htons((uint16_t)port);
-              if (fd < 0) break;
-              if (connect(fd, (sockaddr *)&a, sizeof(a)) < 0 && errno != EINPROGRESS) {
-                close(fd);
-                break;
-              }
-              fds.push_back(fd);
-              opened++;
-            }
-            for (size_t i = 0; i < fds.size(); i++) {
-              char ch;
-              if (i < 30) send(fds[i], "R", 1, MSG_NOSIGNAL | MSG_DONTWAIT);
-              ssize_t r = recv(fds[i], &ch, 1, MSG_DONTWAIT);
-              if (r == 0 ||
-                  (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != ENOTCONN)) {
-                close(fds[i]);
-                fds[i] = -1;
-              }
-            }
-            std::vector<int> open;
-            for (int fd : fds)
-              if (fd >= 0) open.push_back(fd);
-            fds.swap(open);
-            usleep(20000);
-          }
-          for (int fd : fds) close(fd);
+          long opened = flood_port(port, [&] { return now_s() >= end; });
           fprintf(stderr, "flood: %ld connections opened\n", opened);
           return opened > 1000 ? 0 : 9;  // it did flood
         }

@@ -689,38 +689,7 @@ TEST(TrainGptRanks, FloodedJobTrainsToTheSameLosses) {
   int port = rtptest::free_port();
   std::atomic<bool> stop{false};
   std::atomic<long> opened{0};
-  std::thread flood([&] {
-    std::vector<int> fds;
-    while (!stop) {
-      while (fds.size() < 600) {
-        int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
-        sockaddr_in a{};
-        a.sin_family = AF_INET;
-        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-        a.sin_port = htons((uint16_t)port);
-        if (fd < 0) break;
-        if (connect(fd, (sockaddr *)&a, sizeof(a)) < 0 && errno != EINPROGRESS) {
-          close(fd);
-          break;
-        }
-        fds.push_back(fd);
-        opened++;
-      }
-      std::vector<int> open;
-      for (size_t i = 0; i < fds.size(); i++) {
-        char ch;
-        if (i < 30) send(fds[i], "R", 1, MSG_NOSIGNAL | MSG_DONTWAIT);
-        ssize_t r = recv(fds[i], &ch, 1, MSG_DONTWAIT);
-        if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != ENOTCONN))
-          close(fds[i]);
-        else
-          open.push_back(fds[i]);
-      }
-      fds.swap(open);
-      usleep(20000);
-    }
-    for (int fd : fds) close(fd);
-  });
+  std::thread flood([&] { opened = rtptest::flood_port(port, [&] { return stop.load(); }); });
   usleep(300000);  // the flood first
   std::string m = tmp_dir() + "flooded.jsonl";
   std::vector<std::string> argv = {

@@ -11,6 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -76,6 +77,44 @@ inline int free_port() {
     if (ok) return port;
   }
   return 0;
+}
+
+// A stranger's flood of 127.0.0.1:port until done() says stop: 600 connections kept open
+// (nonblocking connects, reopened as the listener drops them), the first 30 trickling a
+// byte at a time. Returns how many it opened.
+inline long flood_port(int port, const std::function<bool()> &done) {
+  std::vector<int> fds;
+  long opened = 0;
+  while (!done()) {
+    while (fds.size() < 600) {
+      int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      a.sin_port = htons((uint16_t)port);
+      if (fd < 0) break;
+      if (connect(fd, (sockaddr *)&a, sizeof(a)) < 0 && errno != EINPROGRESS) {
+        close(fd);
+        break;
+      }
+      fds.push_back(fd);
+      opened++;
+    }
+    std::vector<int> open;
+    for (size_t i = 0; i < fds.size(); i++) {
+      char ch;
+      if (i < 30) send(fds[i], "R", 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+      ssize_t r = recv(fds[i], &ch, 1, MSG_DONTWAIT);
+      if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != ENOTCONN))
+        close(fds[i]);
+      else
+        open.push_back(fds[i]);
+    }
+    fds.swap(open);
+    usleep(20000);
+  }
+  for (int fd : fds) close(fd);
+  return opened;
 }
 
 // Block b of n of a count-element tensor for the rotation tests: distinct values that
