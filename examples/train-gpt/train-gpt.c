@@ -574,8 +574,9 @@ static int load_data_files(const struct options *o, struct dataset *d) {
   }
   d->train = all;
   rc = load_tokens("--val-data", o->val_data, o, &d->val_file, &d->held);
+  if (rc) return rc;
   bool bytes = strcmp(all.kind, "bytes") == 0, val_bytes = strcmp(d->held.kind, "bytes") == 0;
-  if (!rc && (bytes != val_bytes || all.vocab != d->held.vocab)) {
+  if (bytes != val_bytes || all.vocab != d->held.vocab) {
     fprintf(stderr,
             "train-gpt: --val-data %s holds %s (vocabulary %d), --data %s %s (vocabulary %d): "
             "they must be the same tokens\n",
