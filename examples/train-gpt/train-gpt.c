@@ -566,11 +566,12 @@ static int load_tokens(const char *flag, const char *path, const struct options 
 static int load_data_files(const struct options *o, struct dataset *d) {
   struct token_span all;
   int rc = load_tokens("--data", o->data, o, &d->file, &all);
-  if (rc || !o->val_data) {
+  if (rc) return rc;
+  if (!o->val_data) {
     size_t split = o->eval_only ? 0 : all.n - all.n / 10;
     d->train = token_span_slice(all, 0, split);
     d->held = token_span_slice(all, split, all.n - split);
-    return rc;
+    return RTP_OK;
   }
   d->train = all;
   rc = load_tokens("--val-data", o->val_data, o, &d->val_file, &d->held);
