@@ -85,7 +85,7 @@ static int flag_table(struct options *o, struct flag *f) {
       {"--n-layer", ARG_INT, &o->n_layer, "N", "transformer blocks (overrides the config)"},
       {"--d-model", ARG_INT, &o->d_model, "N", "embedding width"},
       {"--n-head", ARG_INT, &o->n_head, "N", "attention heads (must divide --d-model)"},
-      {"--seq-len", ARG_INT, &o->seq_len, "T", "context length in bytes"},
+      {"--seq-len", ARG_INT, &o->seq_len, "T", "context length in tokens (bytes)"},
       {"--batch", ARG_INT, &o->batch, "B",
        "sequences per step and rank (default 8; tp: shared by all ranks)"},
       {"--steps", ARG_INT, &o->steps, "N", "optimizer steps (default 200; 0: only --init)"},
@@ -121,8 +121,7 @@ static int flag_table(struct options *o, struct flag *f) {
       {"--data", ARG_STR, &o->data, "FILE",
        "bytes or a token file, last 10% held out (default: built-in sums)"},
       {"--data-format", ARG_STR, &o->data_format, "F",
-       "auto (llm.c .bin if its magic, else uint16 with --vocab, else bytes) | bytes | "
-       "uint16 | llmc"},
+       "auto | bytes | uint16 | llmc (auto: llm.c's if its magic, uint16 if --vocab)"},
       {"--vocab", ARG_INT, &o->vocab, "N",
        "token files' vocabulary (uint16: required; llm.c: default its tokenizer's)"},
       {"--val-data", ARG_STR, &o->val_data, "FILE",
@@ -136,7 +135,7 @@ static int flag_table(struct options *o, struct flag *f) {
        "print {\"eval_loss\": x, \"windows\": n} over all of --data"
        ", for --init's or --ckpt-dir's model"},
       {"--sample", ARG_INT, &o->sample, "N",
-       "generate N bytes after training (or from --init or --ckpt-dir)"},
+       "generate N tokens (bytes) after training (or from --init or --ckpt-dir)"},
       {"--temperature", ARG_FLOAT, &o->temperature, "X", "sampling temperature (0: greedy)"},
       {"--prompt", ARG_STR, &o->prompt, "TEXT",
        "what --sample continues (token models: ids, e.g. \"464 2068\"; default: held-out "
@@ -168,9 +167,8 @@ static void print_usage(FILE *out) {
       out,
       "usage: train-gpt [options]\n"
       "Trains the reference GPT with rtp on bytes, or on the tokens of an llm.c or nanoGPT\n"
-      "token file (docs/data.md). Without --data it learns the\n"
-      "built-in task, sums like \"042+917=0959\", and reports exact-match accuracy on\n"
-      "held-out sums.\n\noptions:\n");
+      "token file (docs/data.md). Without --data it learns the built-in task, sums like\n"
+      "\"042+917=0959\", and reports exact-match accuracy on held-out sums.\n\noptions:\n");
   for (int i = 0; i < n; i++) {
     char left[40];
     snprintf(left, sizeof(left), "%s%s%s", f[i].name, f[i].arg ? " " : "",
