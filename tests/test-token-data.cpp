@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "token-data.h"
@@ -33,16 +34,18 @@ std::vector<uint8_t> gpt2(const std::vector<uint32_t> &tokens) {
   return llmc(TOKEN_LLMC_GPT2, 1, (int32_t)tokens.size(), tokens, 2);
 }
 
+// The file parsed, kept with the span that points into it.
 struct Parsed {
+  std::vector<uint8_t> file;
   int rc;
   token_span s;
   std::string err;
 };
 
-Parsed parse(const std::vector<uint8_t> &b, token_format f, int vocab = 0) {
-  Parsed p{};
+Parsed parse(std::vector<uint8_t> b, token_format f, int vocab = 0) {
+  Parsed p{std::move(b), -1, {}, ""};
   char err[256] = "";
-  p.rc = token_span_parse(b.data(), b.size(), f, vocab, &p.s, err, sizeof(err));
+  p.rc = token_span_parse(p.file.data(), p.file.size(), f, vocab, &p.s, err, sizeof(err));
   p.err = err;
   return p;
 }
