@@ -5,8 +5,9 @@
 // batch (rtp and ddp) or the same batch (tp, which splits the model, not the data) and
 // export the model they evaluated; so do two "hosts" started with the README's multi-host
 // commands; checkpoints resume with the same losses, also across strategies, damaged ones
-// are refused, and a full disk during a save loses nothing already saved; embed-c and
-// train-gpt-cpp run and save.
+// are refused, and a full disk during a save loses nothing already saved; token files
+// (llm.c's and nanoGPT's) train, evaluate, resume and export with their vocabulary, and
+// malformed ones are refused; embed-c and train-gpt-cpp run and save.
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <sys/socket.h>
