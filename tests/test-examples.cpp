@@ -5,8 +5,9 @@
 // batch (rtp and ddp) or the same batch (tp, which splits the model, not the data) and
 // export the model they evaluated; so do two "hosts" started with the README's multi-host
 // commands; checkpoints resume with the same losses, also across strategies, damaged ones
-// are refused, and a full disk during a save loses nothing already saved; embed-c and
-// train-gpt-cpp run and save.
+// are refused, and a full disk during a save loses nothing already saved; token files
+// (llm.c's and nanoGPT's) train, evaluate, resume and export with their vocabulary, and
+// malformed ones are refused; embed-c and train-gpt-cpp run and save.
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <sys/socket.h>
@@ -1629,6 +1630,235 @@ TEST(TrainGptHelp, ListsTheIssueFlags) {
   EXPECT_NE(r.out.find("B under tp, where every rank trains on the same B sequences"),
             std::string::npos)
       << r.out;
+}
+
+// Token files (docs/data.md): llm.c's .bin and nanoGPT's uint16, here of a vocabulary of
+// 300 (tiny and quick; GPT-2's 50257 is llm.c's default, checked without training).
+const int kTokenVocab = 300;
+
+// A learnable stream of n tokens below kTokenVocab, from `first` on.
+std::vector<uint16_t> token_stream(int n, int first = 0) {
+  std::vector<uint16_t> t;
+  for (int i = first; i < first + n; i++)
+    t.push_back((uint16_t)((i * 7 + i / 5) % kTokenVocab));
+  return t;
+}
+
+std::string le16(const std::vector<uint16_t> &tokens) {
+  std::string b;
+  for (uint16_t t : tokens) b += std::string{(char)(t & 0xff), (char)(t >> 8)};
+  return b;
+}
+
+// llm.c's write_datafile: 256 int32 (magic 20240520, version 1, the count), the tokens.
+std::string write_llmc(const std::string &name, const std::vector<uint16_t> &tokens,
+                       int32_t count = -1) {
+  int32_t header[256] = {20240520, 1, count < 0 ? (int32_t)tokens.size() : count};
+  std::string path = tmp_dir() + name;
+  std::ofstream(path, std::ios::binary)
+      << std::string((const char *)header, sizeof(header)) + le16(tokens);
+  return path;
+}
+
+// nanoGPT's prepare.py: np.uint16 .tofile, nothing else.
+std::string write_uint16(const std::string &name, const std::vector<uint16_t> &tokens) {
+  std::string path = tmp_dir() + name;
+  std::ofstream(path, std::ios::binary) << le16(tokens);
+  return path;
+}
+
+const std::string kTokenFlags = kRanksFlags + " --vocab 300";
+
+// The same tokens as llm.c's file and as nanoGPT's train alike, to the bit; 2 ranks train
+// on them like one process with their global batch, under rtp and tp.
+TEST(TrainGptTokens, LlmcAndUint16TrainLikeOneProcessOnTwoRanks) {
+  std::string llmc = write_llmc("tokens.bin", token_stream(4000)),
+              plain = write_uint16("tokens-u16.bin", token_stream(4000));
+  std::string one = tmp_dir() + "tok-one.jsonl", u16 = tmp_dir() + "tok-u16.jsonl";
+  Result r = run(train_gpt(kTokenFlags + " --batch 4", {"--data", llmc, "--metrics", one}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("vocabulary 300; batch 4"), std::string::npos) << r.out;
+  ASSERT_EQ(
+      run(train_gpt(kTokenFlags + " --batch 4", {"--data", plain, "--metrics", u16})).code, 0);
+  std::vector<double> want = metric(one, "loss");
+  ASSERT_EQ(want.size(), 10u);
+  EXPECT_GT(want[0], 0.9 * std::log(kTokenVocab)) << "about log(300) from the start";
+  EXPECT_LT(want.back(), want[0]);
+  EXPECT_EQ(metric(u16, "loss"), want);
+  for (const std::string st : {"rtp", "tp"}) {
+    std::string m = tmp_dir() + "tok-" + st + ".jsonl";
+    std::string batch = st == "tp" ? " --batch 4" : " --batch 2";
+    Result two = run(on_ranks(2, kTokenFlags + batch + " --strategy " + st,
+                              {"--data", llmc, "--metrics", m}));
+    ASSERT_EQ(two.code, 0) << st << ": " << two.err;
+    std::vector<double> got = metric(m, "loss");
+    ASSERT_EQ(got.size(), want.size()) << st;
+    EXPECT_EQ(metric(m + ".rank1", "loss"), got) << st;
+    for (size_t i = 0; i < want.size(); i++)
+      EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << st << ", step " << i + 1;
+  }
+}
+
+// llm.c's header has no vocabulary: a GPT-2 file's is its tokenizer's, 50257, in the
+// exported model's sizes (no training: --steps 0).
+TEST(TrainGptTokens, LlmcGpt2FilesDefaultToGpt2sVocabulary) {
+  std::vector<uint16_t> tokens(40, 464);
+  tokens[0] = tokens[39] = 50256;  // GPT-2's <|endoftext|>, its largest token
+  std::string llmc = write_llmc("gpt2.bin", tokens);
+  std::string model = tmp_dir() + "gpt2-vocab.safetensors";
+  Result r = run(
+      train_gpt("--config tiny --seq-len 2 --steps 0", {"--data", llmc, "--export", model}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  rtp_safetensors *st = nullptr;
+  ASSERT_EQ(rtp_safetensors_open(model.c_str(), &st), RTP_OK) << rtp_last_error();
+  EXPECT_STREQ(rtp_safetensors_meta(st, "vocab"), "50257");
+  rtp_safetensors_close(st);
+}
+
+// A token out of range, a malformed file and flags that do not go together: a message
+// that names the file and what is wrong (a token by its index and byte offset), status 1
+// for a file, 2 for the command line.
+TEST(TrainGptTokens, BadTokenFilesAreRefusedClearly) {
+  std::vector<uint16_t> bad = token_stream(200);
+  bad[150] = 300;
+  std::string out_of_range = write_llmc("range.bin", bad);
+  std::string odd = tmp_dir() + "odd.bin";
+  std::ofstream(odd, std::ios::binary) << std::string("abc");
+  std::string text = write_data_file();
+  std::string truncated = tmp_dir() + "truncated.bin";
+  std::ofstream(truncated, std::ios::binary)
+      << slurp(write_llmc("full.bin", token_stream(10))).substr(0, 512);
+  std::string counted = write_llmc("count.bin", token_stream(100), 101);
+  std::string small = write_llmc("small.bin", token_stream(2000));
+  const BadCase cases[] = {
+      {{"--data", out_of_range, "--vocab", "300"},
+       1,
+       "--data " + out_of_range +
+           ": token 300 at token index 150 (byte offset 1324) is not below the vocabulary "
+           "size 300"},
+      {{"--data", write_uint16("range-u16.bin", bad), "--vocab", "300"},
+       1,
+       "token 300 at token index 150 (byte offset 300)"},
+      {{"--data", truncated}, 1, "truncated llm.c header: the file has 512 bytes"},
+      {{"--data", text, "--data-format", "llmc"},
+       1,
+       "--data " + text + ": not an llm.c token file: its first int32 is"},
+      {{"--data", counted}, 1, "the token count is 101 (larger than the file)"},
+      {{"--data", odd, "--vocab", "300"}, 1, "3 bytes, an odd count"},
+      {{"--data", small, "--val-data", text},
+       1,
+       "--val-data " + text + " holds bytes (vocabulary 256), --data " + small +
+           " llm.c GPT-2 tokens (vocabulary 50257)"},
+      {{"--data", small, "--vocab", "300", "--val-data", odd},
+       1,
+       "--val-data " + odd + ": 3 bytes"},
+      {{"--data", small, "--vocab", "300", "--seq-len", "4000"},
+       1,
+       "has 1800 tokens for training: too few for --seq-len 4000"},
+      {{"--data", odd, "--data-format", "uint16"}, 2, "--data-format uint16 needs --vocab N"},
+      {{"--data", odd, "--data-format", "u16"}, 2, "--data-format must be auto, bytes"},
+      {{"--data", text, "--data-format", "bytes", "--vocab", "300"},
+       2,
+       "--vocab is for token files"},
+      {{"--vocab", "300"}, 2, "--data-format, --vocab and --val-data go with --data"},
+      {{"--data", small, "--vocab", "0"}, 2, "--vocab must be 1..1048576, not 0"},
+      {{"--data", small, "--val-data", small, "--eval-only"},
+       2,
+       "--eval-only evaluates all of --data"},
+  };
+  for (const BadCase &c : cases) {
+    std::vector<std::string> argv = {TRAIN_GPT, "--config", "tiny", "--steps", "1"};
+    argv.insert(argv.end(), c.args.begin(), c.args.end());
+    Result r = run(argv);
+    EXPECT_EQ(r.code, c.code) << c.message << ": " << r.err;
+    EXPECT_NE(r.err.find(c.message), std::string::npos)
+        << "expected '" << c.message << "' in: " << r.err;
+  }
+  Result bin = run(train_gpt("--config tiny --steps 1 --threads 1",
+                             {"--data", write_uint16("text.bin", token_stream(1000))}));
+  EXPECT_EQ(bin.code, 0) << bin.err;
+  EXPECT_NE(
+      bin.err.find(
+          "has no llm.c header and is read as bytes; nanoGPT's uint16 tokens need --vocab N"),
+      std::string::npos)
+      << bin.err;
+}
+
+// --val-data is what the held-out evaluation reads: the eval loss training reports is
+// --eval-only's over that file, not over --data's last tenth.
+TEST(TrainGptTokens, ValDataIsTheEvaluationsSource) {
+  std::string train = write_llmc("val-train.bin", token_stream(4000)),
+              val = write_llmc("val-val.bin", token_stream(600, 100000));
+  std::string m = tmp_dir() + "val.jsonl", model = tmp_dir() + "val.safetensors";
+  Result r =
+      run(train_gpt(kTokenFlags + " --eval-windows 0",
+                    {"--data", train, "--val-data", val, "--metrics", m, "--export", model}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("evaluated on " + val), std::string::npos) << r.out;
+  std::vector<double> reported = metric(m, "eval_loss");
+  ASSERT_FALSE(reported.empty());
+  auto eval_only = [&](const std::string &data) {
+    Result e = run(
+        train_gpt("--eval-only --threads 1 --vocab 300", {"--init", model, "--data", data}));
+    EXPECT_EQ(e.code, 0) << e.err;
+    std::map<std::string, double> o;
+    EXPECT_TRUE(parse_flat_json(e.out, &o)) << e.out;
+    return o;
+  };
+  std::map<std::string, double> on_val = eval_only(val), on_train = eval_only(train);
+  EXPECT_EQ(on_val["windows"], (600 - 1) / 32);
+  EXPECT_NEAR(reported.back(), on_val["eval_loss"], 1e-6 * on_val["eval_loss"]);
+  EXPECT_GT(std::fabs(reported.back() - on_train["eval_loss"]), 1e-3)
+      << "the evaluation read --data, not --val-data";
+}
+
+// A vocabulary of 300 lives in the checkpoint (a resumed run gives the same losses), in the
+// model read back from it and in the export, which --init reads and PyTorch computes alike,
+// and a token model's sample is token ids.
+TEST(TrainGptTokens, VocabularySurvivesCheckpointResumeAndExport) {
+  std::string data = write_llmc("ck-tokens.bin", token_stream(4000));
+  std::string ref = tmp_dir() + "tok-ck-ref.jsonl", dir = tmp_dir() + "tok-ck",
+              resumed = tmp_dir() + "tok-ck-resumed.jsonl",
+              model = tmp_dir() + "tok-ck.safetensors";
+  ASSERT_EQ(std::system(("rm -rf " + quote(dir)).c_str()), 0);
+  const std::string flags = kCkptFlags + " --vocab 300";
+  ASSERT_EQ(run(train_gpt(flags + " --steps 8", {"--data", data, "--metrics", ref})).code, 0);
+  ASSERT_EQ(run(train_gpt(flags + " --steps 4", {"--data", data, "--ckpt-dir", dir})).code, 0);
+  Result again = run(train_gpt(flags + " --steps 8 --resume",
+                               {"--data", data, "--ckpt-dir", dir, "--metrics", resumed}));
+  ASSERT_EQ(again.code, 0) << again.err;
+  EXPECT_EQ(metric(resumed, "loss"), losses_after(ref, 4));
+  Result exported = run({TRAIN_GPT, "--ckpt-dir", dir, "--export", model});
+  ASSERT_EQ(exported.code, 0) << exported.err;
+  rtp_safetensors *st = nullptr;
+  ASSERT_EQ(rtp_safetensors_open(model.c_str(), &st), RTP_OK) << rtp_last_error();
+  EXPECT_STREQ(rtp_safetensors_meta(st, "vocab"), "300");
+  rtp_safetensors_close(st);
+  Result sample =
+      run({TRAIN_GPT, "--init", model, "--steps", "0", "--sample", "5", "--prompt", "1 8 15"});
+  ASSERT_EQ(sample.code, 0) << sample.err;
+  EXPECT_NE(sample.out.find(
+                "--- sample (5 tokens after 3 of prompt, greedy; token ids) ---\n1 8 15 "),
+            std::string::npos)
+      << sample.out;
+  Result text =
+      run({TRAIN_GPT, "--init", model, "--steps", "0", "--sample", "5", "--prompt", "hi"});
+  EXPECT_EQ(text.code, 2);
+  EXPECT_NE(text.err.find("a token model (vocabulary 300) takes token ids below 300"),
+            std::string::npos)
+      << text.err;
+  Result bytes = run({TRAIN_GPT, "--init", model, "--eval-only"});
+  EXPECT_EQ(bytes.code, 1);
+  EXPECT_NE(bytes.err.find("the built-in task holds bytes (vocabulary 256), the model (" +
+                           model + ") has a vocabulary of 300"),
+            std::string::npos)
+      << bytes.err;
+  if (run({"/usr/bin/python3", "-c", "import torch"}).code != 0)
+    GTEST_SKIP() << "/usr/bin/python3 has no torch (apt install python3-torch)";
+  Result py = run({"/usr/bin/python3", CHECK_EXPORT, model, data, "--vocab", "300",
+                   "--train-gpt", TRAIN_GPT, "--sample", "40", "--prompt", "1 8 15"});
+  EXPECT_EQ(py.code, 0) << py.out << py.err;
+  std::printf("%s", py.out.c_str());
 }
 
 TEST(EmbedC, TrainsAndSaves) {

@@ -3,6 +3,7 @@
  *
  *     train-gpt --config tiny --steps 300                 # the built-in addition task
  *     train-gpt --data input.txt --export model.safetensors
+ *     train-gpt --data train.bin --val-data val.bin      # llm.c's GPT-2 tokens
  *     train-gpt --init model.safetensors --eval-only --data test.txt
  *     train-gpt --init model.safetensors --sample 200 --prompt "12+34="
  *     train-gpt --ckpt-dir ck --ckpt-every 50            # then, after a crash: --resume
@@ -35,6 +36,7 @@
 #include "lr-schedule.h"
 #include "gpt.h"
 #include "rtp.h"
+#include "token-data.h"
 
 #define EXIT_USAGE 2
 
@@ -58,6 +60,8 @@ struct options {
   float temperature;
   int64_t seed;
   const char *strategy, *schedule, *data, *metrics, *init, *export_path, *ckpt_dir, *prompt;
+  const char *val_data, *data_format; /* data_format NULL: auto (token-data.h) */
+  int vocab;                          /* -1: the file's (token-data.h) */
   bool eval_only, resume, bf16, recompute, help;
 };
 
@@ -81,7 +85,7 @@ static int flag_table(struct options *o, struct flag *f) {
       {"--n-layer", ARG_INT, &o->n_layer, "N", "transformer blocks (overrides the config)"},
       {"--d-model", ARG_INT, &o->d_model, "N", "embedding width"},
       {"--n-head", ARG_INT, &o->n_head, "N", "attention heads (must divide --d-model)"},
-      {"--seq-len", ARG_INT, &o->seq_len, "T", "context length in bytes"},
+      {"--seq-len", ARG_INT, &o->seq_len, "T", "context length in tokens (bytes)"},
       {"--batch", ARG_INT, &o->batch, "B",
        "sequences per step and rank (default 8; tp: shared by all ranks)"},
       {"--steps", ARG_INT, &o->steps, "N", "optimizer steps (default 200; 0: only --init)"},
@@ -115,7 +119,13 @@ static int flag_table(struct options *o, struct flag *f) {
       {"--bf16", ARG_BOOL, &o->bf16, NULL,
        "mixed precision: bf16 products (f32 sums, weights, Adam); rtp rotates bf16 blocks"},
       {"--data", ARG_STR, &o->data, "FILE",
-       "bytes as tokens, last 10% held out (default: built-in sums)"},
+       "bytes or a token file, last 10% held out (default: built-in sums)"},
+      {"--data-format", ARG_STR, &o->data_format, "F",
+       "auto | bytes | uint16 | llmc (auto: llm.c's if its magic, uint16 if --vocab)"},
+      {"--vocab", ARG_INT, &o->vocab, "N",
+       "token files' vocabulary (uint16: required; llm.c: default its tokenizer's)"},
+      {"--val-data", ARG_STR, &o->val_data, "FILE",
+       "evaluate on this file (same formats) instead of --data's last 10%"},
       {"--metrics", ARG_STR, &o->metrics, "FILE",
        "write one JSON object per step (JSONL; --resume appends)"},
       {"--init", ARG_STR, &o->init, "FILE", "start from a consolidated .safetensors model"},
@@ -125,10 +135,11 @@ static int flag_table(struct options *o, struct flag *f) {
        "print {\"eval_loss\": x, \"windows\": n} over all of --data"
        ", for --init's or --ckpt-dir's model"},
       {"--sample", ARG_INT, &o->sample, "N",
-       "generate N bytes after training (or from --init or --ckpt-dir)"},
+       "generate N tokens (bytes) after training (or from --init or --ckpt-dir)"},
       {"--temperature", ARG_FLOAT, &o->temperature, "X", "sampling temperature (0: greedy)"},
       {"--prompt", ARG_STR, &o->prompt, "TEXT",
-       "what --sample continues (default: held-out text)"},
+       "what --sample continues (token models: ids, e.g. \"464 2068\"; default: held-out "
+       "text)"},
       {"--log-every", ARG_INT, &o->log_every, "N", "steps between progress lines (auto)"},
       {"--eval-windows", ARG_INT, &o->eval_windows, "N",
        "held-out windows per evaluation (256; 0: all)"},
@@ -152,11 +163,12 @@ static void print_usage(FILE *out) {
   struct options o;
   struct flag f[MAX_FLAGS];
   int n = flag_table(&o, f);
-  fprintf(out,
-          "usage: train-gpt [options]\n"
-          "Trains the reference GPT (byte vocabulary) with rtp. Without --data it learns the\n"
-          "built-in task, sums like \"042+917=0959\", and reports exact-match accuracy on\n"
-          "held-out sums.\n\noptions:\n");
+  fprintf(
+      out,
+      "usage: train-gpt [options]\n"
+      "Trains the reference GPT with rtp on bytes, or on the tokens of an llm.c or nanoGPT\n"
+      "token file (docs/data.md). Without --data it learns the built-in task, sums like\n"
+      "\"042+917=0959\", and reports exact-match accuracy on held-out sums.\n\noptions:\n");
   for (int i = 0; i < n; i++) {
     char left[40];
     snprintf(left, sizeof(left), "%s%s%s", f[i].name, f[i].arg ? " " : "",
@@ -237,7 +249,8 @@ static int parse_args(int argc, char **argv, struct options *o) {
                         .strategy = "rtp",
                         .schedule = "1f1b",
                         .pp = 1,
-                        .micro_batches = 1};
+                        .micro_batches = 1,
+                        .vocab = -1};
   struct flag f[MAX_FLAGS];
   int n = flag_table(o, f);
   for (int i = 1; i < argc; i++) {
@@ -292,6 +305,28 @@ static int check_weights(const struct options *o) {
   return 0;
 }
 
+/* --data's companions: a format train-gpt reads, and the flags each needs. */
+static int check_data_options(const struct options *o) {
+  enum token_format f = TOKEN_AUTO;
+  if (o->data_format && !token_format_parse(o->data_format, &f))
+    return usage_error("--data-format must be auto, bytes, uint16 or llmc, not '%s'",
+                       o->data_format);
+  if (!o->data && (o->data_format || o->vocab >= 0 || o->val_data))
+    return usage_error(
+        "--data-format, --vocab and --val-data go with --data (the built-in task is bytes)");
+  if (o->vocab == 0 || o->vocab > GPT_MAX_SIZE)
+    return usage_error("--vocab must be 1..%d, not %d", GPT_MAX_SIZE, o->vocab);
+  if (f == TOKEN_BYTES && o->vocab > 0)
+    return usage_error("--vocab is for token files: --data-format bytes has 256 tokens");
+  if (f == TOKEN_UINT16 && o->vocab < 0)
+    return usage_error("--data-format uint16 needs --vocab N (GPT-2's tokenizer: 50257)");
+  if (o->val_data && o->eval_only)
+    return usage_error(
+        "--eval-only evaluates all of --data: give the file to evaluate as "
+        "--data, without --val-data");
+  return 0;
+}
+
 /* What the parser accepts but this build cannot do yet gets a clear refusal. */
 static int check_options(const struct options *o) {
   static const char *const strategies[] = {"rtp", "ddp", "fsdp", "tp"};
@@ -306,6 +341,8 @@ static int check_options(const struct options *o) {
   if (o->max_steps == 0) return usage_error("--max-steps must be at least 1");
   if ((o->ckpt_every || o->resume) && !o->ckpt_dir)
     return usage_error("--ckpt-every and --resume need --ckpt-dir");
+  int data_rc = check_data_options(o);
+  if (data_rc) return data_rc;
   if (o->resume && o->init) return usage_error("--resume and --init both give the weights");
   int rc = check_weights(o);
   if (rc) return rc;
@@ -445,10 +482,11 @@ static int resolve_config(struct options *o, struct rtp_safetensors *init,
 
 /* ---- data ----------------------------------------------------------------------------- */
 
+/* Training windows lie in train, evaluation windows in held: the last tenth of --data's
+ * tokens (all of them with --eval-only), or all of --val-data's. */
 struct dataset {
-  uint8_t *bytes;
-  size_t n;
-  size_t split; /* training windows lie in [0, split), evaluation windows in [split, n) */
+  void *file, *val_file; /* what was read (owned): --data (or the task) and --val-data */
+  struct token_span train, held;
   bool builtin; /* the addition task: held-out lines are sums with one right answer */
 };
 
@@ -492,28 +530,80 @@ static int make_addition_task(struct dataset *d) {
   }
   memcpy(train + nt, held, nh);
   free(held);
-  *d = (struct dataset){(uint8_t *)train, nt + nh, nt, true};
+  struct token_span all = {(const uint8_t *)train, nt + nh, 1, 256, "bytes"};
+  *d = (struct dataset){train, NULL, token_span_slice(all, 0, nt),
+                        token_span_slice(all, nt, nh), true};
   return RTP_OK;
 }
 
-/* Any regular file, its bytes as tokens; the last tenth is held out (all of it with
- * --eval-only). A FIFO or a device is refused before it is read. */
-static int load_data_file(const char *path, bool eval_only, struct dataset *d) {
-  void *buf;
+/* A file of --data's formats (token-data.h), its tokens checked against the vocabulary. A
+ * FIFO or a device is refused before it is read. *buf: what was read, to free. */
+static int load_tokens(const char *flag, const char *path, const struct options *o, void **buf,
+                       struct token_span *s) {
   size_t n;
-  int rc = rtp_file_read(path, SIZE_MAX, &buf, &n);
-  if (rc) return fail(rc, "--data %s", path);
-  *d = (struct dataset){buf, n, eval_only ? 0 : n - n / 10, false};
+  int rc = rtp_file_read(path, SIZE_MAX, buf, &n);
+  if (rc) return fail(rc, "%s %s", flag, path);
+  enum token_format f = TOKEN_AUTO;
+  token_format_parse(o->data_format, &f); /* checked by check_data_options */
+  char why[256];
+  if (token_span_parse(*buf, n, f, o->vocab > 0 ? o->vocab : 0, s, why, sizeof(why))) {
+    fprintf(stderr, "train-gpt: %s %s: %s\n", flag, path, why);
+    return RTP_EFORMAT;
+  }
+  size_t len = strlen(path);
+  if (!o->data_format && s->width == 1 && len > 4 && strcmp(path + len - 4, ".bin") == 0)
+    fprintf(stderr,
+            "train-gpt: warning: %s %s has no llm.c header and is read as bytes; nanoGPT's "
+            "uint16 tokens need --vocab N (--data-format bytes says bytes are meant)\n",
+            flag, path);
   return RTP_OK;
 }
 
-static int check_data(const struct dataset *d, int T, bool eval_only, const char *what) {
-  size_t need = (size_t)T + 1;
-  if ((!eval_only && d->split < need) || d->n - d->split < need) {
+/* --data, and --val-data if given: both bytes, or both tokens of one vocabulary (in any
+ * of the token formats). */
+static int load_data_files(const struct options *o, struct dataset *d) {
+  struct token_span all;
+  int rc = load_tokens("--data", o->data, o, &d->file, &all);
+  if (rc) return rc;
+  if (!o->val_data) {
+    size_t split = o->eval_only ? 0 : all.n - all.n / 10;
+    d->train = token_span_slice(all, 0, split);
+    d->held = token_span_slice(all, split, all.n - split);
+    return RTP_OK;
+  }
+  d->train = all;
+  rc = load_tokens("--val-data", o->val_data, o, &d->val_file, &d->held);
+  if (rc) return rc;
+  bool bytes = strcmp(all.kind, "bytes") == 0, val_bytes = strcmp(d->held.kind, "bytes") == 0;
+  if (bytes != val_bytes || all.vocab != d->held.vocab) {
     fprintf(stderr,
-            "train-gpt: %s has %zu bytes: too few for --seq-len %d (the training part and the "
-            "held-out tenth each need at least %zu)\n",
-            what, d->n, T, need);
+            "train-gpt: --val-data %s holds %s (vocabulary %d), --data %s %s (vocabulary %d): "
+            "they must be the same tokens\n",
+            o->val_data, d->held.kind, d->held.vocab, o->data, all.kind, all.vocab);
+    rc = RTP_EINVAL;
+  }
+  return rc;
+}
+
+static int check_data(const struct dataset *d, int T, const struct options *o) {
+  size_t need = (size_t)T + 1;
+  const char *what = d->builtin ? "the built-in task" : o->data;
+  const char *units = d->train.width == 1 ? "bytes" : "tokens";
+  if (!o->eval_only && d->train.n < need) {
+    fprintf(
+        stderr,
+        "train-gpt: %s has %zu %s for training: too few for --seq-len %d (at least %zu%s)\n",
+        what, d->train.n, units, T, need, o->val_data ? "" : " before the held-out tenth");
+    return RTP_EINVAL;
+  }
+  if (d->held.n < need) {
+    fprintf(
+        stderr,
+        "train-gpt: %s %s has %zu %s to evaluate: too few for --seq-len %d (at least %zu)\n",
+        o->val_data    ? "--val-data"
+        : o->eval_only ? "--data"
+                       : "the held-out tenth of",
+        o->val_data ? o->val_data : what, d->held.n, units, T, need);
     return RTP_EINVAL;
   }
   return RTP_OK;
@@ -529,16 +619,16 @@ static int check_data(const struct dataset *d, int T, bool eval_only, const char
  */
 static void sample_batch(const struct dataset *d, uint64_t seed, int64_t step, int rank, int B,
                          int M, int T, int32_t *const *idx, int32_t *const *tgt) {
-  uint64_t starts = d->split - (size_t)T; /* window starts that fit */
+  uint64_t starts = d->train.n - (size_t)T; /* window starts that fit */
   int mb = B / M;
   for (int b = 0; b < B; b++) {
     uint64_t j = (uint64_t)rank * (uint64_t)B + (uint64_t)b;
     uint64_t h = mix64(mix64(seed) ^ mix64(((uint64_t)step << 20) ^ j));
-    const uint8_t *w = d->bytes + h % starts;
+    size_t w = (size_t)(h % starts);
     int k = b / mb, row = b % mb;
     for (int t = 0; t < T; t++) {
-      if (idx[k]) idx[k][row * T + t] = w[t];
-      if (tgt[k]) tgt[k][row * T + t] = w[t + 1];
+      if (idx[k]) idx[k][row * T + t] = token_at(&d->train, w + (size_t)t);
+      if (tgt[k]) tgt[k][row * T + t] = token_at(&d->train, w + (size_t)t + 1);
     }
   }
 }
@@ -915,13 +1005,14 @@ static double row_loss(const struct trainer *tr, int b) {
   return sum;
 }
 
-/* Fills row b of the inputs with the window of T + 1 bytes at w (zeros if w is NULL). */
-static void set_window(struct trainer *tr, int b, const uint8_t *w) {
+/* Fills row b of the inputs with the window of T + 1 tokens of s at w (zeros if s is
+ * NULL). */
+static void set_window(struct trainer *tr, int b, const struct token_span *s, size_t w) {
   int T = tr->m.cfg.seq_len;
   int32_t *idx = tr->eval_idx, *tgt = tr->eval_tgt;
   for (int t = 0; t < T; t++) {
-    idx[b * T + t] = w ? w[t] : 0;
-    tgt[b * T + t] = w ? w[t + 1] : 0;
+    idx[b * T + t] = s ? token_at(s, w + (size_t)t) : 0;
+    tgt[b * T + t] = s ? token_at(s, w + (size_t)t + 1) : 0;
   }
 }
 
@@ -940,10 +1031,10 @@ static int share_head(struct trainer *tr, void *buf, size_t n, const char *what)
 }
 
 static int64_t count_windows(const struct dataset *d, int T) {
-  return (int64_t)((d->n - d->split - 1) / (size_t)T);
+  return (int64_t)((d->held.n - 1) / (size_t)T);
 }
 
-/* Mean next-byte loss over the held-out windows [split + i*T, split + i*T + T], i < n,
+/* Mean next-token loss over the held-out windows [i*T, i*T + T] of held, i < n,
  * computed B windows at a time (unused rows of the last batch are ignored). */
 /* Whether this rank shows progress: rank 0, and the first rank of every other host, so
  * that each node's terminal shows the job is alive (rtp-run prefixes the ranks). */
@@ -968,7 +1059,7 @@ static int evaluate(struct trainer *tr, const struct dataset *d, int64_t n, doub
       tenth++;
     }
     for (int b = 0; b < B; b++)
-      set_window(tr, b, first + b < n ? d->bytes + d->split + (size_t)(first + b) * T : NULL);
+      set_window(tr, b, first + b < n ? &d->held : NULL, (size_t)(first + b) * (size_t)T);
     int rc = eval_forward(tr);
     if (rc) return fail(rc, "evaluation");
     for (int b = 0; b < B && first + b < n && tr->rank == tr->head; b++) sum += row_loss(tr, b);
@@ -1007,7 +1098,7 @@ struct problem {
 /* Up to max problems from the complete lines of the held-out part. */
 static int held_out_problems(const struct dataset *d, struct problem *p, int max) {
   int n = 0;
-  const char *s = (const char *)d->bytes + d->split, *end = (const char *)d->bytes + d->n;
+  const char *s = (const char *)d->held.p, *end = s + d->held.n; /* bytes: the task's */
   while (n < max && s < end) {
     const char *eq = memchr(s, '=', (size_t)(end - s));
     const char *nl = eq ? memchr(eq, '\n', (size_t)(end - eq)) : NULL;
@@ -1033,7 +1124,7 @@ static int solve_batch(struct trainer *tr, const struct problem *p, int n, int *
   int T = tr->m.cfg.seq_len;
   char got[DECODE_ROWS][TASK_MAX_LINE] = {{0}};
   int len[DECODE_ROWS] = {0};
-  for (int b = 0; b < tr->m.batch; b++) set_window(tr, b, NULL);
+  for (int b = 0; b < tr->m.batch; b++) set_window(tr, b, NULL, 0);
   int32_t *idx = tr->eval_idx;
   for (int b = 0; b < n; b++)
     for (int t = 0; t < p[b].prompt_len; t++) idx[b * T + t] = (uint8_t)p[b].prompt[t];
@@ -1193,13 +1284,38 @@ static int decoder_step(struct trainer *tr, struct decoder *dc, int tok, int p) 
  * time. */
 #define SAMPLE_PROGRESS_BYTES 256
 
-/* Rank 0 prints the prompt and n generated bytes. The context is a suffix of the text at
+/* A token model's sample (vocabulary other than 256): its ids, space-separated, the
+ * prompt's first; a tokenizer turns them into text (docs/data.md). */
+static void print_ids(const int32_t *text, size_t len, size_t plen, int n, float temperature) {
+  printf("--- sample (%d tokens after %zu of prompt, %s; token ids) ---\n", n, plen,
+         temperature > 0 ? "sampled" : "greedy");
+  for (size_t i = 0; i < len; i++) printf("%s%" PRId32, i ? " " : "", text[i]);
+  printf("\n---\n");
+}
+
+/* The sample as text (a byte model) or ids (a token model). */
+static int print_tokens(const struct trainer *tr, const int32_t *text, size_t plen, int n,
+                        float temperature, bool sums) {
+  size_t len = plen + (size_t)n;
+  if (tr->m.cfg.vocab != 256) {
+    print_ids(text, len, plen, n, temperature);
+    return RTP_OK;
+  }
+  uint8_t *bytes = malloc(len);
+  if (!bytes) return fail(RTP_ENOMEM, "sampling");
+  for (size_t i = 0; i < len; i++) bytes[i] = (uint8_t)text[i];
+  print_sample(bytes, len, plen, n, temperature, sums);
+  free(bytes);
+  return RTP_OK;
+}
+
+/* Rank 0 prints the prompt and n generated tokens. The context is a suffix of the text at
  * positions 0, 1, ... of the cache; when the next position would pass the window (T), the
- * context becomes the last T/2 bytes, computed again: each byte then costs one token's
+ * context becomes the last T/2 tokens, computed again: each token then costs one token's
  * forward and, on average, one more for the refills, so a sample's cost is linear in its
- * length. Up to T bytes it is exactly the window's forward (each position attends to
+ * length. Up to T tokens it is exactly the window's forward (each position attends to
  * all before it). */
-static int sample_text(struct trainer *tr, const uint8_t *prompt, size_t plen, int n,
+static int sample_text(struct trainer *tr, const int32_t *prompt, size_t plen, int n,
                        float temperature, uint64_t seed, bool sums) {
   struct decoder dc;
   int rc = decoder_new(tr, &dc);
@@ -1208,43 +1324,77 @@ static int sample_text(struct trainer *tr, const uint8_t *prompt, size_t plen, i
     return rc;
   }
   size_t T = (size_t)tr->m.cfg.seq_len, start = 0, cached = 0;
-  uint8_t *text = malloc(plen + (size_t)n);
+  int32_t *text = malloc((plen + (size_t)n) * sizeof(*text));
   if (!text) rc = fail(RTP_ENOMEM, "sampling");
-  if (text) memcpy(text, prompt, plen);
+  if (text) memcpy(text, prompt, plen * sizeof(*text));
   uint64_t rng = mix64(seed ^ 0x5a);
   int tenth = 0;
   bool show = n >= SAMPLE_PROGRESS_BYTES;
+  const char *units = tr->m.cfg.vocab == 256 ? "bytes" : "tokens";
   for (size_t len = plen; text && len < plen + (size_t)n && !rc; len++) {
     if (show && (int64_t)(len - plen) * 10 >= (int64_t)tenth * n) {
-      fprintf(stderr, "sampling: %zu/%d bytes\n", len - plen, n);
+      fprintf(stderr, "sampling: %zu/%d %s\n", len - plen, n, units);
       tenth++;
     }
     if (len - 1 - start >= T) { /* the window is full: keep its last half */
       start = len - T / 2;
       cached = 0;
     }
-    for (; start + cached < len && !rc; cached++) /* the context up to the last byte */
+    for (; start + cached < len && !rc; cached++) /* the context up to the last token */
       rc = decoder_step(tr, &dc, text[start + cached], (int)cached);
     int pick = rc ? 0 : pick_byte(dc.dec.logits->data, tr->m.cfg.vocab, temperature, &rng);
     if (!rc && pick < 0) rc = logits_not_finite();
-    if (!rc) text[len] = (uint8_t)pick;
+    if (!rc) text[len] = pick;
   }
-  if (!rc) print_sample(text, plen + (size_t)n, plen, n, temperature, sums);
+  if (!rc) rc = print_tokens(tr, text, plen, n, temperature, sums);
   free(text);
   rtp_context_free(dc.ctx);
   return rc;
 }
 
-static int run_sample(struct trainer *tr, const struct dataset *d, const struct options *o) {
-  const uint8_t *prompt = (const uint8_t *)o->prompt;
-  size_t plen = o->prompt ? strlen(o->prompt) : 0;
-  if (!prompt) {
-    prompt = d->bytes + d->split;
-    const uint8_t *eq = d->builtin ? memchr(prompt, '=', d->n - d->split) : NULL;
-    plen = eq ? (size_t)(eq + 1 - prompt) : (size_t)tr->m.cfg.seq_len / 2;
+/* What --sample continues: --prompt's bytes, or for a token model (vocabulary other than
+ * 256) its token ids, e.g. "464 2068"; NULL (p->n 0) without --prompt. Parsed before any
+ * training, so that a bad prompt costs no run. */
+struct prompt {
+  int32_t *tok;
+  size_t n;
+};
+
+static int parse_prompt(const struct options *o, int vocab, struct prompt *p) {
+  *p = (struct prompt){NULL, 0};
+  if (!o->prompt) return RTP_OK;
+  size_t len = strlen(o->prompt);
+  if (!(p->tok = malloc((len + 1) * sizeof(*p->tok)))) return fail(RTP_ENOMEM, "--prompt");
+  for (const char *s = o->prompt; vocab == 256 && *s; s++) p->tok[p->n++] = (uint8_t)*s;
+  for (const char *s = o->prompt; vocab != 256 && *s;) {
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (end == s || errno || v < 0 || v >= vocab || (*end && *end != ' '))
+      return usage_error(
+          "--prompt: '%s': a token model (vocabulary %d) takes token ids "
+          "below %d separated by spaces, e.g. \"464 2068\"",
+          o->prompt, vocab, vocab);
+    p->tok[p->n++] = (int32_t)v;
+    for (s = end; *s == ' '; s++) continue;
   }
-  return sample_text(tr, prompt, plen, o->sample, o->temperature, (uint64_t)o->seed,
-                     d->builtin && !o->prompt);
+  return RTP_OK;
+}
+
+static int run_sample(struct trainer *tr, const struct dataset *d, const struct options *o,
+                      const struct prompt *given) {
+  if (given->n)
+    return sample_text(tr, given->tok, given->n, o->sample, o->temperature, (uint64_t)o->seed,
+                       false);
+  const uint8_t *eq = d->builtin ? memchr(d->held.p, '=', d->held.n) : NULL;
+  size_t plen = eq ? (size_t)(eq + 1 - d->held.p) : (size_t)tr->m.cfg.seq_len / 2;
+  int32_t *prompt = malloc(plen * sizeof(*prompt));
+  if (!prompt) return fail(RTP_ENOMEM, "sampling");
+  for (size_t i = 0; i < plen; i++) prompt[i] = token_at(&d->held, i);
+  int rc =
+      sample_text(tr, prompt, plen, o->sample, o->temperature, (uint64_t)o->seed, d->builtin);
+  free(prompt);
+  return rc;
 }
 
 /* ---- files --------------------------------------------------------------------------------
@@ -1789,15 +1939,48 @@ static int run_eval_only(struct trainer *tr, const struct dataset *d, const stru
 /* ---- main ----------------------------------------------------------------------------------
  */
 
+/* Whether the run reads the data: to train, to evaluate, or for the prompt of a sample. */
+static bool uses_data(const struct options *o, const struct rtp_ckpt *ck) {
+  return o->eval_only || (!ck && o->steps > 0) || (o->sample && !o->prompt);
+}
+
+/* The model's vocabulary: that of the model read (--init's metadata, or the checkpoint's
+ * state), else the data's. A model read must fit the data it uses: a byte model (256)
+ * bytes, a token model tokens below its vocabulary. */
+static int resolve_vocab(const struct options *o, struct rtp_safetensors *init,
+                         const struct rtp_ckpt *ck, const struct dataset *d,
+                         struct gpt_config *c) {
+  const char *s = ck ? rtp_ckpt_state(ck, "vocab") : NULL;
+  char *end;
+  long saved = s ? strtol(s, &end, 10) : 0;
+  int v = 0;
+  if (init && meta_int(init, "vocab", &v) == 1)
+    c->vocab = v;
+  else if (s && *s && !*end && saved > 0 && saved <= GPT_MAX_SIZE)
+    c->vocab = (int)saved;
+  else
+    c->vocab = d->train.vocab;
+  bool bytes = strcmp(d->train.kind, "bytes") == 0;
+  if (!uses_data(o, ck) || (bytes ? c->vocab == 256 : d->train.vocab <= c->vocab))
+    return RTP_OK;
+  fprintf(stderr,
+          "train-gpt: %s holds %s (vocabulary %d), the model (%s) has a vocabulary of %d: %s\n",
+          o->data ? o->data : "the built-in task", d->train.kind, d->train.vocab,
+          init ? o->init : "the checkpoint", c->vocab,
+          bytes ? "give --data its tokens (an llm.c .bin, or uint16 with --vocab N)"
+                : "give --vocab N to say the tokens are below N");
+  return RTP_EINVAL;
+}
+
 static int open_inputs(struct options *o, const struct rtp_ckpt *ck,
                        struct rtp_safetensors **init, struct gpt_config *c, struct dataset *d) {
   if (o->init && rtp_safetensors_open(o->init, init))
     return fail(RTP_EIO, "--init %s", o->init);
   int rc = resolve_config(o, *init, ck, c);
   if (rc) return rc;
-  rc = o->data ? load_data_file(o->data, o->eval_only, d) : make_addition_task(d);
-  if (rc) return rc;
-  return check_data(d, c->seq_len, o->eval_only, o->data ? o->data : "the built-in task");
+  rc = o->data ? load_data_files(o, d) : make_addition_task(d);
+  if (!rc) rc = resolve_vocab(o, *init, ck, d, c);
+  return rc ? rc : check_data(d, c->seq_len, o);
 }
 
 static int metrics_error(const char *name) {
@@ -1877,11 +2060,14 @@ static void print_model(const struct trainer *tr, const struct options *o) {
   else if (tr->world > 1)
     snprintf(ranks, sizeof(ranks), " x %d ranks (%s)", tr->world,
              rtp_strategy_name(tr->strategy));
+  char data[96] = "";
+  if (c.vocab != 256) snprintf(data, sizeof(data), ", vocabulary %d", c.vocab);
   printf(
-      "model: %d layers, d_model %d, %d heads, seq_len %d, %.2fM parameters; batch %d%s%s, "
-      "lr %g, %s data\n",
-      c.n_layer, c.d_model, c.n_head, c.seq_len, gpt_n_params(c) / 1e6, o->batch, micro, ranks,
-      o->lr, o->data ? o->data : "built-in addition");
+      "model: %d layers, d_model %d, %d heads, seq_len %d, %.2fM parameters%s; batch %d%s%s, "
+      "lr %g, %s data%s%s\n",
+      c.n_layer, c.d_model, c.n_head, c.seq_len, gpt_n_params(c) / 1e6, data, o->batch, micro,
+      ranks, o->lr, o->data ? o->data : "built-in addition",
+      o->val_data ? ", evaluated on " : "", o->val_data ? o->val_data : "");
   fflush(stdout); /* before the slow work: under rtp-run stdout is a pipe */
 }
 
@@ -1890,12 +2076,14 @@ static int run(struct options *o) {
   struct rtp_ckpt *ck = NULL; /* a checkpoint read as the model (reads_checkpoint) */
   struct gpt_config cfg;
   struct dataset data = {0};
+  struct prompt prompt = {0};
   struct trainer tr = {0};
   FILE *metrics = NULL;
   int64_t first = 0; /* the step the weights are at: 0, or their checkpoint's */
   int rc = reads_checkpoint(o) ? rtp_ckpt_open(o->ckpt_dir, &ck) : RTP_OK;
   if (rc) rc = fail(rc, "--ckpt-dir %s", o->ckpt_dir);
   if (!rc) rc = open_inputs(o, ck, &init, &cfg, &data);
+  if (!rc && o->sample) rc = parse_prompt(o, cfg.vocab, &prompt);
   if (!rc) rc = trainer_init(&tr, cfg, o, !o->eval_only && !ck);
   bool trains = !o->eval_only && !ck && o->steps > 0;
   if (!rc && trains && shows_progress(&tr)) print_model(&tr, o);
@@ -1913,12 +2101,14 @@ static int run(struct options *o) {
   if (!rc && o->eval_only) rc = run_eval_only(&tr, &data, o);
   /* the export before the sample: rank 0 alone decodes, the others are done by then */
   if (!rc && o->export_path) rc = export_model(&tr, o->export_path, train ? o->steps : first);
-  if (!rc && o->sample) rc = run_sample(&tr, &data, o);
+  if (!rc && o->sample) rc = run_sample(&tr, &data, o, &prompt);
   if (metrics && fclose(metrics) && !rc) rc = fail(RTP_EIO, "--metrics %s", o->metrics);
   trainer_free(&tr);
   rtp_ckpt_close(ck);
   rtp_safetensors_close(init);
-  free(data.bytes);
+  free(data.file);
+  free(data.val_file);
+  free(prompt.tok);
   return rc;
 }
 
