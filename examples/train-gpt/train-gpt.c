@@ -47,6 +47,7 @@ struct options {
   int batch, steps, log_every, eval_windows, eval_problems, sample, ckpt_every;
   int threads;                 /* -1: the cores shared by the local ranks */
   int pp, micro_batches, unit; /* pipeline stages, micro-batches per step, zeropp's unit */
+  int grad_accum;              /* computes of the graph per optimizer step */
   float lr;                    /* -1: the config's */
   /* the schedule (lr-schedule.h): -1 or NULL when left out, then the checkpoint's on
    * --resume, else constant, 0, --steps (constant: 0, unused) and lr / 10
@@ -106,6 +107,8 @@ static int flag_table(struct options *o, struct flag *f) {
        "pipeline stages; the N ranks are S stages x N/S ranks (default 1)"},
       {"--micro-batches", ARG_INT, &o->micro_batches, "M",
        "micro-batches per step, each B/M sequences (default 1)"},
+      {"--grad-accum", ARG_INT, &o->grad_accum, "K",
+       "accumulate K batches of B per optimizer step (default 1; global batch x K)"},
       {"--schedule", ARG_STR, &o->schedule, "NAME",
        "gpipe | 1f1b | eager-1f1b | zeropp (default 1f1b)"},
       {"--unit", ARG_INT, &o->unit, "U",
@@ -169,7 +172,9 @@ static void print_usage(FILE *out) {
           "rank its own B);\nB under tp, where every rank trains on the same B sequences with "
           "1/N of the heads and\nMLP units (N must divide the heads). With --pp S, D = N/S "
           "ranks per stage and the\nglobal batch is D x B; --strategy runs inside each stage "
-          "(rtp, fsdp or ddp).\n"
+          "(rtp, fsdp or ddp).\n--grad-accum K runs K batches of that size per optimizer "
+          "step (global batch x K),\nthe graph and activations of one; --micro-batches M "
+          "splits each batch inside the graph.\n"
           "A checkpoint that cannot be written (e.g. a full disk) stops training with status "
           "1; the\nprevious one is kept and --resume continues from it, its --metrics file "
           "too (the steps\nlogged after the checkpoint are dropped). --ckpt-dir DIR with "
@@ -237,7 +242,8 @@ static int parse_args(int argc, char **argv, struct options *o) {
                         .strategy = "rtp",
                         .schedule = "1f1b",
                         .pp = 1,
-                        .micro_batches = 1};
+                        .micro_batches = 1,
+                        .grad_accum = 1};
   struct flag f[MAX_FLAGS];
   int n = flag_table(o, f);
   for (int i = 1; i < argc; i++) {
@@ -319,6 +325,7 @@ static int check_options(const struct options *o) {
   if (o->threads == 0) return usage_error("--threads must be at least 1");
   if (o->pp < 1 || o->micro_batches < 1 || o->unit == 0)
     return usage_error("--pp, --micro-batches and --unit must be at least 1");
+  if (o->grad_accum < 1) return usage_error("--grad-accum must be at least 1");
   if (o->batch % o->micro_batches)
     return usage_error(
         "--batch %d does not split into --micro-batches %d (B must be a "
@@ -520,19 +527,20 @@ static int check_data(const struct dataset *d, int T, bool eval_only, const char
 }
 
 /*
- * The global batch of a step is ranks x B windows of T + 1 bytes from the training part;
- * window j starts at an offset drawn from (seed, step, j) alone. Data-parallel rank r takes
- * windows r*B .. r*B + B - 1, row b of them in micro-batch b / (B/M), so N ranks with batch
- * B see exactly the data of one process with batch N*B, however each splits its B.
- * idx[k] gets the first T bytes of micro-batch k's windows, tgt[k] the last T (either NULL
- * on a pipeline stage that does not read it).
+ * The global batch of a step is K x ranks x B windows of T + 1 bytes from the training
+ * part; window j starts at an offset drawn from (seed, step, j) alone. In the step's
+ * compute k (--grad-accum), data-parallel rank r takes windows first = (k*N + r)*B ..
+ * first + B - 1 (window_first), row b of them in micro-batch b / (B/M), so N ranks with
+ * batch B and K computes see exactly the data of one process with batch K*N*B, however each
+ * splits its B. idx[k] gets the first T bytes of micro-batch k's windows, tgt[k] the last T
+ * (either NULL on a pipeline stage that does not read it).
  */
-static void sample_batch(const struct dataset *d, uint64_t seed, int64_t step, int rank, int B,
-                         int M, int T, int32_t *const *idx, int32_t *const *tgt) {
+static void sample_batch(const struct dataset *d, uint64_t seed, int64_t step, uint64_t first,
+                         int B, int M, int T, int32_t *const *idx, int32_t *const *tgt) {
   uint64_t starts = d->split - (size_t)T; /* window starts that fit */
   int mb = B / M;
   for (int b = 0; b < B; b++) {
-    uint64_t j = (uint64_t)rank * (uint64_t)B + (uint64_t)b;
+    uint64_t j = first + (uint64_t)b;
     uint64_t h = mix64(mix64(seed) ^ mix64(((uint64_t)step << 20) ^ j));
     const uint8_t *w = d->bytes + h % starts;
     int k = b / mb, row = b % mb;
@@ -566,9 +574,10 @@ struct trainer {
   enum rtp_strategy strategy; /* inside a stage with --pp */
   int world, rank;
   int stages, per_stage; /* S and D: rank = stage x D + data-parallel rank */
-  int batch, micro;      /* B sequences per data-parallel rank and step, in M micro-batches */
-  int head;              /* the rank whose logits evaluation reads: the last stage's first */
-  int64_t saved;         /* the step of the last checkpoint saved or resumed from; -1: none */
+  int batch, micro; /* B sequences per data-parallel rank and compute, in M micro-batches */
+  int accum;        /* K computes (batches of B) per optimizer step */
+  int head;         /* the rank whose logits evaluation reads: the last stage's first */
+  int64_t saved;    /* the step of the last checkpoint saved or resumed from; -1: none */
 };
 
 /* The ranks that draw different data: under tp every rank trains on the same batch. */
@@ -578,6 +587,11 @@ static int data_ranks(const struct trainer *tr) {
 
 static int data_rank(const struct trainer *tr) {
   return tr->strategy == RTP_STRATEGY_TP ? 0 : tr->rank % tr->per_stage;
+}
+
+/* The sequences of an optimizer step: K computes of the data ranks' B each. */
+static int64_t global_batch(const struct trainer *tr) {
+  return (int64_t)tr->accum * data_ranks(tr) * tr->batch;
 }
 
 static int graph_size(struct gpt_config c) {
@@ -728,6 +742,7 @@ static struct rtp_parallel_params parallel_params(const struct trainer *tr, stru
                                    .comm_type = bf16_rotation ? RTP_TYPE_BF16 : RTP_TYPE_F32,
                                    .compute_type = o->bf16 ? RTP_TYPE_BF16 : RTP_TYPE_F32,
                                    .micro_batches = o->micro_batches,
+                                   .accumulate = o->grad_accum,
                                    .pipe_comm = tr->pipe,
                                    .unit = unit_size(o),
                                    .recompute = o->recompute};
@@ -763,6 +778,7 @@ static int parallelize(struct trainer *tr, struct gpt_config c, const struct opt
   if (rc) return rc;
   tr->batch = o->batch;
   tr->micro = o->micro_batches;
+  tr->accum = o->grad_accum;
   tr->meta =
       rtp_context_new((struct rtp_init_params){.mem_size = meta_bytes, .no_alloc = true});
   tr->ctx = rtp_context_new((struct rtp_init_params){.mem_size = arena_size(c, tr->world, o)});
@@ -880,16 +896,38 @@ static int init_weights(struct trainer *tr, uint64_t seed) {
   return rc ? fail(rc, "initialising the weights") : RTP_OK;
 }
 
+/* The first window of this rank's batch in the step's compute k (sample_batch). */
+static uint64_t window_first(const struct trainer *tr, int k) {
+  return ((uint64_t)k * (uint64_t)data_ranks(tr) + (uint64_t)data_rank(tr)) *
+         (uint64_t)tr->batch;
+}
+
+/* The step's K computes (--grad-accum), each on the next batch of the global one, adding
+ * to the gradients (rtp_parallel_params.accumulate); *loss is the mean of their global
+ * means, each over as many windows. */
+static int accumulate_step(struct trainer *tr, const struct dataset *d, uint64_t seed,
+                           int64_t step, float *loss) {
+  int rc = rtp_parallel_zero_grads(tr->par);
+  double sum = 0;
+  for (int k = 0; k < tr->accum && !rc; k++) {
+    sample_batch(d, seed, step, window_first(tr, k), tr->batch, tr->micro, tr->m.cfg.seq_len,
+                 tr->idx, tr->targets);
+    float l = 0;
+    rc = rtp_graph_compute(tr->train, tr->tp);
+    if (!rc) rc = rtp_tensor_get_f32(tr->loss, 0, &l);
+    sum += l;
+  }
+  if (!rc) rc = rtp_parallel_sync(tr->par, tr->tp);
+  *loss = (float)(sum / tr->accum);
+  return rc ? fail(rc, "step %" PRId64 ": forward and backward", step + 1) : RTP_OK;
+}
+
 /* One optimizer step on this rank's share of the global batch (tp: all of it); *loss is
  * the global mean. */
 static int train_step(struct trainer *tr, const struct dataset *d, uint64_t seed, int64_t step,
                       float lr, float *loss) {
-  sample_batch(d, seed, step, data_rank(tr), tr->batch, tr->micro, tr->m.cfg.seq_len, tr->idx,
-               tr->targets);
-  int rc = rtp_graph_compute(tr->train, tr->tp);
-  if (rc) return fail(rc, "step %" PRId64 ": forward and backward", step + 1);
-  if ((rc = rtp_tensor_get_f32(tr->loss, 0, loss)))
-    return fail(rc, "step %" PRId64 ": reading the loss", step + 1);
+  int rc = accumulate_step(tr, d, seed, step, loss);
+  if (rc) return rc;
   if ((rc = rtp_optimizer_set_lr(tr->opt, lr)))
     return fail(rc, "step %" PRId64 ": setting the learning rate", step + 1);
   rc = rtp_optimizer_step(tr->opt, tr->tp);
@@ -1461,7 +1499,7 @@ static void sched_text(const struct options *o, char buf[3][24], const char *out
 static struct rtp_ckpt_params ckpt_params(struct trainer *tr, const struct options *o,
                                           struct ckpt_state *cs, int64_t step) {
   snprintf(cs->seed, sizeof(cs->seed), "%" PRId64, o->seed);
-  snprintf(cs->batch, sizeof(cs->batch), "%d", data_ranks(tr) * tr->batch);
+  snprintf(cs->batch, sizeof(cs->batch), "%" PRId64, global_batch(tr));
   snprintf(cs->pos, sizeof(cs->pos), "%" PRId64, step);
   const char *kv[] = {"seed", cs->seed, "global_batch", cs->batch, "data_pos", cs->pos};
   memcpy(cs->kv, kv, sizeof(kv));
@@ -1518,7 +1556,8 @@ static int check_resume_state(const struct rtp_ckpt *c, const struct ckpt_state 
     if (!saved || strcmp(saved, mine[i])) {
       fprintf(stderr,
               "train-gpt: --resume: %s was saved with %s %s, this run has %s (use the same "
-              "--seed and global batch: ranks x --batch, or --batch under tp)\n",
+              "--seed and global batch: ranks x --batch x --grad-accum, or --batch x "
+              "--grad-accum under tp)\n",
               rtp_ckpt_path(c), keys[i], saved ? saved : "(none)", mine[i]);
       return RTP_EINVAL;
     }
@@ -1730,7 +1769,7 @@ static int run_training(struct trainer *tr, const struct dataset *d, const struc
                         int64_t first, FILE *metrics) {
   int every = o->log_every ? o->log_every : (o->steps >= 20 ? o->steps / 20 : 1);
   bool tty = isatty(STDOUT_FILENO);
-  double start = now_s(), tokens = (double)data_ranks(tr) * tr->batch * tr->m.cfg.seq_len;
+  double start = now_s(), tokens = (double)global_batch(tr) * tr->m.cfg.seq_len;
   struct eta_times times = {0};
   struct lr_schedule sched = schedule_of(o);
   for (int64_t step = first; step < o->steps; step++) {
@@ -1866,8 +1905,11 @@ static int open_metrics(const struct trainer *tr, const char *path, int64_t resu
 
 static void print_model(const struct trainer *tr, const struct options *o) {
   struct gpt_config c = tr->m.cfg;
-  char ranks[160] = "", micro[48] = "";
+  char ranks[160] = "", micro[48] = "", accum[96] = "";
   if (tr->micro > 1) snprintf(micro, sizeof(micro), " in %d micro-batches", tr->micro);
+  if (tr->accum > 1)
+    snprintf(accum, sizeof(accum), " x %d accumulated (%" PRId64 " tokens per step)", tr->accum,
+             global_batch(tr) * c.seq_len);
   if (tr->strategy == RTP_STRATEGY_TP)
     snprintf(ranks, sizeof(ranks), " on each of %d ranks (tp)", tr->world);
   else if (tr->stages > 1)
@@ -1878,10 +1920,10 @@ static void print_model(const struct trainer *tr, const struct options *o) {
     snprintf(ranks, sizeof(ranks), " x %d ranks (%s)", tr->world,
              rtp_strategy_name(tr->strategy));
   printf(
-      "model: %d layers, d_model %d, %d heads, seq_len %d, %.2fM parameters; batch %d%s%s, "
+      "model: %d layers, d_model %d, %d heads, seq_len %d, %.2fM parameters; batch %d%s%s%s, "
       "lr %g, %s data\n",
       c.n_layer, c.d_model, c.n_head, c.seq_len, gpt_n_params(c) / 1e6, o->batch, micro, ranks,
-      o->lr, o->data ? o->data : "built-in addition");
+      accum, o->lr, o->data ? o->data : "built-in addition");
   fflush(stdout); /* before the slow work: under rtp-run stdout is a pipe */
 }
 
