@@ -1045,6 +1045,7 @@ RTP_API void rtp_reshard_free(struct rtp_reshard *r); /* NULL is fine */
  * directory per step under dir:
  *
  *   dir/latest                              "step-<8 digits>": the newest complete one
+ *   dir/best                                "step-<8 digits>": the best, if a save said so
  *   dir/step-<8 digits>/rank-<k>.safetensors rank k's rows of every parameter P (named P)
  *                                           and of its states (adam.m.P, adam.v.P); ddp
  *                                           ranks hold everything, so rank 0 alone writes;
@@ -1081,6 +1082,10 @@ struct rtp_ckpt_params {
   /* The caller's training state saved in index.json, {k0, v0, ..., NULL}: words of
    * [A-Za-z0-9_.+-], at most 32 pairs (may be NULL; not used by load). */
   const char *const *state_kv;
+  /* Save: this checkpoint is the best so far (the caller's measure, e.g. an evaluation
+   * loss): dir/best names it, written before latest moves, and pruning never deletes the
+   * step best names, so it outlives the keep newest. */
+  bool best;
 };
 
 /* Collective: writes dir/step-<step>; RTP_ESTATE if that step is already complete there.
@@ -1093,6 +1098,8 @@ struct rtp_ckpt;
  * every field of the index; RTP_EIO or RTP_EFORMAT with a message saying what is missing
  * or wrong. */
 RTP_API int rtp_ckpt_open(const char *dir, struct rtp_ckpt **out);
+/* The same for the checkpoint dir/best names (rtp_ckpt_params.best). */
+RTP_API int rtp_ckpt_open_best(const char *dir, struct rtp_ckpt **out);
 RTP_API void rtp_ckpt_close(struct rtp_ckpt *c); /* NULL is fine */
 RTP_API int64_t rtp_ckpt_step(const struct rtp_ckpt *c);
 RTP_API int rtp_ckpt_world_size(const struct rtp_ckpt *c);

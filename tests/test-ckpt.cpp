@@ -1049,7 +1049,7 @@ int gpt_rank(const Layout &L, int rank, int port, const std::string &dir, bool s
   CHECK(opt, "optimizer: %s", rtp_last_error());
   if (L.S > 1 && check_other_stage(par, m, rank)) return 12;
   rtp_ckpt_params ck = {dir.c_str(), par, job, pp.strategy, m.params,
-                        m.n_params,  opt, 0,   nullptr};
+                        m.n_params,  opt, 0,   nullptr,     false};
   for (int i = 0; i < m.n_params; i++) {
     rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]), *st[3] = {mine};
     if (!mine) continue;  // another stage's
@@ -1347,7 +1347,7 @@ TEST(CkptPipeline, OtherRankLayoutsAreRefused) {
     rtp_optimizer *opt = rtp_parallel_optimizer(par, rtp_adamw_params_default());
     CHECK(opt, "optimizer");
     rtp_ckpt_params ck = {dir.c_str(), par, job, pp.strategy, m.params,
-                          m.n_params,  opt, 0,   nullptr};
+                          m.n_params,  opt, 0,   nullptr,     false};
     int st = rtp_ckpt_save(&ck, 1);
     std::string why = rtp_last_error();
     fprintf(stderr, "rank %d: %s\n", rank, why.c_str());

@@ -48,6 +48,7 @@ struct options {
   int threads;                 /* -1: the cores shared by the local ranks */
   int pp, micro_batches, unit; /* pipeline stages, micro-batches per step, zeropp's unit */
   int grad_accum;              /* computes of the graph per optimizer step */
+  int eval_every;              /* -1: evaluate at each progress line */
   float lr;                    /* -1: the config's */
   /* the schedule (lr-schedule.h): -1 or NULL when left out, then the checkpoint's on
    * --resume, else constant, 0, --steps (constant: 0, unused) and lr / 10
@@ -60,6 +61,7 @@ struct options {
   int64_t seed;
   const char *strategy, *schedule, *data, *metrics, *init, *export_path, *ckpt_dir, *prompt;
   bool eval_only, resume, bf16, recompute, help;
+  bool keep_best; /* training: keep the best eval loss's checkpoint; reading: read it */
 };
 
 #define MAX_FLAGS 48
@@ -137,6 +139,11 @@ static int flag_table(struct options *o, struct flag *f) {
        "held-out windows per evaluation (256; 0: all)"},
       {"--eval-problems", ARG_INT, &o->eval_problems, "N",
        "held-out sums for the accuracy (64)"},
+      {"--eval-every", ARG_INT, &o->eval_every, "N",
+       "evaluate every N steps (default: at each progress line)"},
+      {"--keep-best", ARG_BOOL, &o->keep_best, NULL,
+       "keep --ckpt-dir's checkpoint of the best --eval-every loss (DIR/best); "
+       "reading DIR: read it"},
       {"--ckpt-dir", ARG_STR, &o->ckpt_dir, "DIR",
        "write sharded checkpoints there (the last 2 are kept), or read the latest"},
       {"--ckpt-every", ARG_INT, &o->ckpt_every, "N",
@@ -243,7 +250,8 @@ static int parse_args(int argc, char **argv, struct options *o) {
                         .schedule = "1f1b",
                         .pp = 1,
                         .micro_batches = 1,
-                        .grad_accum = 1};
+                        .grad_accum = 1,
+                        .eval_every = -1};
   struct flag f[MAX_FLAGS];
   int n = flag_table(o, f);
   for (int i = 1; i < argc; i++) {
@@ -298,6 +306,20 @@ static int check_weights(const struct options *o) {
   return 0;
 }
 
+/* --eval-every and --keep-best: evaluations during training, and the checkpoint of the
+ * best one; with a checkpoint read, --keep-best reads DIR/best instead of DIR/latest. */
+static int check_eval(const struct options *o) {
+  bool reads = o->eval_only || reads_checkpoint(o);
+  if (o->eval_every == 0) return usage_error("--eval-every must be at least 1");
+  if (o->eval_every > 0 && reads)
+    return usage_error("--eval-every evaluates during training, and this run trains nothing");
+  if (o->keep_best && !o->ckpt_dir)
+    return usage_error("--keep-best needs --ckpt-dir (where the best checkpoint is kept)");
+  if (o->keep_best && !reads && o->eval_every < 0)
+    return usage_error("--keep-best needs --eval-every N (the evaluations it compares)");
+  return 0;
+}
+
 /* What the parser accepts but this build cannot do yet gets a clear refusal. */
 static int check_options(const struct options *o) {
   static const char *const strategies[] = {"rtp", "ddp", "fsdp", "tp"};
@@ -314,6 +336,7 @@ static int check_options(const struct options *o) {
     return usage_error("--ckpt-every and --resume need --ckpt-dir");
   if (o->resume && o->init) return usage_error("--resume and --init both give the weights");
   int rc = check_weights(o);
+  if (!rc) rc = check_eval(o);
   if (rc) return rc;
   if (o->ckpt_dir && !o->resume && !reads_checkpoint(o) && has_checkpoint(o->ckpt_dir))
     return usage_error("--ckpt-dir %s already has checkpoints: --resume continues from them",
@@ -578,6 +601,7 @@ struct trainer {
   int accum;        /* K computes (batches of B) per optimizer step */
   int head;         /* the rank whose logits evaluation reads: the last stage's first */
   int64_t saved;    /* the step of the last checkpoint saved or resumed from; -1: none */
+  double best_loss; /* --keep-best: the lowest eval loss checkpointed (INFINITY: none) */
 };
 
 /* The ranks that draw different data: under tp every rank trains on the same batch. */
@@ -829,7 +853,8 @@ static int build_graphs(struct trainer *tr, bool train) {
  * checkpoint read). */
 static int trainer_init(struct trainer *tr, struct gpt_config c, const struct options *o,
                         bool train) {
-  *tr = (struct trainer){.world = 1, .rank = 0, .stages = 1, .per_stage = 1, .saved = -1};
+  *tr = (struct trainer){
+      .world = 1, .rank = 0, .stages = 1, .per_stage = 1, .saved = -1, .best_loss = INFINITY};
   int rc = join_job(tr, o);
   if (!rc) rc = parallelize(tr, c, o);
   if (!rc) rc = build_graphs(tr, train);
@@ -977,8 +1002,15 @@ static int share_head(struct trainer *tr, void *buf, size_t n, const char *what)
   return rc ? fail(rc, "sharing rank %d's %s", tr->head, what) : RTP_OK;
 }
 
+/* Where evaluation's windows come from, for every evaluation (--eval-every, the progress
+ * lines', --eval-only): the held-out part, window i at split + i*T (T + 1 bytes, so each
+ * shares its last byte with the next). The one place to switch for another source. */
 static int64_t count_windows(const struct dataset *d, int T) {
   return (int64_t)((d->n - d->split - 1) / (size_t)T);
+}
+
+static const uint8_t *eval_window(const struct dataset *d, int64_t i, int T) {
+  return d->bytes + d->split + (size_t)i * (size_t)T;
 }
 
 /* Mean next-byte loss over the held-out windows [split + i*T, split + i*T + T], i < n,
@@ -1006,7 +1038,7 @@ static int evaluate(struct trainer *tr, const struct dataset *d, int64_t n, doub
       tenth++;
     }
     for (int b = 0; b < B; b++)
-      set_window(tr, b, first + b < n ? d->bytes + d->split + (size_t)(first + b) * T : NULL);
+      set_window(tr, b, first + b < n ? eval_window(d, first + b, T) : NULL);
     int rc = eval_forward(tr);
     if (rc) return fail(rc, "evaluation");
     for (int b = 0; b < B && first + b < n && tr->rank == tr->head; b++) sum += row_loss(tr, b);
@@ -1474,12 +1506,14 @@ static int export_model(struct trainer *tr, const char *path, int64_t steps) {
 /* ---- checkpoints ----------------------------------------------------------------------- */
 
 /* What decides the steps after a checkpoint besides the weights and Adam states: the
- * batches are drawn from (seed, step) over the global batch, so the data position is the
- * step itself. */
+ * batches are drawn from (seed, step) over the global batch (--grad-accum's computes
+ * included), so the data position is the step itself. --keep-best's lowest eval loss too,
+ * so that a resumed run keeps comparing with it. */
 struct ckpt_state {
   char seed[24], batch[24], pos[24], sizes[5][24]; /* sizes: for reading it as a model */
   char sched[3][24];                               /* the schedule's numbers */
-  const char *kv[25];
+  char best[24];
+  const char *kv[27];
 };
 
 /* The learning-rate schedule's flags as the checkpoint's state records them; the step is
@@ -1516,17 +1550,24 @@ static struct rtp_ckpt_params ckpt_params(struct trainer *tr, const struct optio
     cs->kv[n++] = sched_keys[i];
     cs->kv[n++] = sched[i];
   }
+  if (isfinite(tr->best_loss)) {
+    snprintf(cs->best, sizeof(cs->best), "%.9g", tr->best_loss);
+    cs->kv[n++] = "best_eval_loss";
+    cs->kv[n++] = cs->best;
+  }
   cs->kv[n] = NULL;
   return (struct rtp_ckpt_params){o->ckpt_dir,    tr->par, tr->comm, tr->strategy, tr->m.params,
-                                  tr->m.n_params, tr->opt, 2,        cs->kv};
+                                  tr->m.n_params, tr->opt, 2,        cs->kv,       false};
 }
 
 /* A checkpoint that cannot be written (a full disk, an unwritable directory) stops the
  * run: training on without one would put ever more steps at risk, and the library has
  * kept the previous checkpoint, which --resume continues from once the cause is fixed. */
-static int save_checkpoint(struct trainer *tr, const struct options *o, int64_t step) {
+static int save_checkpoint(struct trainer *tr, const struct options *o, int64_t step,
+                           bool best) {
   struct ckpt_state cs;
   struct rtp_ckpt_params p = ckpt_params(tr, o, &cs, step);
+  p.best = best;
   int rc = rtp_ckpt_save(&p, step);
   if (rc) {
     fail(rc, "checkpoint of step %" PRId64 " in %s %s", step, o->ckpt_dir,
@@ -1543,7 +1584,10 @@ static int save_checkpoint(struct trainer *tr, const struct options *o, int64_t 
     return rc;
   }
   tr->saved = step;
-  if (tr->rank == 0 && !isatty(STDOUT_FILENO)) /* on a terminal it would break the bar */
+  if (tr->rank == 0 && !isatty(STDOUT_FILENO) && best) /* a terminal's bar would break */
+    printf("checkpoint %s/step-%08" PRId64 " (the best eval loss so far: %s/best)\n",
+           o->ckpt_dir, step, o->ckpt_dir);
+  else if (tr->rank == 0 && !isatty(STDOUT_FILENO))
     printf("checkpoint %s/step-%08" PRId64 "\n", o->ckpt_dir, step);
   return RTP_OK;
 }
@@ -1643,6 +1687,19 @@ static struct lr_schedule schedule_of(const struct options *o) {
   return (struct lr_schedule){kind, o->warmup, o->max_steps, o->lr, o->lr_min};
 }
 
+/* --keep-best's lowest eval loss so far, from checkpoint c's state (none: INFINITY). */
+static int resume_best(struct trainer *tr, const struct rtp_ckpt *c) {
+  const char *s = rtp_ckpt_state(c, "best_eval_loss");
+  char *end = NULL;
+  double v = s ? strtod(s, &end) : INFINITY;
+  if (s && (!*s || *end || !isfinite(v))) {
+    fprintf(stderr, "train-gpt: --resume: %s: best_eval_loss is '%s'\n", rtp_ckpt_path(c), s);
+    return RTP_EFORMAT;
+  }
+  tr->best_loss = v;
+  return RTP_OK;
+}
+
 /* The weights, Adam states and step of --ckpt-dir's latest checkpoint, and the schedule's
  * flags left out (resolve_schedule). */
 static int resume(struct trainer *tr, struct options *o, int64_t *step) {
@@ -1655,6 +1712,7 @@ static int resume(struct trainer *tr, struct options *o, int64_t *step) {
   if (!rc) rc = resolve_schedule(o, c);
   if (!rc && (rc = rtp_ckpt_load(c, &p))) fail(rc, "--resume from %s", rtp_ckpt_path(c));
   if (!rc) rc = check_resume_position(c, tr);
+  if (!rc) rc = resume_best(tr, c);
   *step = rtp_ckpt_step(c);
   if (!rc) tr->saved = *step;
   if (!rc && tr->rank == 0 && rtp_ckpt_world_size(c) == 1)
@@ -1765,6 +1823,17 @@ static void print_progress(const struct trainer *tr, const struct step_stats *s,
 
 /* ---- the two modes ---------------------------------------------------------------------- */
 
+/* Whether step (1-based) evaluates: every --eval-every steps, else at each progress line. */
+static bool evaluates_at(const struct options *o, int64_t step, bool log) {
+  return o->eval_every > 0 ? step % o->eval_every == 0 : log;
+}
+
+/* The evaluations after step done, for the ETA. */
+static int64_t evals_left(const struct options *o, int64_t done, int every) {
+  if (o->eval_every > 0) return o->steps / o->eval_every - done / o->eval_every;
+  return eta_events_left(done, o->steps, every);
+}
+
 static int run_training(struct trainer *tr, const struct dataset *d, const struct options *o,
                         int64_t first, FILE *metrics) {
   int every = o->log_every ? o->log_every : (o->steps >= 20 ? o->steps / 20 : 1);
@@ -1787,23 +1856,26 @@ static int run_training(struct trainer *tr, const struct dataset *d, const struc
     struct step_stats s = {step + 1, o->steps, loss, lr, 1e3 * dt, tokens / dt, 0, NULL};
     struct eval_stats e;
     bool log = s.step % every == 0 || s.step == 1 || s.step == o->steps;
-    if (log) {
+    bool eval = evaluates_at(o, s.step, log);
+    if (eval) {
       double te = now_s();
       if ((rc = eval_all(tr, d, o->eval_windows, o->eval_problems, &e))) return rc;
       times.evals++;
       times.evals_s += now_s() - te;
     }
-    s.eval = log ? &e : NULL;
+    s.eval = eval ? &e : NULL;
     /* this step's checkpoint is still to come: it is saved after the progress line */
-    s.eta_s = eta_left(&times, o->steps - s.step, eta_events_left(s.step, o->steps, every),
+    s.eta_s = eta_left(&times, o->steps - s.step, evals_left(o, s.step, every),
                        o->ckpt_dir ? eta_events_left(s.step - 1, o->steps, o->ckpt_every) : 0);
     if (metrics) write_metrics(metrics, tr, &s);
-    if (log && shows_progress(tr)) print_progress(tr, &s, tty);
-    bool ckpt =
-        o->ckpt_dir && ((o->ckpt_every && s.step % o->ckpt_every == 0) || s.step == o->steps);
+    if ((log || eval) && shows_progress(tr)) print_progress(tr, &s, tty);
+    bool best = o->keep_best && eval && e.loss < tr->best_loss; /* saved, whatever the step */
+    if (best) tr->best_loss = e.loss;
+    bool ckpt = o->ckpt_dir &&
+                ((o->ckpt_every && s.step % o->ckpt_every == 0) || s.step == o->steps || best);
     if (ckpt) {
       double tc = now_s();
-      if ((rc = save_checkpoint(tr, o, s.step))) return rc;
+      if ((rc = save_checkpoint(tr, o, s.step, best))) return rc;
       times.ckpts++;
       times.ckpts_s += now_s() - tc;
     }
@@ -1935,7 +2007,9 @@ static int run(struct options *o) {
   struct trainer tr = {0};
   FILE *metrics = NULL;
   int64_t first = 0; /* the step the weights are at: 0, or their checkpoint's */
-  int rc = reads_checkpoint(o) ? rtp_ckpt_open(o->ckpt_dir, &ck) : RTP_OK;
+  int rc = !reads_checkpoint(o) ? RTP_OK
+           : o->keep_best       ? rtp_ckpt_open_best(o->ckpt_dir, &ck)
+                                : rtp_ckpt_open(o->ckpt_dir, &ck);
   if (rc) rc = fail(rc, "--ckpt-dir %s", o->ckpt_dir);
   if (!rc) rc = open_inputs(o, ck, &init, &cfg, &data);
   if (!rc) rc = trainer_init(&tr, cfg, o, !o->eval_only && !ck);
