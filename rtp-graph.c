@@ -322,8 +322,9 @@ static struct rtp_tensor *accumulate_grad(struct backward *bw, struct rtp_tensor
  * adds), so the graph's computes add up until the caller zeroes it again. */
 static struct rtp_tensor *accumulate_first(struct backward *bw, struct rtp_tensor *p) {
   struct rtp_tensor *acc = rtp_tensor_new(bw->ctx, RTP_TYPE_F32, RTP_MAX_DIMS, p->ne);
-  if (!acc || !rtp__tensor_alloc(bw->ctx, acc, RTP_ROLE_GRAD) || rtp_tensor_set_zero(acc))
-    return NULL;
+  if (!acc || (!acc->data && !rtp__tensor_alloc(bw->ctx, acc, RTP_ROLE_GRAD))) return NULL;
+  acc->role = RTP_ROLE_GRAD; /* rtp_tensor_new's memory, where the context gives it */
+  if (rtp_tensor_set_zero(acc)) return NULL;
   rtp_tensor_set_name(acc, "grad.%.58s", p->name);
   return accumulate_grad(bw, p, acc);
 }

@@ -1538,7 +1538,9 @@ void fill_micro(const Rank &rk, rtp_strategy strategy, int rank, int world, int 
 // is one batch's with an add per parameter (ddp: without its all-reduces, which
 // rtp_parallel_sync runs), and so is its memory: the gradients and the pool are one
 // batch's, the activations at most the gradients' size more (micro-batch 0's
-// contributions too are computed apart, then added).
+// contributions too are computed apart, then added), and the headers and graphs (ddp's
+// sync graph too) less than the gradients' size more: a gradient allocated twice, the
+// first one lost, showed there.
 int rank_main_accum(rtp_strategy strategy, int rank, int world, int port) {
   std::vector<float> want, want_norm;
   Model ref;
@@ -1599,12 +1601,14 @@ int rank_main_accum(rtp_strategy strategy, int rank, int world, int port) {
   rtp_mem_report_get(one.ctx, &r1);
   int n1 = rtp_parallel_graph(one.par)->n_nodes;
   if (g->n_nodes > n1 + rk.m.n_params || ra.bytes[RTP_ROLE_GRAD] != r1.bytes[RTP_ROLE_GRAD] ||
+      ra.metadata >= r1.metadata + r1.bytes[RTP_ROLE_GRAD] ||
       ra.bytes[RTP_ROLE_COMM] != r1.bytes[RTP_ROLE_COMM] ||
       ra.bytes[RTP_ROLE_ACTIVATION] > r1.bytes[RTP_ROLE_ACTIVATION] + r1.bytes[RTP_ROLE_GRAD]) {
     fprintf(stderr,
-            "rank %d: accumulating, %d nodes and %zu bytes of activations; one batch, %d and "
-            "%zu\n",
-            rank, g->n_nodes, ra.bytes[RTP_ROLE_ACTIVATION], n1, r1.bytes[RTP_ROLE_ACTIVATION]);
+            "rank %d: accumulating, %d nodes, %zu bytes of activations and %zu of metadata; "
+            "one batch, %d, %zu and %zu\n",
+            rank, g->n_nodes, ra.bytes[RTP_ROLE_ACTIVATION], ra.metadata, n1,
+            r1.bytes[RTP_ROLE_ACTIVATION], r1.metadata);
     return 46;
   }
   rk.leave();
