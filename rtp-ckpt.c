@@ -1031,7 +1031,7 @@ static int ck_read_pointer(const char *dir, const char *name, char *stepdir, int
     snprintf(why, sizeof(why), "%s", rtp_last_error());
     return rtp__error(rc, "%s: %s (%s)", dir,
                       strcmp(name, "best") ? "no checkpoint to resume from"
-                                           : "no best checkpoint (saved with best set)",
+                                           : "no best checkpoint (none was saved as the best)",
                       why);
   }
   char *text = buf;
