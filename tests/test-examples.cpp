@@ -1773,6 +1773,9 @@ TEST(TrainGptErrors, GradAccumAndEvalFlagsAreChecked) {
       {{"--init", tiny, "--eval-only", "--eval-every", "5"},
        2,
        "--eval-every evaluates during training, and this run trains nothing"},
+      {{"--ckpt-dir", plain, "--eval-only", "--grad-accum", "4"},
+       2,
+       "--grad-accum accumulates gradients in training, and this run trains nothing"},
       {{"--ckpt-dir", plain, "--eval-only", "--keep-best"}, 1, "no best checkpoint"},
   };
   for (const BadCase &c : cases) {

@@ -307,9 +307,14 @@ static int check_weights(const struct options *o) {
 }
 
 /* --eval-every and --keep-best: evaluations during training, and the checkpoint of the
- * best one; with a checkpoint read, --keep-best reads DIR/best instead of DIR/latest. */
+ * best one; with a checkpoint read, --keep-best reads DIR/best instead of DIR/latest.
+ * Neither, nor --grad-accum, applies to a run that trains nothing. */
 static int check_eval(const struct options *o) {
   bool reads = o->eval_only || reads_checkpoint(o);
+  if (o->grad_accum > 1 && reads)
+    return usage_error(
+        "--grad-accum accumulates gradients in training, and this run trains "
+        "nothing");
   if (o->eval_every == 0) return usage_error("--eval-every must be at least 1");
   if (o->eval_every > 0 && reads)
     return usage_error("--eval-every evaluates during training, and this run trains nothing");
