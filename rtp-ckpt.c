@@ -241,8 +241,10 @@ static bool ck_is_complete(const char *stepdir) {
   return !ck_path(m, stepdir, "COMPLETE") && access(m, F_OK) == 0;
 }
 
+static int ck_read_pointer(const char *dir, const char *name, char *stepdir, int64_t *step);
+
 /* Deletes step directories older than the keep newest complete ones (never newer ones:
- * they may be a save in progress). */
+ * they may be a save in progress), except the one DIR/best names. */
 static void ck_prune(const char *dir, int keep) {
   int64_t steps[256]; /* more step directories than this are left alone */
   int n = 0;
@@ -264,8 +266,10 @@ static void ck_prune(const char *dir, int keep) {
     cutoff = best;
     kept++;
   }
+  int64_t best = -1;
+  if (ck_read_pointer(dir, "best", path, &best)) best = -1; /* none: every old one goes */
   for (int i = 0; i < n; i++)
-    if (steps[i] < cutoff) {
+    if (steps[i] < cutoff && steps[i] != best) {
       snprintf(path, sizeof(path), "%s/step-%08" PRId64, dir, steps[i]);
       ck_remove_dir(path);
     }
@@ -581,6 +585,8 @@ static int ck_commit(const struct rtp_ckpt_params *p, const char *stepdir, int64
   snprintf(text, sizeof(text), "sha256 %s\n", hex);
   if (!rc) rc = ck_write_atomic(stepdir, "COMPLETE", text);
   snprintf(text, sizeof(text), "step-%08" PRId64 "\n", step);
+  /* best first: pruning, after latest moves, then keeps this step */
+  if (!rc && p->best) rc = ck_write_atomic(p->dir, "best", text);
   if (!rc) rc = ck_write_atomic(p->dir, "latest", text);
   if (!rc) ck_prune(p->dir, p->keep > 0 ? p->keep : 2);
   return rc;
@@ -603,16 +609,20 @@ static int ck_prepare_dir(const struct rtp_ckpt_params *p, const char *stepdir,
   return RTP_OK;
 }
 
-static int ck_read_latest(const char *dir, char *stepdir, int64_t *step);
+static int ck_read_pointer(const char *dir, const char *name, char *stepdir, int64_t *step);
 
 /* After a failed save, rank 0 removes the step directory it made (every rank is done
- * writing), unless latest names it (moved, then a failure): what a full disk needs. */
+ * writing), unless latest or best names it (moved, then a failure): what a full disk
+ * needs. */
 static void ck_discard(const char *dir, const char *stepdir) {
-  char latest[CK_PATH];
-  char why[1024]; /* the failure's message, which ck_read_latest would replace */
+  char named_dir[CK_PATH];
+  char why[1024]; /* the failure's message, which ck_read_pointer would replace */
   snprintf(why, sizeof(why), "%s", rtp_last_error());
   int64_t step;
-  bool named = !ck_read_latest(dir, latest, &step) && strcmp(latest, stepdir) == 0;
+  bool named = false;
+  for (int i = 0; i < 2; i++)
+    named |= !ck_read_pointer(dir, i ? "best" : "latest", named_dir, &step) &&
+             strcmp(named_dir, stepdir) == 0;
   if (!named) ck_remove_dir(stepdir);
   rtp__error(RTP_EIO, "%s", why);
 }
@@ -1010,16 +1020,19 @@ static int ck_parse_index(struct rtp_ckpt *c, const char *ipath, const char *tex
   return rc;
 }
 
-/* DIR/latest, which must name a step directory: its path and step. */
-static int ck_read_latest(const char *dir, char *stepdir, int64_t *step) {
+/* DIR/name (latest or best), which must name a step directory: its path and step. */
+static int ck_read_pointer(const char *dir, const char *name, char *stepdir, int64_t *step) {
   char path[CK_PATH];
   void *buf = NULL;
-  int rc = ck_path(path, dir, "latest");
+  int rc = ck_path(path, dir, name);
   if (!rc) rc = rtp_file_read(path, CK_MAX_LINE, &buf, NULL);
   if (rc) {
     char why[512]; /* the message is rewritten below: keep a copy */
     snprintf(why, sizeof(why), "%s", rtp_last_error());
-    return rtp__error(rc, "%s: no checkpoint to resume from (%s)", dir, why);
+    return rtp__error(rc, "%s: %s (%s)", dir,
+                      strcmp(name, "best") ? "no checkpoint to resume from"
+                                           : "no best checkpoint (none was saved as the best)",
+                      why);
   }
   char *text = buf;
   text[strcspn(text, "\n")] = 0;
@@ -1055,13 +1068,14 @@ static int ck_read_index(struct rtp_ckpt *c, int64_t dir_step) {
   return rc;
 }
 
-int rtp_ckpt_open(const char *dir, struct rtp_ckpt **out) {
+/* The checkpoint DIR/name names, checked. */
+static int ck_open_pointer(const char *dir, const char *name, struct rtp_ckpt **out) {
   if (!dir || !out) return rtp__error(RTP_EINVAL, "rtp_ckpt_open: NULL argument");
   *out = NULL;
   struct rtp_ckpt *c = calloc(1, sizeof(*c));
   if (!c) return rtp__error(RTP_ENOMEM, "rtp_ckpt_open: out of memory");
   int64_t step = -1;
-  int rc = ck_read_latest(dir, c->dir, &step);
+  int rc = ck_read_pointer(dir, name, c->dir, &step);
   if (!rc) rc = ck_read_index(c, step);
   if (rc) {
     rtp_ckpt_close(c);
@@ -1069,6 +1083,14 @@ int rtp_ckpt_open(const char *dir, struct rtp_ckpt **out) {
   }
   *out = c;
   return RTP_OK;
+}
+
+int rtp_ckpt_open(const char *dir, struct rtp_ckpt **out) {
+  return ck_open_pointer(dir, "latest", out);
+}
+
+int rtp_ckpt_open_best(const char *dir, struct rtp_ckpt **out) {
+  return ck_open_pointer(dir, "best", out);
 }
 
 void rtp_ckpt_close(struct rtp_ckpt *c) {

@@ -7,7 +7,8 @@
 #include <stdlib.h>
 
 /* One all-reduce over the gradients [i, j) of grads (in memory, lo to hi), posted right
- * after the last of them is computed. */
+ * after the last of them is computed; with accumulate, in the sync graph instead, run once
+ * the step's computes have all added theirs. */
 static int ddp_bucket(struct rtp_parallel *p, struct rtp_tensor **grads, int i, int j, char *lo,
                       char *hi) {
   struct rtp_graph *g = p->graph;
@@ -18,6 +19,10 @@ static int ddp_bucket(struct rtp_parallel *p, struct rtp_tensor **grads, int i, 
   for (int d = 1; d < 4; d++) span->nb[d] = span->nb[0] * (size_t)span->ne[0];
   span->data = lo;
   rtp_tensor_set_name(span, "ddp.bucket.%d", i);
+  if (p->accumulate > 1) {
+    struct rtp_tensor *ar = rtp_allreduce(p->ctx, p->comm, span, NULL);
+    return ar && !rtp_graph_build(p->sync, ar) ? RTP_OK : rtp_context_error(p->ctx, NULL);
+  }
   struct rtp_tensor *ar = rtp_allreduce(p->ctx, p->comm, span, grads[j - 1]);
   if (!ar || rtp_graph_build(g, ar)) return rtp_context_error(p->ctx, NULL);
   int at = 0;
@@ -44,6 +49,10 @@ static int ddp_finish(struct rtp_parallel *p) {
   struct rtp_tensor **grads = malloc(sizeof(*grads) * (size_t)(g->n_leafs + 1));
   if (!grads) return rtp__ctx_error(p->ctx, RTP_ENOMEM, "ddp: out of memory for buckets");
   int n_params = 0, rc = RTP_OK;
+  if (p->accumulate > 1 && !(p->sync = rtp_graph_new(p->ctx, 2 * g->n_leafs + 2))) {
+    free(grads);
+    return rtp_context_error(p->ctx, NULL);
+  }
   for (int i = 0; i < g->n_leafs; i++) /* their last writers: what each bucket follows */
     if ((g->leafs[i]->flags & RTP_FLAG_PARAM) && g->leafs[i]->grad)
       grads[n_params++] = g->leafs[i]->grad;

@@ -12,6 +12,7 @@ struct graph_obj {
   size_t hash_size; /* a power of two */
   struct rtp_tensor **keys;
   uint8_t *marks;
+  bool accumulate; /* rtp__graph_set_accumulate */
 };
 
 static size_t hash_slot(const struct graph_obj *go, const struct rtp_tensor *t) {
@@ -316,6 +317,22 @@ static struct rtp_tensor *accumulate_grad(struct backward *bw, struct rtp_tensor
   return p->grad = g;
 }
 
+/* rtp__graph_set_accumulate: the first contribution to p's gradient, too, is added, into
+ * persistent memory of its own that the caller zeroes (a leaf: no node writes it but the
+ * adds), so the graph's computes add up until the caller zeroes it again. */
+static struct rtp_tensor *accumulate_first(struct backward *bw, struct rtp_tensor *p) {
+  struct rtp_tensor *acc = rtp_tensor_new(bw->ctx, RTP_TYPE_F32, RTP_MAX_DIMS, p->ne);
+  if (!acc || (!acc->data && !rtp__tensor_alloc(bw->ctx, acc, RTP_ROLE_GRAD))) return NULL;
+  acc->role = RTP_ROLE_GRAD; /* rtp_tensor_new's memory, where the context gives it */
+  if (rtp_tensor_set_zero(acc)) return NULL;
+  rtp_tensor_set_name(acc, "grad.%.58s", p->name);
+  return accumulate_grad(bw, p, acc);
+}
+
+void rtp__graph_set_accumulate(struct rtp_graph *g) {
+  ((struct graph_obj *)g)->accumulate = true;
+}
+
 static void mark_needs_grad(struct graph_obj *go) {
   struct rtp_graph *g = &go->g;
   for (int i = 0; i < g->n_leafs; i++) {
@@ -359,7 +376,9 @@ static int backward_from(struct rtp_context *ctx, struct graph_obj *go, const ch
     if (!(p->flags & RTP_FLAG_PARAM)) continue;
     if (!p->grad) /* no contribution from this loss */
       p->grad = old[i];
-    else if (!(old[i] ? accumulate_grad(&bw, p, old[i]) : claim_grad(&bw, p)))
+    else if (!(old[i]           ? accumulate_grad(&bw, p, old[i])
+               : go->accumulate ? accumulate_first(&bw, p)
+                                : claim_grad(&bw, p)))
       rc = rtp_context_error(ctx, NULL);
   }
   free(old);

@@ -231,6 +231,10 @@ size_t rtp__op_work_size(const struct rtp_tensor *t);
 int rtp__graph_build_backward_seeded(struct rtp_context *ctx, struct rtp_graph *g, int n,
                                      struct rtp_tensor *const *outs,
                                      struct rtp_tensor *const *seeds);
+/* From now on a parameter's first gradient in g is added too, into zeroed GRAD memory of
+ * its own, as later ones are: every compute of g adds to the gradients, which the caller
+ * zeroes (rtp_parallel_params.accumulate). Before the first backward. */
+void rtp__graph_set_accumulate(struct rtp_graph *g);
 /* Puts g's nodes in the order they have in `like` (which must hold them all): a graph of
  * some of a planned graph's nodes then runs them in an order its placement is valid for. */
 int rtp__graph_order_like(struct rtp_graph *g, const struct rtp_graph *like);

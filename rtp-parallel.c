@@ -169,6 +169,24 @@ int rtp_parallel_shard_copy(const struct rtp_parallel *p, const struct rtp_tenso
   return RTP_OK;
 }
 
+int rtp_parallel_zero_grads(const struct rtp_parallel *p) {
+  if (!p) return rtp__error(RTP_EINVAL, "rtp_parallel_zero_grads: NULL plan");
+  if (p->accumulate == 1) return RTP_OK;
+  const struct rtp_graph *g = p->graph;
+  int rc = RTP_OK;
+  for (int i = 0; i < g->n_leafs && !rc; i++)
+    if ((g->leafs[i]->flags & RTP_FLAG_PARAM) && g->leafs[i]->grad)
+      rc = rtp_tensor_set_zero(g->leafs[i]->grad);
+  return rc;
+}
+
+int rtp_parallel_sync(struct rtp_parallel *p, struct rtp_threadpool *tp) {
+  if (!p) return rtp__error(RTP_EINVAL, "rtp_parallel_sync: NULL plan");
+  if (!p->sync) return RTP_OK;
+  int rc = p->sync->plan ? RTP_OK : rtp_graph_plan(p->ctx, p->sync);
+  return rc ? rc : rtp_graph_compute(p->sync, tp);
+}
+
 struct rtp_optimizer *rtp_parallel_optimizer(const struct rtp_parallel *p,
                                              struct rtp_adamw_params params) {
   if (!p) {
@@ -271,15 +289,16 @@ static int clone_forward(struct rtp_parallel *p, int m) {
 
 /* ---- what every strategy shares ------------------------------------------------- */
 
-/* Each rank's loss is the mean over its own batch (tp: over the whole batch) and each
- * micro-batch's over its own: seeding each backward with 1/(N M) (tp: 1/M) makes the
- * summed gradients those of the mean over the global batch. */
+/* Each rank's loss is the mean over its own batch (tp: over the whole batch), each
+ * micro-batch's over its own and each of K accumulated computes' over its own: seeding
+ * each backward with 1/(N M K) (tp: 1/(M K)) makes the summed gradients those of the mean
+ * over the global batch. */
 static int scale_seed(struct rtp_parallel *p, struct rtp_tensor *loss) {
   int n = p->comm && !p->iface->whole_batch ? rtp_comm_size(p->comm) : 1;
-  if (n * p->micro_batches == 1) return RTP_OK;
+  if (n * p->micro_batches * p->accumulate == 1) return RTP_OK;
   struct rtp_tensor *seed = loss->grad;
   if (!seed || !seed->data) return rtp__error(RTP_ESTATE, "rtp_parallel_new: no loss seed");
-  return rtp_tensor_fill_f32(seed, 1.0f / (float)(n * p->micro_batches));
+  return rtp_tensor_fill_f32(seed, 1.0f / (float)(n * p->micro_batches * p->accumulate));
 }
 
 /* Micro-batch m: its forward cloned, then its backward, which adds its gradients to the
@@ -290,6 +309,7 @@ static int micro_batch(struct rtp_parallel *p, int m, int graph_size) {
   int rc = clone_forward(p, m);
   if (!rc && !p->graph && !(p->graph = rtp_graph_new(p->ctx, graph_size)))
     rc = rtp_context_error(p->ctx, NULL);
+  if (!rc && m == 0 && p->accumulate > 1) rtp__graph_set_accumulate(p->graph);
   struct rtp_tensor *l = rc ? NULL : p->map[rtp__parallel_index(p, p->loss)];
   if (!rc) rc = rtp_graph_build(p->graph, l);
   if (!rc) rc = rtp_graph_build_backward(p->ctx, p->graph, l);
@@ -337,6 +357,8 @@ static int check_same_model(struct rtp_parallel *p, struct rtp_comm *pipe,
     h = (h ^ ((uint64_t)p->compute_type << 8)) * 1099511628211ull;
   if (p->micro_batches > 1) /* every micro-batch's transfers must meet the others' */
     h = (h ^ ((uint64_t)p->micro_batches << 16)) * 1099511628211ull;
+  if (p->accumulate > 1) /* ddp's all-reduces move out of the graph */
+    h = (h ^ ((uint64_t)p->accumulate << 48)) * 1099511628211ull;
   if (pipe) /* stages and their order of work must agree */
     h = (h ^ ((uint64_t)rtp_comm_size(pipe) << 24 | (uint64_t)sched << 40)) * 1099511628211ull;
   /* over the stage group, then the pipe: every rank against every other */
@@ -350,7 +372,7 @@ static int check_same_model(struct rtp_parallel *p, struct rtp_comm *pipe,
       return rtp__error(RTP_EPEER,
                         "rtp_parallel_new: rank %d of its %s built a different model than "
                         "rank 0 (parameter names, shapes or tp/fsdp marks, comm_type, "
-                        "compute_type, micro_batches, stages or schedule differ)",
+                        "compute_type, micro_batches, accumulate, stages or schedule differ)",
                         rtp_comm_rank(comms[c]), c ? "pipe" : "group");
   }
   return RTP_OK;
@@ -419,9 +441,10 @@ struct rtp_parallel *rtp_parallel_new(struct rtp_context *ctx, const struct rtp_
   }
   int world = pp->comm ? rtp_comm_size(pp->comm) : 1;
   int M = pp->micro_batches > 1 ? pp->micro_batches : 1;
-  if (pp->micro_batches < 0) {
-    rtp__ctx_error(ctx, RTP_EINVAL, "rtp_parallel_new: micro_batches %d (0 or more)",
-                   pp->micro_batches);
+  if (pp->micro_batches < 0 || pp->accumulate < 0) {
+    rtp__ctx_error(ctx, RTP_EINVAL,
+                   "rtp_parallel_new: micro_batches %d, accumulate %d (0 or more each)",
+                   pp->micro_batches, pp->accumulate);
     return NULL;
   }
   if ((pp->strategy == RTP_STRATEGY_NONE && world > 1) || world > RTP_MAX_WORLD) {
@@ -464,6 +487,7 @@ struct rtp_parallel *rtp_parallel_new(struct rtp_context *ctx, const struct rtp_
       .compute_type = pp->compute_type,
       .bucket_bytes = pp->bucket_bytes ? pp->bucket_bytes : (size_t)4 << 20,
       .micro_batches = M,
+      .accumulate = pp->accumulate > 1 ? pp->accumulate : 1,
       .phases = M,
       .src = fwd,
       .map = map,

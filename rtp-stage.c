@@ -361,7 +361,7 @@ static int backward_range(struct rtp_parallel *p, struct rtp_pipe *pp, int m0, i
     int D = p->comm ? rtp_comm_size(p->comm) : 1;
     if (!rc)
       rc = rtp_tensor_fill_f32(rtp_tensor_set_name(seed, "loss.seed.%d", m),
-                               1.0f / (float)(D * pp->M));
+                               1.0f / (float)(D * pp->M * p->accumulate));
     if (!rc) rc = rtp_graph_build(p->graph, seed);
     idx[n] = (int)((size_t)(m - m0) * R) + li;
     if (!rc) rc = add_seed(ctx, maps[idx[n]], seed, outs, seeds, &n);

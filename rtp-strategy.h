@@ -61,12 +61,16 @@ struct rtp_parallel {
   struct rtp_context *ctx;
   struct rtp_comm *comm; /* the ranks the strategy runs on */
   const struct rtp_strategy_i *iface;
-  void *state;                 /* the strategy's own */
-  enum rtp_strategy strategy;  /* as asked for (iface is the identity on one rank) */
-  enum rtp_type comm_type;     /* rtp: what the travelling copies are (f32 or bf16) */
-  enum rtp_type compute_type;  /* the precision of every product (f32 or bf16) */
-  size_t bucket_bytes;         /* ddp */
-  int micro_batches;           /* M: forward and backward cloned M times */
+  void *state;                /* the strategy's own */
+  enum rtp_strategy strategy; /* as asked for (iface is the identity on one rank) */
+  enum rtp_type comm_type;    /* rtp: what the travelling copies are (f32 or bf16) */
+  enum rtp_type compute_type; /* the precision of every product (f32 or bf16) */
+  size_t bucket_bytes;        /* ddp */
+  int micro_batches;          /* M: forward and backward cloned M times */
+  int accumulate;             /* K computes per optimizer step (rtp_parallel_params) */
+  /* With accumulate: the once-a-step reductions the graph leaves out (ddp's), or NULL;
+   * planned at its first rtp_parallel_sync. */
+  struct rtp_graph *sync;
   const struct rtp_graph *src; /* the one-device forward graph */
   /* The rank tensor of src node i, then of src leaf i: map is the micro-batch being
    * cloned (0 once the plan is made), maps all M in a row. */

@@ -828,6 +828,18 @@ struct rtp_parallel_params {
    * micro-batches of batch B train exactly like one process on batch N x M x B (tp: M
    * micro-batches of the whole batch). See docs/parallel.md, "Micro-batches". */
   int micro_batches;
+  /* Gradient accumulation over computes: K computes of the graph per optimizer step (0 or
+   * 1: one), for batches that micro_batches would make a graph too large for (its graph
+   * and activations are those of one compute, whatever K). Every compute adds its
+   * gradients (micro-batch 0's too) into the parameters' gradients, which the caller zeroes
+   * before the step's first (rtp_parallel_zero_grads), and backward is seeded 1/K more, so
+   * after K computes on K batches the gradients are those of the mean over all of them;
+   * the loss of each compute is its own batch's mean. The reductions that must run once
+   * a step (ddp's all-reduces) are left out of the graph: rtp_parallel_sync runs them
+   * after the K-th compute. rtp and fsdp reduce every compute's gradients into the owners'
+   * (as they do every micro-batch's), tp all-reduces per compute. See docs/parallel.md,
+   * "Accumulation over computes". */
+  int accumulate;
   /*
    * Pipelines: pipe_comm joins this rank with one rank of each stage, ranked by stage (a
    * stages x ranks-per-stage mesh's column: rtp_comm_mesh_2d), and comm is this rank's
@@ -889,6 +901,13 @@ RTP_API struct rtp_tensor *rtp_parallel_tensor(const struct rtp_parallel *p,
  * (rtp_last_error) for m out of range or a tensor not in the graph. */
 RTP_API struct rtp_tensor *rtp_parallel_micro_tensor(const struct rtp_parallel *p,
                                                      const struct rtp_tensor *t, int m);
+/* accumulate > 1: zeroes this rank's gradients, before a step's first compute. RTP_OK
+ * doing nothing otherwise (each compute then overwrites them). */
+RTP_API int rtp_parallel_zero_grads(const struct rtp_parallel *p);
+/* accumulate > 1: the reductions of the step's gradients over the ranks that the graph
+ * leaves out (ddp's all-reduces), after the step's K-th compute and before the optimizer
+ * step; every rank of the group calls it. RTP_OK doing nothing where there are none. */
+RTP_API int rtp_parallel_sync(struct rtp_parallel *p, struct rtp_threadpool *tp);
 /* Adam over this rank's parameters; the gradient norm for clipping is the global one
  * (a scalar all-reduce when parameters are sharded). */
 RTP_API struct rtp_optimizer *rtp_parallel_optimizer(const struct rtp_parallel *p,
@@ -1026,6 +1045,7 @@ RTP_API void rtp_reshard_free(struct rtp_reshard *r); /* NULL is fine */
  * directory per step under dir:
  *
  *   dir/latest                              "step-<8 digits>": the newest complete one
+ *   dir/best                                "step-<8 digits>": the best, if a save said so
  *   dir/step-<8 digits>/rank-<k>.safetensors rank k's rows of every parameter P (named P)
  *                                           and of its states (adam.m.P, adam.v.P); ddp
  *                                           ranks hold everything, so rank 0 alone writes;
@@ -1062,6 +1082,10 @@ struct rtp_ckpt_params {
   /* The caller's training state saved in index.json, {k0, v0, ..., NULL}: words of
    * [A-Za-z0-9_.+-], at most 32 pairs (may be NULL; not used by load). */
   const char *const *state_kv;
+  /* Save: this checkpoint is the best so far (the caller's measure, e.g. an evaluation
+   * loss): dir/best names it, written before latest moves, and pruning never deletes the
+   * step best names, so it outlives the keep newest. */
+  bool best;
 };
 
 /* Collective: writes dir/step-<step>; RTP_ESTATE if that step is already complete there.
@@ -1074,6 +1098,8 @@ struct rtp_ckpt;
  * every field of the index; RTP_EIO or RTP_EFORMAT with a message saying what is missing
  * or wrong. */
 RTP_API int rtp_ckpt_open(const char *dir, struct rtp_ckpt **out);
+/* The same for the checkpoint dir/best names (rtp_ckpt_params.best). */
+RTP_API int rtp_ckpt_open_best(const char *dir, struct rtp_ckpt **out);
 RTP_API void rtp_ckpt_close(struct rtp_ckpt *c); /* NULL is fine */
 RTP_API int64_t rtp_ckpt_step(const struct rtp_ckpt *c);
 RTP_API int rtp_ckpt_world_size(const struct rtp_ckpt *c);

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <openssl/sha.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <csignal>
@@ -95,7 +96,7 @@ struct Plan {
   }
   rtp_ckpt_params ckpt(const std::string &dir) const {
     static const char *const kv[] = {"seed", "42", nullptr};
-    return {dir.c_str(), par, comm, strategy, params, n_params, opt, 0, kv};
+    return {dir.c_str(), par, comm, strategy, params, n_params, opt, 0, kv, false};
   }
   // The value of element j of the whole of parameter i (k: 0 value, 1 m, 2 v) ...
   static float value(int i, int64_t j, int k) {
@@ -211,6 +212,52 @@ TEST(Ckpt, RoundTripOneProcess) {
   std::string name;
   latest >> name;
   EXPECT_EQ(name, "step-00000003");
+}
+
+// A save marked best is what DIR/best names, and outlives the pruning of all but the newest
+// two; a later best moves the mark and lets the old one go. rtp_ckpt_open_best opens it
+// (a directory without one says so), and it loads.
+TEST(Ckpt, BestOutlivesPruning) {
+  std::string dir = tmp_dir("best");
+  Plan p;
+  ASSERT_TRUE(p.build(RTP_STRATEGY_NONE, nullptr)) << rtp_last_error();
+  p.fill(true);
+  rtp_ckpt_params cp = p.ckpt(dir);
+  auto steps_kept = [&] {
+    std::vector<int> kept;
+    for (int s = 1; s <= 6; s++) {
+      char name[32];
+      std::snprintf(name, sizeof(name), "/step-%08d", s);
+      if (access((dir + name).c_str(), F_OK) == 0) kept.push_back(s);
+    }
+    return kept;
+  };
+  rtp_ckpt *c = nullptr;
+  for (int s = 1; s <= 4; s++) {
+    cp.best = s == 2;
+    ASSERT_EQ(rtp_ckpt_save(&cp, s), RTP_OK) << rtp_last_error();
+    if (s == 1) {
+      EXPECT_NE(rtp_ckpt_open_best(dir.c_str(), &c), RTP_OK);
+      EXPECT_NE(std::string(rtp_last_error()).find("no best checkpoint"), std::string::npos)
+          << rtp_last_error();
+    }
+  }
+  EXPECT_EQ(steps_kept(), (std::vector<int>{2, 3, 4}));
+  ASSERT_EQ(rtp_ckpt_open_best(dir.c_str(), &c), RTP_OK) << rtp_last_error();
+  EXPECT_EQ(rtp_ckpt_step(c), 2);
+  p.fill(false);
+  EXPECT_EQ(rtp_ckpt_load(c, &cp), RTP_OK) << rtp_last_error();
+  EXPECT_EQ(p.mismatches(), 0);
+  rtp_ckpt_close(c);
+  for (int s = 5; s <= 6; s++) {
+    cp.best = s == 5;
+    ASSERT_EQ(rtp_ckpt_save(&cp, s), RTP_OK) << rtp_last_error();
+  }
+  EXPECT_EQ(steps_kept(), (std::vector<int>{5, 6}));
+  std::ifstream best(dir + "/best");
+  std::string name;
+  best >> name;
+  EXPECT_EQ(name, "step-00000005");
 }
 
 // Adam's states are saved as adam.m.<name> and adam.v.<name>, which must fit a tensor's
@@ -1049,7 +1096,7 @@ int gpt_rank(const Layout &L, int rank, int port, const std::string &dir, bool s
   CHECK(opt, "optimizer: %s", rtp_last_error());
   if (L.S > 1 && check_other_stage(par, m, rank)) return 12;
   rtp_ckpt_params ck = {dir.c_str(), par, job, pp.strategy, m.params,
-                        m.n_params,  opt, 0,   nullptr};
+                        m.n_params,  opt, 0,   nullptr,     false};
   for (int i = 0; i < m.n_params; i++) {
     rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]), *st[3] = {mine};
     if (!mine) continue;  // another stage's
@@ -1347,7 +1394,7 @@ TEST(CkptPipeline, OtherRankLayoutsAreRefused) {
     rtp_optimizer *opt = rtp_parallel_optimizer(par, rtp_adamw_params_default());
     CHECK(opt, "optimizer");
     rtp_ckpt_params ck = {dir.c_str(), par, job, pp.strategy, m.params,
-                          m.n_params,  opt, 0,   nullptr};
+                          m.n_params,  opt, 0,   nullptr,     false};
     int st = rtp_ckpt_save(&ck, 1);
     std::string why = rtp_last_error();
     fprintf(stderr, "rank %d: %s\n", rank, why.c_str());

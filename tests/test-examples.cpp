@@ -1615,6 +1615,183 @@ TEST(TrainGptCkpt, FileSizeLimitStopsWithAMessageNotASignal) {
   EXPECT_NE(t.err.find("rtp: RTP_TRACE: writing " + trace), std::string::npos) << t.err;
 }
 
+// ---- --grad-accum, --eval-every and --keep-best (issue 26) ----------------------------
+
+// K computes of B sequences per optimizer step train like one process with the whole
+// batch (one_process_losses: 4 sequences), within 1e-6: in one process, on 2 ranks under
+// every strategy (tp: the ranks share each compute's B), on a pipeline with ddp inside and
+// on one with micro-batches inside. Every step counts the 4 x 32 tokens of the optimizer
+// step, and the model line says how many that is.
+TEST(TrainGptRanks, GradAccumMatchesOneBatchOfAll) {
+  struct Case {
+    int ranks;
+    std::string flags;
+  };
+  const Case cases[] = {
+      {1, " --batch 2 --grad-accum 2"},
+      {1, " --batch 1 --grad-accum 4"},
+      {2, " --batch 1 --grad-accum 2 --strategy rtp"},
+      {2, " --batch 1 --grad-accum 2 --strategy ddp"},
+      {2, " --batch 1 --grad-accum 2 --strategy fsdp"},
+      {2, " --batch 2 --grad-accum 2 --strategy tp"},
+      {4, " --batch 1 --grad-accum 2 --pp 2 --strategy ddp"},
+      {2, " --batch 2 --grad-accum 2 --pp 2 --micro-batches 2"},
+  };
+  const std::vector<double> &want = one_process_losses();
+  ASSERT_EQ(want.size(), 10u);
+  for (const Case &c : cases) {
+    std::string m = tmp_dir() + "accum.jsonl";
+    std::vector<std::string> extra = {"--metrics", m};
+    std::string flags = kRanksFlags + c.flags;
+    Result r = run(c.ranks == 1 ? train_gpt(flags, extra) : on_ranks(c.ranks, flags, extra));
+    ASSERT_EQ(r.code, 0) << c.flags << ": " << r.err;
+    EXPECT_NE(r.out.find("accumulated (128 tokens per step)"), std::string::npos)
+        << c.flags << ": " << r.out;
+    std::vector<double> got = metric(m, "loss"), tps = metric(m, "tokens_per_s"),
+                        ms = metric(m, "ms_per_step");
+    ASSERT_EQ(got.size(), want.size()) << c.flags;
+    ASSERT_EQ(tps.size(), ms.size()) << c.flags;
+    for (size_t i = 0; i < want.size(); i++) {
+      EXPECT_NEAR(got[i], want[i], 1e-6 * want[i]) << c.flags << ", step " << i + 1;
+      EXPECT_NEAR(tps[i] * ms[i] / 1e3, 4 * 32, 0.01 * 4 * 32) << c.flags << ", step " << i + 1;
+    }
+  }
+}
+
+// A checkpoint of a run with --grad-accum records the global batch of its optimizer steps
+// (K x B), and the data of step s is drawn from (seed, s): resumed with the same flags it
+// gives the losses of the run never stopped, bit for bit; resumed as one batch of K x B,
+// the same to float rounding; resumed with another global batch, it is refused.
+TEST(TrainGptCkpt, GradAccumResumesOnTheSameData) {
+  const std::string accum = kCkptFlags + " --batch 2 --grad-accum 2";
+  std::string ref = tmp_dir() + "cka-ref.jsonl", dir = tmp_dir() + "cka",
+              copy = tmp_dir() + "cka-copy", resumed = tmp_dir() + "cka-resumed.jsonl";
+  ASSERT_EQ(run(train_gpt(accum + " --steps 20", {"--metrics", ref})).code, 0);
+  ASSERT_EQ(run(train_gpt(accum + " --steps 10", {"--ckpt-dir", dir})).code, 0);
+  ASSERT_EQ(std::system(("cp -r " + quote(dir) + " " + quote(copy)).c_str()), 0);
+  Result again =
+      run(train_gpt(accum + " --steps 20 --resume", {"--ckpt-dir", dir, "--metrics", resumed}));
+  ASSERT_EQ(again.code, 0) << again.err;
+  std::vector<double> want = losses_after(ref, 10);
+  ASSERT_EQ(want.size(), 10u);
+  EXPECT_EQ(metric(resumed, "loss"), want);
+  std::string whole = tmp_dir() + "cka-whole.jsonl";
+  Result one = run(train_gpt(kCkptFlags + " --batch 4 --steps 20 --resume",
+                             {"--ckpt-dir", copy, "--metrics", whole}));
+  ASSERT_EQ(one.code, 0) << one.err;
+  std::vector<double> got = metric(whole, "loss");
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); i++)
+    EXPECT_NEAR(got[i], want[i], 1e-6 * want[i]) << "step " << i + 11;
+  Result other = run(train_gpt(kCkptFlags + " --batch 2 --grad-accum 3 --steps 20 --resume",
+                               {"--ckpt-dir", copy}));
+  EXPECT_EQ(other.code, 1);
+  EXPECT_NE(other.err.find("was saved with global_batch 4, this run has 6"), std::string::npos)
+      << other.err;
+}
+
+// The value of key in the JSON line that --eval-only prints.
+double eval_only_value(const Result &r, const char *key) {
+  std::map<std::string, double> o;
+  EXPECT_TRUE(parse_flat_json(lines(r.out).empty() ? "" : lines(r.out).back(), &o)) << r.out;
+  return o.count(key) ? o[key] : NAN;
+}
+
+// --eval-every 5 evaluates at steps 5, 10, ... alone (the metrics' eval_loss and the
+// progress lines'), on the windows --eval-only reads, so the latest checkpoint's
+// --eval-only loss is step 30's. --keep-best keeps the checkpoint of the lowest eval
+// loss, saved at its step between --ckpt-every's (15), past the pruning of all but the
+// newest two, and --keep-best reads it; a resumed run compares with the best before it
+// (step 35's loss is higher at this learning rate: a run that forgot the best would keep
+// step 35's checkpoint).
+TEST(TrainGptEval, EveryNStepsAndTheBestKept) {
+  const std::string flags =
+      "--config tiny --lr 3e-2 --threads 1 --batch 4 --log-every 100 --eval-windows 0 "
+      "--eval-problems 0 --eval-every 5 --ckpt-every 15 --keep-best";
+  std::string dir = tmp_dir() + "best", m = tmp_dir() + "best.jsonl";
+  Result r = run(train_gpt(flags + " --steps 30", {"--ckpt-dir", dir, "--metrics", m}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  std::vector<double> steps, evals;
+  for (const std::string &l : lines(slurp(m))) {
+    std::map<std::string, double> o;
+    ASSERT_TRUE(parse_flat_json(l, &o)) << l;
+    if (o.count("eval_loss")) steps.push_back(o["step"]), evals.push_back(o["eval_loss"]);
+  }
+  EXPECT_EQ(steps, (std::vector<double>{5, 10, 15, 20, 25, 30}));
+  for (const std::string &l : lines(r.out))
+    if (l.rfind("step ", 0) == 0) {
+      int step = std::atoi(l.c_str() + 5);
+      EXPECT_EQ(l.find("| eval ") != std::string::npos, step % 5 == 0) << l;
+    }
+  ASSERT_EQ(evals.size(), 6u);
+  size_t best = std::min_element(evals.begin(), evals.end()) - evals.begin();
+  ASSERT_LT(steps[best], 15) << "the test needs a best between --ckpt-every's, older than the "
+                                "newest two checkpoints";
+  char name[32];
+  std::snprintf(name, sizeof(name), "step-%08d", (int)steps[best]);
+  EXPECT_EQ(slurp(dir + "/best"), std::string(name) + "\n");
+  EXPECT_EQ(ckpt_step(dir), 30);
+  const std::string read = "--threads 1 --batch 4 --eval-problems 0 --eval-only";
+  Result latest = run(train_gpt(read, {"--ckpt-dir", dir}));
+  Result kept = run(train_gpt(read + " --keep-best", {"--ckpt-dir", dir}));
+  ASSERT_EQ(latest.code, 0) << latest.err;
+  ASSERT_EQ(kept.code, 0) << kept.err;
+  EXPECT_NEAR(eval_only_value(latest, "eval_loss"), evals.back(), 1e-7 * evals.back());
+  EXPECT_NEAR(eval_only_value(kept, "eval_loss"), evals[best], 1e-7 * evals[best]);
+  std::printf("eval losses at steps 5..30:");
+  for (double e : evals) std::printf(" %.6f", e);
+  std::printf("; best: step %d; --eval-only: %.8f (latest), %.8f (best)\n", (int)steps[best],
+              eval_only_value(latest, "eval_loss"), eval_only_value(kept, "eval_loss"));
+  Result more =
+      run(train_gpt(flags + " --steps 35 --resume", {"--ckpt-dir", dir, "--metrics", m}));
+  ASSERT_EQ(more.code, 0) << more.err;
+  std::vector<double> all = metric(m, "eval_loss"), at = {};
+  for (const std::string &l : lines(slurp(m))) {
+    std::map<std::string, double> o;
+    if (parse_flat_json(l, &o) && o.count("eval_loss")) at.push_back(o["step"]);
+  }
+  ASSERT_EQ(all.size(), 7u);
+  size_t b = std::min_element(all.begin(), all.end()) - all.begin();
+  std::snprintf(name, sizeof(name), "step-%08d", (int)at[b]);
+  EXPECT_EQ(slurp(dir + "/best"), std::string(name) + "\n");
+  struct stat st;
+  EXPECT_EQ(stat((dir + "/" + name).c_str(), &st), 0) << name;
+}
+
+// Bad values and combinations of the flags are refused with a message naming them; so is
+// --keep-best reading a directory that has no best checkpoint.
+TEST(TrainGptErrors, GradAccumAndEvalFlagsAreChecked) {
+  std::string tiny = tmp_dir() + "tiny-eval.safetensors", plain = tmp_dir() + "no-best";
+  ASSERT_EQ(run({TRAIN_GPT, "--config", "tiny", "--steps", "0", "--export", tiny}).code, 0);
+  ASSERT_EQ(run(train_gpt("--config tiny --steps 2 --threads 1", {"--ckpt-dir", plain})).code,
+            0);
+  std::string fresh = tmp_dir() + "fresh-ck";
+  const BadCase cases[] = {
+      {{"--grad-accum", "0"}, 2, "--grad-accum must be at least 1"},
+      {{"--eval-every", "0"}, 2, "--eval-every must be at least 1"},
+      {{"--keep-best"}, 2, "--keep-best needs --ckpt-dir"},
+      {{"--keep-best", "--ckpt-dir", fresh}, 2, "--keep-best needs --eval-every N"},
+      {{"--init", tiny, "--eval-only", "--eval-every", "5"},
+       2,
+       "--eval-every evaluates during training, and this run trains nothing"},
+      {{"--ckpt-dir", plain, "--eval-only", "--grad-accum", "4"},
+       2,
+       "--grad-accum accumulates gradients in training, and this run trains nothing"},
+      {{"--ckpt-dir", plain, "--eval-only", "--keep-best"}, 1, "no best checkpoint"},
+  };
+  for (const BadCase &c : cases) {
+    std::vector<std::string> argv = {TRAIN_GPT};
+    argv.insert(argv.end(), c.args.begin(), c.args.end());
+    Result r = run(argv);
+    EXPECT_EQ(r.code, c.code) << c.args[0] << ": " << r.err;
+    EXPECT_NE(r.err.find(c.message), std::string::npos)
+        << c.args[0] << ": expected '" << c.message << "' in: " << r.err;
+  }
+  Result help = run({TRAIN_GPT, "--help"});
+  for (const char *f : {"--grad-accum", "--eval-every", "--keep-best"})
+    EXPECT_NE(help.out.find(f), std::string::npos) << f;
+}
+
 TEST(TrainGptHelp, ListsTheIssueFlags) {
   Result r = run({TRAIN_GPT, "--help"});
   ASSERT_EQ(r.code, 0);

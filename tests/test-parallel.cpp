@@ -238,7 +238,7 @@ struct Rank {
   // units: fsdp's units for the model's parameters (by index), instead of its blocks.
   int build(rtp_strategy strategy, gpt_config cfg, int batch, int code,
             rtp_type comm_type = RTP_TYPE_F32, rtp_type compute_type = RTP_TYPE_F32,
-            int (*units)(int param) = nullptr, int micro_batches = 0) {
+            int (*units)(int param) = nullptr, int micro_batches = 0, int accumulate = 0) {
     rtp_graph *fwd;
     if (!(meta = rtptest::gpt_forward(cfg, batch, &m, &fwd))) return code;
     for (int i = 0; units && i < m.n_params; i++)
@@ -252,6 +252,7 @@ struct Rank {
     pp.comm_type = comm_type;
     pp.compute_type = compute_type;
     pp.micro_batches = micro_batches;
+    pp.accumulate = accumulate;
     par = rtp_parallel_new(ctx, fwd, m.loss, &pp);
     if (par) return 0;
     fprintf(stderr, "rtp_parallel_new: %s\n", rtp_last_error());
@@ -1520,5 +1521,110 @@ TEST_P(MicroBatches, MatchOneBatchOfAll) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Strategies, MicroBatches, kStrategies, strategy_name);
+
+// Micro-batch k's sequences into this rank's inputs.
+void fill_micro(const Rank &rk, rtp_strategy strategy, int rank, int world, int k, int batch) {
+  rtp_tensor *idx = rtp_parallel_tensor(rk.par, rk.m.idx),
+             *tgt = rtp_parallel_tensor(rk.par, rk.m.targets);
+  for (int b = 0; b < batch; b++)
+    fill_sequence(micro_first_seq(strategy, rank, world, k) + b, kCfg.seq_len,
+                  (int32_t *)idx->data + b * kCfg.seq_len,
+                  (int32_t *)tgt->data + b * kCfg.seq_len);
+}
+
+// N ranks x K = kMicro computes of batch B accumulated (accumulate) against one process on
+// batch N x K x B, as MicroBatches does: the mean of the computes' losses and the
+// parameters after two Adam steps within 1e-6, the first gradients within 1e-5. The graph
+// is one batch's with an add per parameter (ddp: without its all-reduces, which
+// rtp_parallel_sync runs), and so is its memory: the gradients and the pool are one
+// batch's, the activations at most the gradients' size more (micro-batch 0's
+// contributions too are computed apart, then added), and the headers and graphs (ddp's
+// sync graph too) less than the gradients' size more: a gradient allocated twice, the
+// first one lost, showed there.
+int rank_main_accum(rtp_strategy strategy, int rank, int world, int port) {
+  std::vector<float> want, want_norm;
+  Model ref;
+  std::vector<std::vector<float>> moving, init, grad0;
+  if (!reference(world * kMicro, want, want_norm, ref, moving, init, grad0, RTP_TYPE_F32, true,
+                 kMicroSteps, true))
+    return 20;
+  Rank rk;
+  if (int rc = rk.join(rank, world, port, 21)) return rc;
+  Share sh = share_of(strategy, rank, world);
+  if (int rc = rk.build(strategy, kCfg, sh.batch, 22, RTP_TYPE_F32, RTP_TYPE_F32, nullptr, 0,
+                        kMicro))
+    return rc;
+  rtp_graph *g = nullptr;
+  rtp_optimizer *opt = nullptr;
+  rtp_tensor *loss = nullptr;
+  if (int rc = prepare_training(rk, init, sh.batch, sh.first_seq, &g, &opt, &loss)) return rc;
+  for (int s = 0; s < kMicroSteps; s++) {
+    if (rtp_parallel_zero_grads(rk.par)) return 27;
+    double sum = 0;
+    for (int k = 0; k < kMicro; k++) {
+      fill_micro(rk, strategy, rank, world, k, sh.batch);
+      if (rtp_graph_compute(g, nullptr)) {
+        fprintf(stderr, "rank %d: %s\n", rank, rtp_last_error());
+        return 28;
+      }
+      sum += rtptest::f32_at(loss, 0);
+    }
+    if (rtp_parallel_sync(rk.par, nullptr)) return 33;
+    double got = sum / kMicro;
+    if (std::fabs(got - want[s]) > 1e-6 * std::fabs(want[s])) {
+      fprintf(stderr, "rank %d step %d: loss %.8f, one process %.8f\n", rank, s, got, want[s]);
+      return 29;
+    }
+    if (s == 0 && !grads_match(rk.par, rk.m, grad0, rank)) return 32;
+    if (rtp_optimizer_step(opt, nullptr)) return 30;
+  }
+  for (int i = 0; i < rk.m.n_params; i++) {
+    Distance d = param_distance(rk.par, rk.m, i, ref, moving[i], init[i]);
+    std::vector<float> mine = shard(rk.par, rk.m, i, init[i]);
+    double norm = 0;
+    for (float v : mine) norm += (double)v * v;
+    double scale = std::fmax(std::sqrt(norm), 0.02 * std::sqrt((double)mine.size()));
+    if (d.err > 1e-6 * scale) {
+      fprintf(stderr, "rank %d: %s differs by %g (scale %g)\n", rank, rk.m.params[i]->name,
+              d.err, scale);
+      return 31;
+    }
+  }
+  Rank one;  // one compute of the same batch, planned the same way
+  one.comm = rk.comm;
+  int rc = one.build(strategy, kCfg, sh.batch, 43);
+  if (!rc && rtp_graph_plan(one.ctx, rtp_parallel_graph(one.par))) rc = 45;
+  one.comm = nullptr;
+  if (rc) return rc;
+  rtp_mem_report ra, r1;
+  rtp_mem_report_get(rk.ctx, &ra);
+  rtp_mem_report_get(one.ctx, &r1);
+  int n1 = rtp_parallel_graph(one.par)->n_nodes;
+  if (g->n_nodes > n1 + rk.m.n_params || ra.bytes[RTP_ROLE_GRAD] != r1.bytes[RTP_ROLE_GRAD] ||
+      ra.metadata >= r1.metadata + r1.bytes[RTP_ROLE_GRAD] ||
+      ra.bytes[RTP_ROLE_COMM] != r1.bytes[RTP_ROLE_COMM] ||
+      ra.bytes[RTP_ROLE_ACTIVATION] > r1.bytes[RTP_ROLE_ACTIVATION] + r1.bytes[RTP_ROLE_GRAD]) {
+    fprintf(stderr,
+            "rank %d: accumulating, %d nodes, %zu bytes of activations and %zu of metadata; "
+            "one batch, %d, %zu and %zu\n",
+            rank, g->n_nodes, ra.bytes[RTP_ROLE_ACTIVATION], ra.metadata, n1,
+            r1.bytes[RTP_ROLE_ACTIVATION], r1.metadata);
+    return 46;
+  }
+  rk.leave();
+  return 0;
+}
+
+class Accumulate : public ::testing::TestWithParam<rtp_strategy> {};
+
+TEST_P(Accumulate, ComputesMatchOneBatchOfAll) {
+  rtp_strategy s = GetParam();
+  for (int world : {1, 2})
+    expect_ranks_pass(
+        world, [&](int r, int port) { return rank_main_accum(s, r, world, port); },
+        std::string(rtp_strategy_name(s)) + " ", 120);
+}
+
+INSTANTIATE_TEST_SUITE_P(Strategies, Accumulate, kStrategies, strategy_name);
 
 }  // namespace

@@ -49,6 +49,8 @@ struct options {
   int batch, steps, log_every, eval_windows, eval_problems, sample, ckpt_every;
   int threads;                 /* -1: the cores shared by the local ranks */
   int pp, micro_batches, unit; /* pipeline stages, micro-batches per step, zeropp's unit */
+  int grad_accum;              /* computes of the graph per optimizer step */
+  int eval_every;              /* -1: evaluate at each progress line */
   float lr;                    /* -1: the config's */
   /* the schedule (lr-schedule.h): -1 or NULL when left out, then the checkpoint's on
    * --resume, else constant, 0, --steps (constant: 0, unused) and lr / 10
@@ -63,6 +65,7 @@ struct options {
   const char *val_data, *data_format; /* data_format NULL: auto (token-data.h) */
   int vocab;                          /* -1: the file's (token-data.h) */
   bool eval_only, resume, bf16, recompute, help;
+  bool keep_best; /* training: keep the best eval loss's checkpoint; reading: read it */
 };
 
 #define MAX_FLAGS 48
@@ -110,6 +113,8 @@ static int flag_table(struct options *o, struct flag *f) {
        "pipeline stages; the N ranks are S stages x N/S ranks (default 1)"},
       {"--micro-batches", ARG_INT, &o->micro_batches, "M",
        "micro-batches per step, each B/M sequences (default 1)"},
+      {"--grad-accum", ARG_INT, &o->grad_accum, "K",
+       "accumulate K batches of B per optimizer step (default 1; global batch x K)"},
       {"--schedule", ARG_STR, &o->schedule, "NAME",
        "gpipe | 1f1b | eager-1f1b | zeropp (default 1f1b)"},
       {"--unit", ARG_INT, &o->unit, "U",
@@ -145,6 +150,11 @@ static int flag_table(struct options *o, struct flag *f) {
        "held-out windows per evaluation (256; 0: all)"},
       {"--eval-problems", ARG_INT, &o->eval_problems, "N",
        "held-out sums for the accuracy (64)"},
+      {"--eval-every", ARG_INT, &o->eval_every, "N",
+       "evaluate every N steps (default: at each progress line)"},
+      {"--keep-best", ARG_BOOL, &o->keep_best, NULL,
+       "keep --ckpt-dir's checkpoint of the best --eval-every loss (DIR/best); "
+       "reading DIR: read it"},
       {"--ckpt-dir", ARG_STR, &o->ckpt_dir, "DIR",
        "write sharded checkpoints there (the last 2 are kept), or read the latest"},
       {"--ckpt-every", ARG_INT, &o->ckpt_every, "N",
@@ -181,7 +191,9 @@ static void print_usage(FILE *out) {
           "rank its own B);\nB under tp, where every rank trains on the same B sequences with "
           "1/N of the heads and\nMLP units (N must divide the heads). With --pp S, D = N/S "
           "ranks per stage and the\nglobal batch is D x B; --strategy runs inside each stage "
-          "(rtp, fsdp or ddp).\n"
+          "(rtp, fsdp or ddp).\n--grad-accum K runs K batches of that size per optimizer "
+          "step (global batch x K),\nthe graph and activations of one; --micro-batches M "
+          "splits each batch inside the graph.\n"
           "A checkpoint that cannot be written (e.g. a full disk) stops training with status "
           "1; the\nprevious one is kept and --resume continues from it, its --metrics file "
           "too (the steps\nlogged after the checkpoint are dropped). --ckpt-dir DIR with "
@@ -250,7 +262,9 @@ static int parse_args(int argc, char **argv, struct options *o) {
                         .schedule = "1f1b",
                         .pp = 1,
                         .micro_batches = 1,
-                        .vocab = -1};
+                        .vocab = -1,
+                        .grad_accum = 1,
+                        .eval_every = -1};
   struct flag f[MAX_FLAGS];
   int n = flag_table(o, f);
   for (int i = 1; i < argc; i++) {
@@ -327,6 +341,25 @@ static int check_data_options(const struct options *o) {
   return 0;
 }
 
+/* --eval-every and --keep-best: evaluations during training, and the checkpoint of the
+ * best one; with a checkpoint read, --keep-best reads DIR/best instead of DIR/latest.
+ * Neither, nor --grad-accum, applies to a run that trains nothing. */
+static int check_eval(const struct options *o) {
+  bool reads = o->eval_only || reads_checkpoint(o);
+  if (o->grad_accum > 1 && reads)
+    return usage_error(
+        "--grad-accum accumulates gradients in training, and this run trains "
+        "nothing");
+  if (o->eval_every == 0) return usage_error("--eval-every must be at least 1");
+  if (o->eval_every > 0 && reads)
+    return usage_error("--eval-every evaluates during training, and this run trains nothing");
+  if (o->keep_best && !o->ckpt_dir)
+    return usage_error("--keep-best needs --ckpt-dir (where the best checkpoint is kept)");
+  if (o->keep_best && !reads && o->eval_every < 0)
+    return usage_error("--keep-best needs --eval-every N (the evaluations it compares)");
+  return 0;
+}
+
 /* What the parser accepts but this build cannot do yet gets a clear refusal. */
 static int check_options(const struct options *o) {
   static const char *const strategies[] = {"rtp", "ddp", "fsdp", "tp"};
@@ -345,6 +378,7 @@ static int check_options(const struct options *o) {
   if (data_rc) return data_rc;
   if (o->resume && o->init) return usage_error("--resume and --init both give the weights");
   int rc = check_weights(o);
+  if (!rc) rc = check_eval(o);
   if (rc) return rc;
   if (o->ckpt_dir && !o->resume && !reads_checkpoint(o) && has_checkpoint(o->ckpt_dir))
     return usage_error("--ckpt-dir %s already has checkpoints: --resume continues from them",
@@ -356,6 +390,7 @@ static int check_options(const struct options *o) {
   if (o->threads == 0) return usage_error("--threads must be at least 1");
   if (o->pp < 1 || o->micro_batches < 1 || o->unit == 0)
     return usage_error("--pp, --micro-batches and --unit must be at least 1");
+  if (o->grad_accum < 1) return usage_error("--grad-accum must be at least 1");
   if (o->batch % o->micro_batches)
     return usage_error(
         "--batch %d does not split into --micro-batches %d (B must be a "
@@ -610,19 +645,20 @@ static int check_data(const struct dataset *d, int T, const struct options *o) {
 }
 
 /*
- * The global batch of a step is ranks x B windows of T + 1 bytes from the training part;
- * window j starts at an offset drawn from (seed, step, j) alone. Data-parallel rank r takes
- * windows r*B .. r*B + B - 1, row b of them in micro-batch b / (B/M), so N ranks with batch
- * B see exactly the data of one process with batch N*B, however each splits its B.
- * idx[k] gets the first T bytes of micro-batch k's windows, tgt[k] the last T (either NULL
- * on a pipeline stage that does not read it).
+ * The global batch of a step is K x ranks x B windows of T + 1 bytes from the training
+ * part; window j starts at an offset drawn from (seed, step, j) alone. In the step's
+ * compute k (--grad-accum), data-parallel rank r takes windows first = (k*N + r)*B ..
+ * first + B - 1 (window_first), row b of them in micro-batch b / (B/M), so N ranks with
+ * batch B and K computes see exactly the data of one process with batch K*N*B, however each
+ * splits its B. idx[k] gets the first T bytes of micro-batch k's windows, tgt[k] the last T
+ * (either NULL on a pipeline stage that does not read it).
  */
-static void sample_batch(const struct dataset *d, uint64_t seed, int64_t step, int rank, int B,
-                         int M, int T, int32_t *const *idx, int32_t *const *tgt) {
+static void sample_batch(const struct dataset *d, uint64_t seed, int64_t step, uint64_t first,
+                         int B, int M, int T, int32_t *const *idx, int32_t *const *tgt) {
   uint64_t starts = d->train.n - (size_t)T; /* window starts that fit */
   int mb = B / M;
   for (int b = 0; b < B; b++) {
-    uint64_t j = (uint64_t)rank * (uint64_t)B + (uint64_t)b;
+    uint64_t j = first + (uint64_t)b;
     uint64_t h = mix64(mix64(seed) ^ mix64(((uint64_t)step << 20) ^ j));
     size_t w = (size_t)(h % starts);
     int k = b / mb, row = b % mb;
@@ -656,9 +692,11 @@ struct trainer {
   enum rtp_strategy strategy; /* inside a stage with --pp */
   int world, rank;
   int stages, per_stage; /* S and D: rank = stage x D + data-parallel rank */
-  int batch, micro;      /* B sequences per data-parallel rank and step, in M micro-batches */
-  int head;              /* the rank whose logits evaluation reads: the last stage's first */
-  int64_t saved;         /* the step of the last checkpoint saved or resumed from; -1: none */
+  int batch, micro; /* B sequences per data-parallel rank and compute, in M micro-batches */
+  int accum;        /* K computes (batches of B) per optimizer step */
+  int head;         /* the rank whose logits evaluation reads: the last stage's first */
+  int64_t saved;    /* the step of the last checkpoint saved or resumed from; -1: none */
+  double best_loss; /* --keep-best: the lowest eval loss checkpointed (INFINITY: none) */
 };
 
 /* The ranks that draw different data: under tp every rank trains on the same batch. */
@@ -668,6 +706,11 @@ static int data_ranks(const struct trainer *tr) {
 
 static int data_rank(const struct trainer *tr) {
   return tr->strategy == RTP_STRATEGY_TP ? 0 : tr->rank % tr->per_stage;
+}
+
+/* The sequences of an optimizer step: K computes of the data ranks' B each. */
+static int64_t global_batch(const struct trainer *tr) {
+  return (int64_t)tr->accum * data_ranks(tr) * tr->batch;
 }
 
 static int graph_size(struct gpt_config c) {
@@ -818,6 +861,7 @@ static struct rtp_parallel_params parallel_params(const struct trainer *tr, stru
                                    .comm_type = bf16_rotation ? RTP_TYPE_BF16 : RTP_TYPE_F32,
                                    .compute_type = o->bf16 ? RTP_TYPE_BF16 : RTP_TYPE_F32,
                                    .micro_batches = o->micro_batches,
+                                   .accumulate = o->grad_accum,
                                    .pipe_comm = tr->pipe,
                                    .unit = unit_size(o),
                                    .recompute = o->recompute};
@@ -853,6 +897,7 @@ static int parallelize(struct trainer *tr, struct gpt_config c, const struct opt
   if (rc) return rc;
   tr->batch = o->batch;
   tr->micro = o->micro_batches;
+  tr->accum = o->grad_accum;
   tr->meta =
       rtp_context_new((struct rtp_init_params){.mem_size = meta_bytes, .no_alloc = true});
   tr->ctx = rtp_context_new((struct rtp_init_params){.mem_size = arena_size(c, tr->world, o)});
@@ -903,7 +948,8 @@ static int build_graphs(struct trainer *tr, bool train) {
  * checkpoint read). */
 static int trainer_init(struct trainer *tr, struct gpt_config c, const struct options *o,
                         bool train) {
-  *tr = (struct trainer){.world = 1, .rank = 0, .stages = 1, .per_stage = 1, .saved = -1};
+  *tr = (struct trainer){
+      .world = 1, .rank = 0, .stages = 1, .per_stage = 1, .saved = -1, .best_loss = INFINITY};
   int rc = join_job(tr, o);
   if (!rc) rc = parallelize(tr, c, o);
   if (!rc) rc = build_graphs(tr, train);
@@ -970,16 +1016,38 @@ static int init_weights(struct trainer *tr, uint64_t seed) {
   return rc ? fail(rc, "initialising the weights") : RTP_OK;
 }
 
+/* The first window of this rank's batch in the step's compute k (sample_batch). */
+static uint64_t window_first(const struct trainer *tr, int k) {
+  return ((uint64_t)k * (uint64_t)data_ranks(tr) + (uint64_t)data_rank(tr)) *
+         (uint64_t)tr->batch;
+}
+
+/* The step's K computes (--grad-accum), each on the next batch of the global one, adding
+ * to the gradients (rtp_parallel_params.accumulate); *loss is the mean of their global
+ * means, each over as many windows. */
+static int accumulate_step(struct trainer *tr, const struct dataset *d, uint64_t seed,
+                           int64_t step, float *loss) {
+  int rc = rtp_parallel_zero_grads(tr->par);
+  double sum = 0;
+  for (int k = 0; k < tr->accum && !rc; k++) {
+    sample_batch(d, seed, step, window_first(tr, k), tr->batch, tr->micro, tr->m.cfg.seq_len,
+                 tr->idx, tr->targets);
+    float l = 0;
+    rc = rtp_graph_compute(tr->train, tr->tp);
+    if (!rc) rc = rtp_tensor_get_f32(tr->loss, 0, &l);
+    sum += l;
+  }
+  if (!rc) rc = rtp_parallel_sync(tr->par, tr->tp);
+  *loss = (float)(sum / tr->accum);
+  return rc ? fail(rc, "step %" PRId64 ": forward and backward", step + 1) : RTP_OK;
+}
+
 /* One optimizer step on this rank's share of the global batch (tp: all of it); *loss is
  * the global mean. */
 static int train_step(struct trainer *tr, const struct dataset *d, uint64_t seed, int64_t step,
                       float lr, float *loss) {
-  sample_batch(d, seed, step, data_rank(tr), tr->batch, tr->micro, tr->m.cfg.seq_len, tr->idx,
-               tr->targets);
-  int rc = rtp_graph_compute(tr->train, tr->tp);
-  if (rc) return fail(rc, "step %" PRId64 ": forward and backward", step + 1);
-  if ((rc = rtp_tensor_get_f32(tr->loss, 0, loss)))
-    return fail(rc, "step %" PRId64 ": reading the loss", step + 1);
+  int rc = accumulate_step(tr, d, seed, step, loss);
+  if (rc) return rc;
   if ((rc = rtp_optimizer_set_lr(tr->opt, lr)))
     return fail(rc, "step %" PRId64 ": setting the learning rate", step + 1);
   rc = rtp_optimizer_step(tr->opt, tr->tp);
@@ -1030,12 +1098,13 @@ static int share_head(struct trainer *tr, void *buf, size_t n, const char *what)
   return rc ? fail(rc, "sharing rank %d's %s", tr->head, what) : RTP_OK;
 }
 
+/* Evaluation's windows (--eval-every, the progress lines', --eval-only) come from d->held:
+ * the held-out part of --data, or --val-data; window i at i*T (T + 1 tokens, so each
+ * shares its last token with the next). */
 static int64_t count_windows(const struct dataset *d, int T) {
   return (int64_t)((d->held.n - 1) / (size_t)T);
 }
 
-/* Mean next-token loss over the held-out windows [i*T, i*T + T] of held, i < n,
- * computed B windows at a time (unused rows of the last batch are ignored). */
 /* Whether this rank shows progress: rank 0, and the first rank of every other host, so
  * that each node's terminal shows the job is alive (rtp-run prefixes the ranks). */
 static bool shows_progress(const struct trainer *tr) {
@@ -1048,6 +1117,8 @@ static bool shows_progress(const struct trainer *tr) {
  * one JSON line. */
 #define EVAL_PROGRESS_BATCHES 50
 
+/* Mean next-token loss over the held-out windows [i*T, i*T + T] of held, i < n,
+ * computed B windows at a time (unused rows of the last batch are ignored). */
 static int evaluate(struct trainer *tr, const struct dataset *d, int64_t n, double *loss) {
   int B = tr->m.batch, T = tr->m.cfg.seq_len;
   double sum = 0;
@@ -1586,12 +1657,14 @@ static int export_model(struct trainer *tr, const char *path, int64_t steps) {
 /* ---- checkpoints ----------------------------------------------------------------------- */
 
 /* What decides the steps after a checkpoint besides the weights and Adam states: the
- * batches are drawn from (seed, step) over the global batch, so the data position is the
- * step itself. */
+ * batches are drawn from (seed, step) over the global batch (--grad-accum's computes
+ * included), so the data position is the step itself. --keep-best's lowest eval loss too,
+ * so that a resumed run keeps comparing with it. */
 struct ckpt_state {
   char seed[24], batch[24], pos[24], sizes[5][24]; /* sizes: for reading it as a model */
   char sched[3][24];                               /* the schedule's numbers */
-  const char *kv[25];
+  char best[24];
+  const char *kv[27];
 };
 
 /* The learning-rate schedule's flags as the checkpoint's state records them; the step is
@@ -1611,7 +1684,7 @@ static void sched_text(const struct options *o, char buf[3][24], const char *out
 static struct rtp_ckpt_params ckpt_params(struct trainer *tr, const struct options *o,
                                           struct ckpt_state *cs, int64_t step) {
   snprintf(cs->seed, sizeof(cs->seed), "%" PRId64, o->seed);
-  snprintf(cs->batch, sizeof(cs->batch), "%d", data_ranks(tr) * tr->batch);
+  snprintf(cs->batch, sizeof(cs->batch), "%" PRId64, global_batch(tr));
   snprintf(cs->pos, sizeof(cs->pos), "%" PRId64, step);
   const char *kv[] = {"seed", cs->seed, "global_batch", cs->batch, "data_pos", cs->pos};
   memcpy(cs->kv, kv, sizeof(kv));
@@ -1628,17 +1701,24 @@ static struct rtp_ckpt_params ckpt_params(struct trainer *tr, const struct optio
     cs->kv[n++] = sched_keys[i];
     cs->kv[n++] = sched[i];
   }
+  if (isfinite(tr->best_loss)) {
+    snprintf(cs->best, sizeof(cs->best), "%.9g", tr->best_loss);
+    cs->kv[n++] = "best_eval_loss";
+    cs->kv[n++] = cs->best;
+  }
   cs->kv[n] = NULL;
   return (struct rtp_ckpt_params){o->ckpt_dir,    tr->par, tr->comm, tr->strategy, tr->m.params,
-                                  tr->m.n_params, tr->opt, 2,        cs->kv};
+                                  tr->m.n_params, tr->opt, 2,        cs->kv,       false};
 }
 
 /* A checkpoint that cannot be written (a full disk, an unwritable directory) stops the
  * run: training on without one would put ever more steps at risk, and the library has
  * kept the previous checkpoint, which --resume continues from once the cause is fixed. */
-static int save_checkpoint(struct trainer *tr, const struct options *o, int64_t step) {
+static int save_checkpoint(struct trainer *tr, const struct options *o, int64_t step,
+                           bool best) {
   struct ckpt_state cs;
   struct rtp_ckpt_params p = ckpt_params(tr, o, &cs, step);
+  p.best = best;
   int rc = rtp_ckpt_save(&p, step);
   if (rc) {
     fail(rc, "checkpoint of step %" PRId64 " in %s %s", step, o->ckpt_dir,
@@ -1655,7 +1735,10 @@ static int save_checkpoint(struct trainer *tr, const struct options *o, int64_t 
     return rc;
   }
   tr->saved = step;
-  if (tr->rank == 0 && !isatty(STDOUT_FILENO)) /* on a terminal it would break the bar */
+  if (tr->rank == 0 && !isatty(STDOUT_FILENO) && best) /* a terminal's bar would break */
+    printf("checkpoint %s/step-%08" PRId64 " (the best eval loss so far: %s/best)\n",
+           o->ckpt_dir, step, o->ckpt_dir);
+  else if (tr->rank == 0 && !isatty(STDOUT_FILENO))
     printf("checkpoint %s/step-%08" PRId64 "\n", o->ckpt_dir, step);
   return RTP_OK;
 }
@@ -1668,7 +1751,8 @@ static int check_resume_state(const struct rtp_ckpt *c, const struct ckpt_state 
     if (!saved || strcmp(saved, mine[i])) {
       fprintf(stderr,
               "train-gpt: --resume: %s was saved with %s %s, this run has %s (use the same "
-              "--seed and global batch: ranks x --batch, or --batch under tp)\n",
+              "--seed and global batch: ranks x --batch x --grad-accum, or --batch x "
+              "--grad-accum under tp)\n",
               rtp_ckpt_path(c), keys[i], saved ? saved : "(none)", mine[i]);
       return RTP_EINVAL;
     }
@@ -1754,6 +1838,19 @@ static struct lr_schedule schedule_of(const struct options *o) {
   return (struct lr_schedule){kind, o->warmup, o->max_steps, o->lr, o->lr_min};
 }
 
+/* --keep-best's lowest eval loss so far, from checkpoint c's state (none: INFINITY). */
+static int resume_best(struct trainer *tr, const struct rtp_ckpt *c) {
+  const char *s = rtp_ckpt_state(c, "best_eval_loss");
+  char *end = NULL;
+  double v = s ? strtod(s, &end) : INFINITY;
+  if (s && (!*s || *end || !isfinite(v))) {
+    fprintf(stderr, "train-gpt: --resume: %s: best_eval_loss is '%s'\n", rtp_ckpt_path(c), s);
+    return RTP_EFORMAT;
+  }
+  tr->best_loss = v;
+  return RTP_OK;
+}
+
 /* The weights, Adam states and step of --ckpt-dir's latest checkpoint, and the schedule's
  * flags left out (resolve_schedule). */
 static int resume(struct trainer *tr, struct options *o, int64_t *step) {
@@ -1766,6 +1863,7 @@ static int resume(struct trainer *tr, struct options *o, int64_t *step) {
   if (!rc) rc = resolve_schedule(o, c);
   if (!rc && (rc = rtp_ckpt_load(c, &p))) fail(rc, "--resume from %s", rtp_ckpt_path(c));
   if (!rc) rc = check_resume_position(c, tr);
+  if (!rc) rc = resume_best(tr, c);
   *step = rtp_ckpt_step(c);
   if (!rc) tr->saved = *step;
   if (!rc && tr->rank == 0 && rtp_ckpt_world_size(c) == 1)
@@ -1876,11 +1974,22 @@ static void print_progress(const struct trainer *tr, const struct step_stats *s,
 
 /* ---- the two modes ---------------------------------------------------------------------- */
 
+/* Whether step (1-based) evaluates: every --eval-every steps, else at each progress line. */
+static bool evaluates_at(const struct options *o, int64_t step, bool log) {
+  return o->eval_every > 0 ? step % o->eval_every == 0 : log;
+}
+
+/* The evaluations after step done, for the ETA. */
+static int64_t evals_left(const struct options *o, int64_t done, int every) {
+  if (o->eval_every > 0) return o->steps / o->eval_every - done / o->eval_every;
+  return eta_events_left(done, o->steps, every);
+}
+
 static int run_training(struct trainer *tr, const struct dataset *d, const struct options *o,
                         int64_t first, FILE *metrics) {
   int every = o->log_every ? o->log_every : (o->steps >= 20 ? o->steps / 20 : 1);
   bool tty = isatty(STDOUT_FILENO);
-  double start = now_s(), tokens = (double)data_ranks(tr) * tr->batch * tr->m.cfg.seq_len;
+  double start = now_s(), tokens = (double)global_batch(tr) * tr->m.cfg.seq_len;
   struct eta_times times = {0};
   struct lr_schedule sched = schedule_of(o);
   for (int64_t step = first; step < o->steps; step++) {
@@ -1898,23 +2007,26 @@ static int run_training(struct trainer *tr, const struct dataset *d, const struc
     struct step_stats s = {step + 1, o->steps, loss, lr, 1e3 * dt, tokens / dt, 0, NULL};
     struct eval_stats e;
     bool log = s.step % every == 0 || s.step == 1 || s.step == o->steps;
-    if (log) {
+    bool eval = evaluates_at(o, s.step, log);
+    if (eval) {
       double te = now_s();
       if ((rc = eval_all(tr, d, o->eval_windows, o->eval_problems, &e))) return rc;
       times.evals++;
       times.evals_s += now_s() - te;
     }
-    s.eval = log ? &e : NULL;
+    s.eval = eval ? &e : NULL;
     /* this step's checkpoint is still to come: it is saved after the progress line */
-    s.eta_s = eta_left(&times, o->steps - s.step, eta_events_left(s.step, o->steps, every),
+    s.eta_s = eta_left(&times, o->steps - s.step, evals_left(o, s.step, every),
                        o->ckpt_dir ? eta_events_left(s.step - 1, o->steps, o->ckpt_every) : 0);
     if (metrics) write_metrics(metrics, tr, &s);
-    if (log && shows_progress(tr)) print_progress(tr, &s, tty);
-    bool ckpt =
-        o->ckpt_dir && ((o->ckpt_every && s.step % o->ckpt_every == 0) || s.step == o->steps);
+    if ((log || eval) && shows_progress(tr)) print_progress(tr, &s, tty);
+    bool best = o->keep_best && eval && e.loss < tr->best_loss; /* saved, whatever the step */
+    if (best) tr->best_loss = e.loss;
+    bool ckpt = o->ckpt_dir &&
+                ((o->ckpt_every && s.step % o->ckpt_every == 0) || s.step == o->steps || best);
     if (ckpt) {
       double tc = now_s();
-      if ((rc = save_checkpoint(tr, o, s.step))) return rc;
+      if ((rc = save_checkpoint(tr, o, s.step, best))) return rc;
       times.ckpts++;
       times.ckpts_s += now_s() - tc;
     }
@@ -2049,8 +2161,11 @@ static int open_metrics(const struct trainer *tr, const char *path, int64_t resu
 
 static void print_model(const struct trainer *tr, const struct options *o) {
   struct gpt_config c = tr->m.cfg;
-  char ranks[160] = "", micro[48] = "";
+  char ranks[160] = "", micro[48] = "", accum[96] = "";
   if (tr->micro > 1) snprintf(micro, sizeof(micro), " in %d micro-batches", tr->micro);
+  if (tr->accum > 1)
+    snprintf(accum, sizeof(accum), " x %d accumulated (%" PRId64 " tokens per step)", tr->accum,
+             global_batch(tr) * c.seq_len);
   if (tr->strategy == RTP_STRATEGY_TP)
     snprintf(ranks, sizeof(ranks), " on each of %d ranks (tp)", tr->world);
   else if (tr->stages > 1)
@@ -2063,10 +2178,10 @@ static void print_model(const struct trainer *tr, const struct options *o) {
   char data[96] = "";
   if (c.vocab != 256) snprintf(data, sizeof(data), ", vocabulary %d", c.vocab);
   printf(
-      "model: %d layers, d_model %d, %d heads, seq_len %d, %.2fM parameters%s; batch %d%s%s, "
+      "model: %d layers, d_model %d, %d heads, seq_len %d, %.2fM parameters%s; batch %d%s%s%s, "
       "lr %g, %s data%s%s\n",
       c.n_layer, c.d_model, c.n_head, c.seq_len, gpt_n_params(c) / 1e6, data, o->batch, micro,
-      ranks, o->lr, o->data ? o->data : "built-in addition",
+      ranks, accum, o->lr, o->data ? o->data : "built-in addition",
       o->val_data ? ", evaluated on " : "", o->val_data ? o->val_data : "");
   fflush(stdout); /* before the slow work: under rtp-run stdout is a pipe */
 }
@@ -2080,7 +2195,9 @@ static int run(struct options *o) {
   struct trainer tr = {0};
   FILE *metrics = NULL;
   int64_t first = 0; /* the step the weights are at: 0, or their checkpoint's */
-  int rc = reads_checkpoint(o) ? rtp_ckpt_open(o->ckpt_dir, &ck) : RTP_OK;
+  int rc = !reads_checkpoint(o) ? RTP_OK
+           : o->keep_best       ? rtp_ckpt_open_best(o->ckpt_dir, &ck)
+                                : rtp_ckpt_open(o->ckpt_dir, &ck);
   if (rc) rc = fail(rc, "--ckpt-dir %s", o->ckpt_dir);
   if (!rc) rc = open_inputs(o, ck, &init, &cfg, &data);
   if (!rc && o->sample) rc = parse_prompt(o, cfg.vocab, &prompt);
