@@ -2,12 +2,13 @@
 """Hugging Face GPT-2 models for train-gpt's tests (transformers' GPT2LMHeadModel), offline.
 
     PYTHON scripts/hf-gpt2.py make DIR [--n-layer 2 --n-embd 64 --n-head 4 --n-positions 64
-        --vocab 300 --seed 0 --std 0.1] [--untied] [--no-config]
+        --vocab 300 --seed 0 --std 0.1] [--untied] [--no-config] [--data DATA [--logits OUT]]
     PYTHON scripts/hf-gpt2.py loss DIR DATA [--seq-len T] [--logits OUT]
 
 make: a randomly initialised model (weights N(0, std), LayerNorm weights near 1, so that
 its logits are far from uniform) saved with save_pretrained as DIR/model.safetensors and
-DIR/config.json (--no-config removes the config, as a file copied alone would be).
+DIR/config.json (--no-config removes the config, as a file copied alone would be); with
+--data, then what loss prints for the saved model (one start of transformers, not two).
 loss: the model in DIR (from_pretrained) on DATA's bytes as tokens, in float64: the mean
 next-token loss over the windows DATA[i*T .. i*T+T] (T+1 bytes each, every i that fits),
 as train-gpt --eval-only computes it; printed as {"loss": x, "windows": n}. --logits
@@ -33,7 +34,8 @@ def make(a):
     torch.manual_seed(a.seed)
     cfg = transformers.GPT2Config(vocab_size=a.vocab, n_positions=a.n_positions,
                                   n_embd=a.n_embd, n_layer=a.n_layer, n_head=a.n_head,
-                                  tie_word_embeddings=not a.untied)
+                                  tie_word_embeddings=not a.untied, bos_token_id=a.vocab - 1,
+                                  eos_token_id=a.vocab - 1)
     model = transformers.GPT2LMHeadModel(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -41,6 +43,8 @@ def make(a):
             if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
                 p.add_(1.0)
     model.save_pretrained(a.dir, safe_serialization=True)
+    if a.data:
+        loss(a)
     if a.no_config:
         os.remove(os.path.join(a.dir, "config.json"))
 
@@ -76,6 +80,9 @@ def main():
     m.add_argument("--std", type=float, default=0.1)
     m.add_argument("--untied", action="store_true")
     m.add_argument("--no-config", action="store_true")
+    m.add_argument("--data")
+    m.add_argument("--logits")
+    m.set_defaults(seq_len=None)
     l = sub.add_parser("loss")
     l.add_argument("dir")
     l.add_argument("data")
