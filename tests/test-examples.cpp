@@ -1636,11 +1636,13 @@ TEST(TrainGptHelp, ListsTheIssueFlags) {
 
 // --tie-embeddings trains on 2 ranks as in one process under every strategy: wte is read by
 // the embedding and by the head, and each strategy sums its two gradients once. The tied
-// losses are not the untied ones (the flag takes effect), and a pipeline refuses it.
+// losses are not the untied ones (the flag takes effect), a pipeline refuses it, and the
+// export (without lm_head.weight) loads in PyTorch's tied GPT to train-gpt's loss.
 TEST(TrainGptRanks, TiedEmbeddingsMatchOneProcess) {
   const std::string flags = kRanksFlags + " --tie-embeddings";
-  std::string one = tmp_dir() + "tied-one.jsonl";
-  ASSERT_EQ(run(train_gpt(flags + " --batch 4", {"--metrics", one})).code, 0);
+  std::string one = tmp_dir() + "tied-one.jsonl", model = tmp_dir() + "tied.safetensors";
+  ASSERT_EQ(run(train_gpt(flags + " --batch 4", {"--metrics", one, "--export", model})).code,
+            0);
   std::vector<double> want = metric(one, "loss");
   ASSERT_EQ(want.size(), 10u);
   EXPECT_GT(std::fabs(want[9] - one_process_losses()[9]), 1e-3) << "tying changed nothing";
@@ -1657,6 +1659,10 @@ TEST(TrainGptRanks, TiedEmbeddingsMatchOneProcess) {
   Result pp = run(on_ranks(2, flags + " --pp 2 --batch 4"));
   EXPECT_EQ(pp.code, 2) << pp.err;
   EXPECT_NE(pp.err.find("--tie-embeddings with --pp 2"), std::string::npos) << pp.err;
+  if (run({"/usr/bin/python3", "-c", "import torch"}).code != 0) return;  // as LoadsInPyTorch
+  Result torch = run(
+      {"/usr/bin/python3", CHECK_EXPORT, model, write_data_file(), "--train-gpt", TRAIN_GPT});
+  EXPECT_EQ(torch.code, 0) << torch.out << torch.err;  // the export has no lm_head.weight
 }
 
 // An interpreter where transformers imports: $RTP_TEST_PYTHON, else python3; "" if none.

@@ -7,6 +7,8 @@
  *     train-gpt --init model.safetensors --sample 200 --prompt "12+34="
  *     train-gpt --ckpt-dir ck --ckpt-every 50            # then, after a crash: --resume
  *     train-gpt --ckpt-dir ck --export model.safetensors # ck's latest checkpoint as a model
+ *     train-gpt --init gpt2/model.safetensors --export out/model.safetensors --format hf
+ *                                                        # Hugging Face GPT-2, docs/gpt2.md
  *     rtp-run -n 2 -- train-gpt --config tiny --strategy rtp --batch 4
  *     rtp-run -n 2 -- train-gpt --config tiny --strategy tp --batch 8
  *
@@ -1713,6 +1715,17 @@ static struct lr_schedule schedule_of(const struct options *o) {
 
 /* The weights, Adam states and step of --ckpt-dir's latest checkpoint, and the schedule's
  * flags left out (resolve_schedule). */
+/* A tied model's checkpoint has no lm_head: resumed untied (or the other way round) the
+ * load would name a missing tensor rather than the flag. Older checkpoints are untied. */
+static int check_resume_tie(const struct rtp_ckpt *c, const struct trainer *tr) {
+  const char *saved = rtp_ckpt_state(c, "tie_embeddings");
+  bool tied = saved && strcmp(saved, "1") == 0;
+  if (tied == tr->m.cfg.tie_embeddings) return RTP_OK;
+  fprintf(stderr, "train-gpt: --resume: %s was saved %s --tie-embeddings: resume %s it\n",
+          rtp_ckpt_path(c), tied ? "with" : "without", tied ? "with" : "without");
+  return EXIT_USAGE;
+}
+
 static int resume(struct trainer *tr, struct options *o, int64_t *step) {
   struct rtp_ckpt *c = NULL;
   struct ckpt_state cs;
@@ -1720,6 +1733,7 @@ static int resume(struct trainer *tr, struct options *o, int64_t *step) {
   if (rc) return fail(rc, "--resume");
   struct rtp_ckpt_params p = ckpt_params(tr, o, &cs, 0);
   rc = check_resume_state(c, &cs);
+  if (!rc) rc = check_resume_tie(c, tr);
   if (!rc) rc = resolve_schedule(o, c);
   if (!rc && (rc = rtp_ckpt_load(c, &p))) fail(rc, "--resume from %s", rtp_ckpt_path(c));
   if (!rc) rc = check_resume_position(c, tr);
