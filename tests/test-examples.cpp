@@ -1618,13 +1618,14 @@ TEST(TrainGptCkpt, FileSizeLimitStopsWithAMessageNotASignal) {
 TEST(TrainGptHelp, ListsTheIssueFlags) {
   Result r = run({TRAIN_GPT, "--help"});
   ASSERT_EQ(r.code, 0);
-  for (const char *f :
-       {"--config",      "--n-layer",  "--d-model", "--n-head",        "--seq-len",
-        "--batch",       "--steps",    "--lr",      "--seed",          "--threads",
-        "--strategy",    "--data",     "--metrics", "--ckpt-dir",      "--ckpt-every",
-        "--resume",      "--init",     "--export",  "--eval-only",     "--sample",
-        "--temperature", "--help",     "--pp",      "--micro-batches", "--schedule",
-        "--unit",        "--recompute"})
+  for (const char *f : {"--config",      "--n-layer",  "--d-model",    "--n-head",
+                        "--seq-len",     "--batch",    "--steps",      "--lr",
+                        "--seed",        "--threads",  "--strategy",   "--data",
+                        "--metrics",     "--ckpt-dir", "--ckpt-every", "--resume",
+                        "--init",        "--export",   "--eval-only",  "--sample",
+                        "--temperature", "--help",     "--pp",         "--micro-batches",
+                        "--schedule",    "--unit",     "--recompute",  "--tie-embeddings",
+                        "--format"})
     EXPECT_NE(r.out.find(f), std::string::npos) << f;
   EXPECT_NE(r.out.find("N x B sequences under rtp, ddp and fsdp"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("B under tp, where every rank trains on the same B sequences"),
