@@ -1659,7 +1659,9 @@ TEST(TrainGptRanks, TiedEmbeddingsMatchOneProcess) {
   }
   Result pp = run(on_ranks(2, flags + " --pp 2 --batch 4"));
   EXPECT_EQ(pp.code, 2) << pp.err;
-  EXPECT_NE(pp.err.find("--tie-embeddings with --pp 2"), std::string::npos) << pp.err;
+  EXPECT_NE(pp.err.find("tied embeddings (--tie-embeddings, or a GPT-2 --init) with --pp 2"),
+            std::string::npos)
+      << pp.err;
   if (run({"/usr/bin/python3", "-c", "import torch"}).code != 0) return;  // as LoadsInPyTorch
   Result torch = run(
       {"/usr/bin/python3", CHECK_EXPORT, model, write_data_file(), "--train-gpt", TRAIN_GPT});
@@ -1727,7 +1729,8 @@ std::vector<float> hf_logits(const std::string &path, const std::string &data, i
 
 // A randomly initialised transformers.GPT2LMHeadModel (save_pretrained: model.safetensors
 // and config.json) read by --init gives its logits and its loss on a text, to 1e-4
-// (transformers in float64). Without config.json the heads must be given (--n-head); a
+// (transformers in float64), also on 2 ranks under every strategy. Without config.json the
+// heads must be given (--n-head); a
 // config.json of another activation is refused, naming it.
 TEST(TrainGptHf, InitGivesTransformersLogitsAndLoss) {
   SKIP_WITHOUT_TRANSFORMERS();
@@ -1744,6 +1747,12 @@ TEST(TrainGptHf, InitGivesTransformersLogitsAndLoss) {
   double got = json_value(eval.out, "eval_loss");
   std::printf("transformers %.9f, train-gpt --init %.9f\n", want, got);
   EXPECT_NEAR(got, want, 1e-4 * want);
+  for (const std::string st : {"rtp", "fsdp", "ddp", "tp"}) {  // each rank keeps its part
+    Result r = run(on_ranks(2, "--eval-only --threads 1 --strategy " + st,
+                            {"--init", model, "--data", data}));
+    ASSERT_EQ(r.code, 0) << st << ": " << r.err;
+    EXPECT_NEAR(json_value(r.out.substr(r.out.find('{')), "eval_loss"), got, 1e-6 * got) << st;
+  }
 
   int vocab = 0;
   std::vector<float> logits = hf_logits(model, data, &vocab);

@@ -302,19 +302,11 @@ static int check_weights(const struct options *o) {
   return 0;
 }
 
-/* --format and --tie-embeddings. A tied model on a pipeline would need wte on the first
- * stage (the embedding) and on the last (the head), and its two gradients summed across
- * them: not done, so refused (the library refuses a parameter read on two stages too). */
 static int check_hf_options(const struct options *o) {
   if (strcmp(o->format, "pt") != 0 && strcmp(o->format, "hf") != 0)
     return usage_error("--format must be pt or hf, not '%s'", o->format);
   if (strcmp(o->format, "pt") != 0 && !o->export_path)
     return usage_error("--format %s is --export's layout: give --export FILE", o->format);
-  if (o->tie_embeddings && o->pp > 1)
-    return usage_error(
-        "--tie-embeddings with --pp %d: the embedding is on the first stage and the head on "
-        "the last, and a tied weight cannot be split across stages (use --pp 1)",
-        o->pp);
   return 0;
 }
 
@@ -751,6 +743,17 @@ static int check_layout(const struct trainer *tr, struct gpt_config c,
             "train-gpt: --strategy tp on %d ranks: the %d heads must split evenly between "
             "them (--n-head a multiple of %d)\n",
             tr->world, c.n_head, tr->world);
+    return EXIT_USAGE;
+  }
+  /* Tied, wte would be on the first stage (the embedding) and on the last (the head), its
+   * two gradients summed across them: not done (the library refuses a parameter read on
+   * two stages). */
+  if (o->pp > 1 && c.tie_embeddings) {
+    fprintf(stderr,
+            "train-gpt: tied embeddings (--tie-embeddings, or a GPT-2 --init) with --pp %d: "
+            "the embedding is on the first stage and the head on the last, and a tied weight "
+            "cannot be split across stages (use --pp 1)\n",
+            o->pp);
     return EXIT_USAGE;
   }
   if (o->pp > c.n_layer) {
