@@ -2002,10 +2002,11 @@ static void print_model(const struct trainer *tr, const struct options *o) {
     snprintf(ranks, sizeof(ranks), " x %d ranks (%s)", tr->world,
              rtp_strategy_name(tr->strategy));
   printf(
-      "model: %d layers, d_model %d, %d heads, seq_len %d, %.2fM parameters; batch %d%s%s, "
+      "model: %d layers, d_model %d, %d heads, seq_len %d, %.2fM parameters%s; batch %d%s%s, "
       "lr %g, %s data\n",
-      c.n_layer, c.d_model, c.n_head, c.seq_len, gpt_n_params(c) / 1e6, o->batch, micro, ranks,
-      o->lr, o->data ? o->data : "built-in addition");
+      c.n_layer, c.d_model, c.n_head, c.seq_len, gpt_n_params(c) / 1e6,
+      c.tie_embeddings ? " (tied embeddings)" : "", o->batch, micro, ranks, o->lr,
+      o->data ? o->data : "built-in addition");
   fflush(stdout); /* before the slow work: under rtp-run stdout is a pipe */
 }
 
