@@ -1668,6 +1668,68 @@ TEST(TrainGptRanks, TiedEmbeddingsMatchOneProcess) {
   EXPECT_EQ(torch.code, 0) << torch.out << torch.err;  // the export has no lm_head.weight
 }
 
+// The value of key in the last line of out that is a flat JSON object; NaN if none.
+double json_value(const std::string &out, const char *key) {
+  double v = std::nan("");
+  for (const std::string &l : lines(out)) {
+    std::map<std::string, double> o;
+    if (parse_flat_json(l, &o) && o.count(key)) v = o[key];
+  }
+  return v;
+}
+
+// Without transformers: a model written --format hf reads back (--init) to the loss of the
+// same weights written as train-gpt's own file, and what would read a GPT-2 wrongly is
+// refused naming the cause: --config, a window past its positions, a size flag, heads that
+// config.json contradicts or that nothing gives, a config.json of another model, a
+// pipeline. A shorter window reads (the first positions).
+TEST(TrainGptErrors, GptTwoInitReadsBackAndRefusesClearly) {
+  std::string dir = tmp_dir() + "hf-own", data = write_data_file();
+  ASSERT_EQ(mkdir(dir.c_str(), 0700), 0);
+  std::string hf = dir + "/model.safetensors", pt = tmp_dir() + "hf-own-pt.safetensors";
+  const std::string make = "--config tiny --steps 0 --tie-embeddings --seed 3";
+  ASSERT_EQ(run(train_gpt(make, {"--export", hf, "--format", "hf"})).code, 0);
+  ASSERT_EQ(run(train_gpt(make, {"--export", pt})).code, 0);
+  Result a = run(train_gpt("--eval-only", {"--init", hf, "--data", data}));
+  Result b = run(train_gpt("--eval-only", {"--init", pt, "--data", data}));
+  ASSERT_EQ(a.code, 0) << a.err;
+  ASSERT_EQ(b.code, 0) << b.err;
+  EXPECT_EQ(json_value(a.out, "eval_loss"), json_value(b.out, "eval_loss"));
+  EXPECT_EQ(run(train_gpt("--eval-only --seq-len 16", {"--init", hf, "--data", data})).code, 0);
+  struct Case {
+    const char *flags, *message;
+  } cases[] = {
+      {"--config tiny", "is a GPT-2, whose sizes are the file's"},
+      {"--seq-len 64", "has 32 positions (n_positions)"},
+      {"--n-layer 1", "(leave the size flags out)"},
+      {"--n-head 2", "config.json says n_head 4, --n-head says 2"},
+  };
+  for (const Case &c : cases) {
+    Result r =
+        run(train_gpt(std::string("--eval-only ") + c.flags, {"--init", hf, "--data", data}));
+    EXPECT_NE(r.code, 0) << c.flags;
+    EXPECT_NE(r.err.find(c.message), std::string::npos) << c.flags << ": " << r.err;
+  }
+  Result pp = run(on_ranks(2, "--eval-only --pp 2", {"--init", hf, "--data", data}));
+  EXPECT_EQ(pp.code, 2) << pp.err;
+  EXPECT_NE(pp.err.find("tied embeddings (--tie-embeddings, or a GPT-2 --init)"),
+            std::string::npos)
+      << pp.err;
+  std::string config = slurp(dir + "/config.json"), from = "1e-05";
+  ASSERT_NE(config.find(from), std::string::npos) << config;
+  std::ofstream(dir + "/config.json")
+      << config.replace(config.find(from), from.size(), "1e-06");
+  Result eps = run(train_gpt("--eval-only", {"--init", hf, "--data", data}));
+  EXPECT_NE(eps.code, 0);
+  EXPECT_NE(eps.err.find("layer_norm_epsilon 1e-06"), std::string::npos) << eps.err;
+  ASSERT_EQ(std::remove((dir + "/config.json").c_str()), 0);
+  Result heads = run(train_gpt("--eval-only", {"--init", hf, "--data", data}));
+  EXPECT_EQ(heads.code, 2);
+  EXPECT_NE(heads.err.find("give --n-head N, or put the model's config.json beside it"),
+            std::string::npos)
+      << heads.err;
+}
+
 // An interpreter where transformers imports: $RTP_TEST_PYTHON, else python3; "" if none.
 const std::string &transformers_python() {
   static const std::string py = [] {
@@ -1685,16 +1747,6 @@ const std::string &transformers_python() {
   if (transformers_python().empty())                                                          \
   GTEST_SKIP() << "no python with transformers: pip install transformers (torch too) into a " \
                   "venv and set RTP_TEST_PYTHON=venv/bin/python"
-
-// The value of key in the last line of out that is a flat JSON object; NaN if none.
-double json_value(const std::string &out, const char *key) {
-  double v = std::nan("");
-  for (const std::string &l : lines(out)) {
-    std::map<std::string, double> o;
-    if (parse_flat_json(l, &o) && o.count(key)) v = o[key];
-  }
-  return v;
-}
 
 // The reference GPT's logits for data's windows (T + 1 bytes at i*T, every i that fits)
 // under the HF model at path, read through gpt_hf_read, one process.

@@ -302,6 +302,7 @@ static int check_weights(const struct options *o) {
   return 0;
 }
 
+/* --format names --export's layout. */
 static int check_hf_options(const struct options *o) {
   if (strcmp(o->format, "pt") != 0 && strcmp(o->format, "hf") != 0)
     return usage_error("--format must be pt or hf, not '%s'", o->format);
@@ -441,6 +442,9 @@ static void config_from_ckpt(const struct rtp_ckpt *ck, struct gpt_config *c) {
  * shorter --seq-len takes the first positions of its wpe. */
 static int resolve_hf_config(const struct options *o, struct rtp_safetensors *init,
                              struct gpt_config *c) {
+  if (o->config)
+    return usage_error("--config %s: --init %s is a GPT-2, whose sizes are the file's",
+                       o->config, o->init);
   int rc = gpt_hf_config(o->init, init, o->n_head, c);
   if (rc) {
     fprintf(stderr, "train-gpt: --init %s\n", gpt_hf_error());
