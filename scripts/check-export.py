@@ -51,6 +51,18 @@ def read_safetensors(path):
     return tensors, meta
 
 
+def model_from(tensors, meta):
+    """The GPT of an export, in float64; a tied one (--tie-embeddings) has no lm_head.weight."""
+    cfg = {k: int(meta[k]) for k in ("vocab", "seq_len", "d_model", "n_layer", "n_head")}
+    tied = meta.get("tie_embeddings") == "1"
+    model = GPT(**cfg, tie_embeddings=tied).double()
+    state = {k: v.double() for k, v in tensors.items()}
+    if tied:
+        state["lm_head.weight"] = state["transformer.wte.weight"]
+    model.load_state_dict(state, strict=True)
+    return model, cfg
+
+
 def read_tokens(path, vocab):
     """The tokens of DATA: its bytes, or with vocab those of llm.c's .bin (a header of 256
     int32: magic, version, count; uint16 tokens for GPT-2, uint32 for Llama 3) or uint16."""
@@ -74,9 +86,7 @@ def windows(path, T, vocab=None):
 
 def torch_loss(model_path, data_path, vocab):
     tensors, meta = read_safetensors(model_path)
-    cfg = {k: int(meta[k]) for k in ("vocab", "seq_len", "d_model", "n_layer", "n_head")}
-    model = GPT(**cfg).double()
-    model.load_state_dict({k: v.double() for k, v in tensors.items()}, strict=True)
+    model, cfg = model_from(tensors, meta)
     idx, targets = windows(data_path, cfg["seq_len"], vocab)
     with torch.no_grad():
         logits = model(idx)
@@ -108,9 +118,7 @@ def sample_ids(out):
 
 def check_sample(model_path, train_gpt, n, prompt):
     tensors, meta = read_safetensors(model_path)
-    cfg = {k: int(meta[k]) for k in ("vocab", "seq_len", "d_model", "n_layer", "n_head")}
-    model = GPT(**cfg).double()
-    model.load_state_dict({k: v.double() for k, v in tensors.items()}, strict=True)
+    model, cfg = model_from(tensors, meta)
     out = subprocess.run([train_gpt, "--init", model_path, "--steps", "0", "--sample", str(n),
                           "--prompt", prompt], capture_output=True, text=True, encoding="latin-1")
     if out.returncode != 0:

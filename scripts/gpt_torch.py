@@ -52,7 +52,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab, seq_len, d_model, n_layer, n_head):
+    def __init__(self, vocab, seq_len, d_model, n_layer, n_head, tie_embeddings=False):
         super().__init__()
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(vocab, d_model),
@@ -61,6 +61,8 @@ class GPT(nn.Module):
             ln_f=nn.LayerNorm(d_model, eps=LN_EPS),
         ))
         self.lm_head = nn.Linear(d_model, vocab, bias=False)
+        if tie_embeddings:  # GPT-2's: the head is the token embedding
+            self.lm_head.weight = self.transformer.wte.weight
 
     def forward(self, idx):
         """Logits [B, T, V] for tokens idx [B, T]."""

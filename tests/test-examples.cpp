@@ -36,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "gpt-hf.h"
 #include "rtp.h"
 #include "lr-schedule.h"
 #include "test-util.h"
@@ -1795,13 +1796,14 @@ TEST(TrainGptErrors, GradAccumAndEvalFlagsAreChecked) {
 TEST(TrainGptHelp, ListsTheIssueFlags) {
   Result r = run({TRAIN_GPT, "--help"});
   ASSERT_EQ(r.code, 0);
-  for (const char *f :
-       {"--config",      "--n-layer",  "--d-model", "--n-head",        "--seq-len",
-        "--batch",       "--steps",    "--lr",      "--seed",          "--threads",
-        "--strategy",    "--data",     "--metrics", "--ckpt-dir",      "--ckpt-every",
-        "--resume",      "--init",     "--export",  "--eval-only",     "--sample",
-        "--temperature", "--help",     "--pp",      "--micro-batches", "--schedule",
-        "--unit",        "--recompute"})
+  for (const char *f : {"--config",      "--n-layer",  "--d-model",    "--n-head",
+                        "--seq-len",     "--batch",    "--steps",      "--lr",
+                        "--seed",        "--threads",  "--strategy",   "--data",
+                        "--metrics",     "--ckpt-dir", "--ckpt-every", "--resume",
+                        "--init",        "--export",   "--eval-only",  "--sample",
+                        "--temperature", "--help",     "--pp",         "--micro-batches",
+                        "--schedule",    "--unit",     "--recompute",  "--tie-embeddings",
+                        "--format"})
     EXPECT_NE(r.out.find(f), std::string::npos) << f;
   EXPECT_NE(r.out.find("N x B sequences under rtp, ddp and fsdp"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("B under tp, where every rank trains on the same B sequences"),
@@ -2036,6 +2038,237 @@ TEST(TrainGptTokens, VocabularySurvivesCheckpointResumeAndExport) {
                    "--train-gpt", TRAIN_GPT, "--sample", "40", "--prompt", "1 8 15"});
   EXPECT_EQ(py.code, 0) << py.out << py.err;
   std::printf("%s", py.out.c_str());
+}
+
+// ---- tied embeddings and Hugging Face GPT-2 (examples/gpt/gpt-hf.c) -----------------------
+
+// --tie-embeddings trains on 2 ranks as in one process under every strategy: wte is read by
+// the embedding and by the head, and each strategy sums its two gradients once. The tied
+// losses are not the untied ones (the flag takes effect), a pipeline refuses it, and the
+// export (without lm_head.weight) loads in PyTorch's tied GPT to train-gpt's loss.
+TEST(TrainGptRanks, TiedEmbeddingsMatchOneProcess) {
+  const std::string flags = kRanksFlags + " --tie-embeddings";
+  std::string one = tmp_dir() + "tied-one.jsonl", model = tmp_dir() + "tied.safetensors";
+  ASSERT_EQ(run(train_gpt(flags + " --batch 4", {"--metrics", one, "--export", model})).code,
+            0);
+  std::vector<double> want = metric(one, "loss");
+  ASSERT_EQ(want.size(), 10u);
+  EXPECT_GT(std::fabs(want[9] - one_process_losses()[9]), 1e-3) << "tying changed nothing";
+  for (const std::string st : {"rtp", "fsdp", "ddp", "tp"}) {
+    std::string m = tmp_dir() + "tied-" + st + ".jsonl";
+    std::string batch = st == "tp" ? " --batch 4" : " --batch 2";
+    Result r = run(on_ranks(2, flags + batch + " --strategy " + st, {"--metrics", m}));
+    ASSERT_EQ(r.code, 0) << st << ": " << r.err;
+    std::vector<double> got = metric(m, "loss");
+    ASSERT_EQ(got.size(), want.size()) << st;
+    for (size_t i = 0; i < want.size(); i++)
+      EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << st << ", step " << i + 1;
+  }
+  Result pp = run(on_ranks(2, flags + " --pp 2 --batch 4"));
+  EXPECT_EQ(pp.code, 2) << pp.err;
+  EXPECT_NE(pp.err.find("tied embeddings (--tie-embeddings, or a GPT-2 --init) with --pp 2"),
+            std::string::npos)
+      << pp.err;
+  if (run({"/usr/bin/python3", "-c", "import torch"}).code != 0) return;  // as LoadsInPyTorch
+  Result torch = run(
+      {"/usr/bin/python3", CHECK_EXPORT, model, write_data_file(), "--train-gpt", TRAIN_GPT});
+  EXPECT_EQ(torch.code, 0) << torch.out << torch.err;  // the export has no lm_head.weight
+}
+
+// The value of key in the last line of out that is a flat JSON object; NaN if none.
+double json_value(const std::string &out, const char *key) {
+  double v = std::nan("");
+  for (const std::string &l : lines(out)) {
+    std::map<std::string, double> o;
+    if (parse_flat_json(l, &o) && o.count(key)) v = o[key];
+  }
+  return v;
+}
+
+// Without transformers: a model written --format hf reads back (--init) to the loss of the
+// same weights written as train-gpt's own file, and what would read a GPT-2 wrongly is
+// refused naming the cause: --config, a window past its positions, a size flag, heads that
+// config.json contradicts or that nothing gives, a config.json of another model, a
+// pipeline. A shorter window reads (the first positions).
+TEST(TrainGptErrors, GptTwoInitReadsBackAndRefusesClearly) {
+  std::string dir = tmp_dir() + "hf-own", data = write_data_file();
+  ASSERT_EQ(mkdir(dir.c_str(), 0700), 0);
+  std::string hf = dir + "/model.safetensors", pt = tmp_dir() + "hf-own-pt.safetensors";
+  const std::string make = "--config tiny --steps 0 --tie-embeddings --seed 3";
+  ASSERT_EQ(run(train_gpt(make, {"--export", hf, "--format", "hf"})).code, 0);
+  ASSERT_EQ(run(train_gpt(make, {"--export", pt})).code, 0);
+  Result a = run(train_gpt("--eval-only", {"--init", hf, "--data", data}));
+  Result b = run(train_gpt("--eval-only", {"--init", pt, "--data", data}));
+  ASSERT_EQ(a.code, 0) << a.err;
+  ASSERT_EQ(b.code, 0) << b.err;
+  EXPECT_EQ(json_value(a.out, "eval_loss"), json_value(b.out, "eval_loss"));
+  EXPECT_EQ(run(train_gpt("--eval-only --seq-len 16", {"--init", hf, "--data", data})).code, 0);
+  struct Case {
+    const char *flags, *message;
+  } cases[] = {
+      {"--config tiny", "is a GPT-2, whose sizes are the file's"},
+      {"--seq-len 64", "has 32 positions (n_positions)"},
+      {"--n-layer 1", "(leave the size flags out)"},
+      {"--n-head 2", "config.json says n_head 4, --n-head says 2"},
+  };
+  for (const Case &c : cases) {
+    Result r =
+        run(train_gpt(std::string("--eval-only ") + c.flags, {"--init", hf, "--data", data}));
+    EXPECT_NE(r.code, 0) << c.flags;
+    EXPECT_NE(r.err.find(c.message), std::string::npos) << c.flags << ": " << r.err;
+  }
+  Result pp = run(on_ranks(2, "--eval-only --pp 2", {"--init", hf, "--data", data}));
+  EXPECT_EQ(pp.code, 2) << pp.err;
+  EXPECT_NE(pp.err.find("tied embeddings (--tie-embeddings, or a GPT-2 --init)"),
+            std::string::npos)
+      << pp.err;
+  std::string config = slurp(dir + "/config.json"), from = "1e-05";
+  ASSERT_NE(config.find(from), std::string::npos) << config;
+  std::ofstream(dir + "/config.json")
+      << config.replace(config.find(from), from.size(), "1e-06");
+  Result eps = run(train_gpt("--eval-only", {"--init", hf, "--data", data}));
+  EXPECT_NE(eps.code, 0);
+  EXPECT_NE(eps.err.find("layer_norm_epsilon 1e-06"), std::string::npos) << eps.err;
+  ASSERT_EQ(std::remove((dir + "/config.json").c_str()), 0);
+  Result heads = run(train_gpt("--eval-only", {"--init", hf, "--data", data}));
+  EXPECT_EQ(heads.code, 2);
+  EXPECT_NE(heads.err.find("give --n-head N, or put the model's config.json beside it"),
+            std::string::npos)
+      << heads.err;
+}
+
+// An interpreter where transformers imports: $RTP_TEST_PYTHON, else python3; "" if none.
+const std::string &transformers_python() {
+  static const std::string py = [] {
+    std::vector<std::string> candidates;
+    if (const char *e = std::getenv("RTP_TEST_PYTHON")) candidates.push_back(e);
+    candidates.push_back("python3");
+    for (const std::string &p : candidates)
+      if (run({p, "-c", "import transformers"}).code == 0) return p;
+    return std::string();
+  }();
+  return py;
+}
+
+#define SKIP_WITHOUT_TRANSFORMERS()                                                           \
+  if (transformers_python().empty())                                                          \
+  GTEST_SKIP() << "no python with transformers: pip install transformers (torch too) into a " \
+                  "venv and set RTP_TEST_PYTHON=venv/bin/python"
+
+// The reference GPT's logits for data's windows (T + 1 bytes at i*T, every i that fits)
+// under the HF model at path, read through gpt_hf_read, one process.
+std::vector<float> hf_logits(const std::string &path, const std::string &data, int *vocab) {
+  rtp_safetensors *st = nullptr;
+  EXPECT_EQ(rtp_safetensors_open(path.c_str(), &st), 0) << rtp_last_error();
+  gpt_config cfg{};
+  EXPECT_EQ(gpt_hf_config(path.c_str(), st, -1, &cfg), 0) << gpt_hf_error();
+  std::string text = slurp(data);
+  int T = cfg.seq_len, n = (int)((text.size() - 1) / T);
+  rtp_context *ctx = rtp_context_new({gpt_arena_size(cfg, n), nullptr, false, nullptr, 0});
+  gpt m{};
+  EXPECT_EQ(gpt_build(ctx, &m, cfg, n), 0) << rtp_last_error();
+  for (int i = 0; i < m.n_params; i++)
+    EXPECT_EQ(gpt_hf_read(st, m.params[i], (float *)m.params[i]->data), 0) << gpt_hf_error();
+  for (int w = 0; w < n; w++)
+    for (int t = 0; t < T; t++) {
+      ((int32_t *)m.idx->data)[w * T + t] = (unsigned char)text[w * T + t];
+      ((int32_t *)m.targets->data)[w * T + t] = (unsigned char)text[w * T + t + 1];
+    }
+  rtp_graph *g = rtp_graph_new(ctx, 4096);
+  EXPECT_EQ(rtp_graph_build(g, m.logits), 0) << rtp_last_error();
+  EXPECT_EQ(rtp_graph_plan(ctx, g), 0) << rtp_last_error();
+  EXPECT_EQ(rtp_graph_compute(g, nullptr), 0) << rtp_last_error();
+  const float *l = (const float *)m.logits->data;
+  std::vector<float> out(l, l + rtp_tensor_nelements(m.logits));
+  *vocab = cfg.vocab;
+  rtp_context_free(ctx);
+  rtp_safetensors_close(st);
+  return out;
+}
+
+// A randomly initialised transformers.GPT2LMHeadModel (save_pretrained: model.safetensors
+// and config.json) read by --init gives its logits and its loss on a text, to 1e-4
+// (transformers in float64), also on 2 ranks under every strategy. Without config.json the
+// heads must be given (--n-head); a
+// config.json of another activation is refused, naming it.
+TEST(TrainGptHf, InitGivesTransformersLogitsAndLoss) {
+  SKIP_WITHOUT_TRANSFORMERS();
+  std::string dir = tmp_dir() + "hf-made", data = write_data_file();
+  std::string model = dir + "/model.safetensors", want_logits = dir + "/logits.f32";
+  Result made = run({transformers_python(), HF_GPT2, "make", dir, "--vocab", "300", "--data",
+                     data, "--logits", want_logits});
+  ASSERT_EQ(made.code, 0) << made.out << made.err;
+  double want = json_value(made.out, "loss");
+  ASSERT_TRUE(std::isfinite(want)) << made.out;
+
+  Result eval = run(train_gpt("--eval-only", {"--init", model, "--data", data}));
+  ASSERT_EQ(eval.code, 0) << eval.err;
+  double got = json_value(eval.out, "eval_loss");
+  std::printf("transformers %.9f, train-gpt --init %.9f\n", want, got);
+  EXPECT_NEAR(got, want, 1e-4 * want);
+  for (const std::string st : {"rtp", "fsdp", "ddp", "tp"}) {  // each rank keeps its part
+    Result r = run(on_ranks(2, "--eval-only --threads 1 --strategy " + st,
+                            {"--init", model, "--data", data}));
+    ASSERT_EQ(r.code, 0) << st << ": " << r.err;
+    EXPECT_NEAR(json_value(r.out.substr(r.out.find('{')), "eval_loss"), got, 1e-6 * got) << st;
+  }
+
+  int vocab = 0;
+  std::vector<float> logits = hf_logits(model, data, &vocab);
+  std::string ref_bytes = slurp(want_logits);
+  ASSERT_EQ(ref_bytes.size(), logits.size() * sizeof(float));
+  const float *ref = (const float *)ref_bytes.data();
+  double num = 0, den = 0;  // both [window][position][vocab]
+  for (size_t i = 0; i < logits.size(); i++) {
+    num = std::fmax(num, std::fabs((double)logits[i] - ref[i]));
+    den = std::fmax(den, std::fabs((double)ref[i]));
+  }
+  std::printf("logits: %zu, vocab %d, max |diff| %.3g of max |logit| %.3g\n", logits.size(),
+              vocab, num, den);
+  EXPECT_LT(num, 1e-4 * den);
+
+  std::string alone = tmp_dir() + "hf-alone";
+  ASSERT_EQ(mkdir(alone.c_str(), 0700), 0);
+  std::ofstream(alone + "/model.safetensors", std::ios::binary) << slurp(model);
+  Result no_heads =
+      run(train_gpt("--eval-only", {"--init", alone + "/model.safetensors", "--data", data}));
+  EXPECT_EQ(no_heads.code, 2) << no_heads.err;
+  EXPECT_NE(no_heads.err.find("give --n-head N, or put the model's config.json beside it"),
+            std::string::npos)
+      << no_heads.err;
+  Result heads = run(train_gpt("--eval-only --n-head 4",
+                               {"--init", alone + "/model.safetensors", "--data", data}));
+  ASSERT_EQ(heads.code, 0) << heads.err;
+  EXPECT_EQ(json_value(heads.out, "eval_loss"), got);
+
+  std::string config = slurp(dir + "/config.json"), from = "\"gelu_new\"";
+  ASSERT_NE(config.find(from), std::string::npos) << config;
+  std::ofstream(alone + "/config.json")
+      << config.replace(config.find(from), from.size(), "\"gelu\"");
+  Result exact =
+      run(train_gpt("--eval-only", {"--init", alone + "/model.safetensors", "--data", data}));
+  EXPECT_NE(exact.code, 0);
+  EXPECT_NE(exact.err.find("activation_function \"gelu\""), std::string::npos) << exact.err;
+}
+
+// A model trained here with tied embeddings and written with --export --format hf loads in
+// transformers.GPT2LMHeadModel.from_pretrained to the loss train-gpt gives it.
+TEST(TrainGptHf, TiedExportLoadsInTransformers) {
+  SKIP_WITHOUT_TRANSFORMERS();
+  std::string dir = tmp_dir() + "hf-export", data = write_data_file();
+  ASSERT_EQ(mkdir(dir.c_str(), 0700), 0);
+  std::string model = dir + "/model.safetensors";
+  Result train = run(train_gpt("--config tiny --steps 10 --threads 2 --tie-embeddings",
+                               {"--data", data, "--export", model, "--format", "hf"}));
+  ASSERT_EQ(train.code, 0) << train.err;
+  Result eval = run(train_gpt("--eval-only", {"--init", model, "--data", data}));
+  ASSERT_EQ(eval.code, 0) << eval.err;
+  double got = json_value(eval.out, "eval_loss");
+  Result hf = run({transformers_python(), HF_GPT2, "loss", dir, data});
+  ASSERT_EQ(hf.code, 0) << hf.out << hf.err;
+  double want = json_value(hf.out, "loss");
+  std::printf("train-gpt %.9f, transformers %.9f\n", got, want);
+  EXPECT_NEAR(got, want, 1e-4 * want);
 }
 
 TEST(EmbedC, TrainsAndSaves) {

@@ -18,11 +18,11 @@ static int rtp__gpt_error(const char *fmt, ...) {
 }
 
 struct gpt_config gpt_config_small(void) {
-  return (struct gpt_config){256, 128, 384, 6, 6};
+  return (struct gpt_config){256, 128, 384, 6, 6, false};
 }
 
 struct gpt_config gpt_config_medium(void) {
-  return (struct gpt_config){256, 256, 768, 12, 12};
+  return (struct gpt_config){256, 256, 768, 12, 12, false};
 }
 
 int gpt_config_check(struct gpt_config c) {
@@ -39,7 +39,7 @@ int64_t gpt_n_params(struct gpt_config c) {
   int64_t d = c.d_model, V = c.vocab, T = c.seq_len;
   int64_t block =
       2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * d + (4 * d * d + 4 * d) + (4 * d * d + d);
-  return V * d + T * d + c.n_layer * block + 2 * d + V * d;
+  return V * d + T * d + c.n_layer * block + 2 * d + (c.tie_embeddings ? 0 : V * d);
 }
 
 size_t gpt_arena_size(struct gpt_config c, int batch) {
@@ -141,7 +141,10 @@ static void make_params(struct rtp_context *ctx, struct gpt *m) {
   }
   m->ln_f_w = param(ctx, m, d, 0, "transformer.ln_f.weight", 0);
   m->ln_f_b = param(ctx, m, d, 0, "transformer.ln_f.bias", 0);
-  m->lm_head = param(ctx, m, d, m->cfg.vocab, "lm_head.weight", 0);
+  /* Tied, the head reads wte: one parameter, so every strategy shards, rotates or gathers
+   * it as any other, and autodiff sums the gradients of its two uses into one. */
+  m->lm_head =
+      m->cfg.tie_embeddings ? m->wte : param(ctx, m, d, m->cfg.vocab, "lm_head.weight", 0);
 }
 
 int gpt_build(struct rtp_context *ctx, struct gpt *m, struct gpt_config cfg, int batch) {

@@ -20,6 +20,9 @@ struct gpt_config {
   int d_model; /* d */
   int n_layer;
   int n_head;
+  /* GPT-2's tied embeddings: the head is wte itself (no lm_head), so the token embedding
+   * gets the gradients of both of its uses, summed by backward */
+  bool tie_embeddings;
 };
 
 struct gpt_config gpt_config_small(void);  /* T=128 d=384 L=6 H=6 */
@@ -42,7 +45,7 @@ struct gpt {
   struct rtp_tensor *wpe; /* {d, T} */
   struct gpt_block blocks[GPT_MAX_LAYERS];
   struct rtp_tensor *ln_f_w, *ln_f_b;                 /* {d} */
-  struct rtp_tensor *lm_head;                         /* {d, V} */
+  struct rtp_tensor *lm_head;                         /* {d, V}; wte when tied */
   struct rtp_tensor *idx;                             /* i32 {T, B}: input tokens */
   struct rtp_tensor *targets;                         /* i32 {T, B}: next tokens */
   struct rtp_tensor *logits;                          /* {V, T*B} */

@@ -8,6 +8,8 @@
  *     train-gpt --init model.safetensors --sample 200 --prompt "12+34="
  *     train-gpt --ckpt-dir ck --ckpt-every 50            # then, after a crash: --resume
  *     train-gpt --ckpt-dir ck --export model.safetensors # ck's latest checkpoint as a model
+ *     train-gpt --init gpt2/model.safetensors --export out/model.safetensors --format hf
+ *                                                        # Hugging Face GPT-2, docs/gpt2.md
  *     rtp-run -n 2 -- train-gpt --config tiny --strategy rtp --batch 4
  *     rtp-run -n 2 -- train-gpt --config tiny --strategy tp --batch 8
  *
@@ -35,6 +37,7 @@
 #include "eta.h"
 #include "lr-schedule.h"
 #include "gpt.h"
+#include "gpt-hf.h"
 #include "rtp.h"
 #include "token-data.h"
 
@@ -64,7 +67,8 @@ struct options {
   const char *strategy, *schedule, *data, *metrics, *init, *export_path, *ckpt_dir, *prompt;
   const char *val_data, *data_format; /* data_format NULL: auto (token-data.h) */
   int vocab;                          /* -1: the file's (token-data.h) */
-  bool eval_only, resume, bf16, recompute, help;
+  const char *format; /* --export's: pt (train-gpt's) or hf (Hugging Face GPT-2) */
+  bool eval_only, resume, bf16, recompute, tie_embeddings, help;
   bool keep_best; /* training: keep the best eval loss's checkpoint; reading: read it */
 };
 
@@ -133,9 +137,14 @@ static int flag_table(struct options *o, struct flag *f) {
        "evaluate on this file (same formats) instead of --data's last 10%"},
       {"--metrics", ARG_STR, &o->metrics, "FILE",
        "write one JSON object per step (JSONL; --resume appends)"},
-      {"--init", ARG_STR, &o->init, "FILE", "start from a consolidated .safetensors model"},
+      {"--tie-embeddings", ARG_BOOL, &o->tie_embeddings, NULL,
+       "the head is the token embedding (GPT-2's tying; not with --pp)"},
+      {"--init", ARG_STR, &o->init, "FILE",
+       "start from a .safetensors model: train-gpt's, or Hugging Face GPT-2's"},
       {"--export", ARG_STR, &o->export_path, "FILE",
        "write the model as .safetensors at the end"},
+      {"--format", ARG_STR, &o->format, "F",
+       "--export's layout: pt (default) | hf (GPT2LMHeadModel, + config.json beside it)"},
       {"--eval-only", ARG_BOOL, &o->eval_only, NULL,
        "print {\"eval_loss\": x, \"windows\": n} over all of --data"
        ", for --init's or --ckpt-dir's model"},
@@ -260,6 +269,7 @@ static int parse_args(int argc, char **argv, struct options *o) {
                         .eval_problems = 64,
                         .strategy = "rtp",
                         .schedule = "1f1b",
+                        .format = "pt",
                         .pp = 1,
                         .micro_batches = 1,
                         .vocab = -1,
@@ -360,6 +370,15 @@ static int check_eval(const struct options *o) {
   return 0;
 }
 
+/* --format names --export's layout. */
+static int check_hf_options(const struct options *o) {
+  if (strcmp(o->format, "pt") != 0 && strcmp(o->format, "hf") != 0)
+    return usage_error("--format must be pt or hf, not '%s'", o->format);
+  if (strcmp(o->format, "pt") != 0 && !o->export_path)
+    return usage_error("--format %s is --export's layout: give --export FILE", o->format);
+  return 0;
+}
+
 /* What the parser accepts but this build cannot do yet gets a clear refusal. */
 static int check_options(const struct options *o) {
   static const char *const strategies[] = {"rtp", "ddp", "fsdp", "tp"};
@@ -413,7 +432,7 @@ static int check_options(const struct options *o) {
         "of %d)",
         o->pp, p.world_size, p.world_size, o->pp);
   if (o->prompt && !*o->prompt) return usage_error("--prompt must not be empty");
-  return 0;
+  return check_hf_options(o);
 }
 
 /* ---- errors --------------------------------------------------------------------------- */
@@ -441,7 +460,7 @@ struct preset {
 
 static const struct preset *find_preset(const char *name) {
   static struct preset presets[3];
-  presets[0] = (struct preset){"tiny", {256, 32, 64, 2, 4}, 1e-3f};
+  presets[0] = (struct preset){"tiny", {256, 32, 64, 2, 4, false}, 1e-3f};
   presets[1] = (struct preset){"small", gpt_config_small(), 3e-4f};
   presets[2] = (struct preset){"medium", gpt_config_medium(), 3e-4f};
   for (int i = 0; i < 3; i++)
@@ -466,6 +485,8 @@ static bool config_from_file(struct rtp_safetensors *st, struct gpt_config *c) {
               meta_int(st, "d_model", &f.d_model) + meta_int(st, "n_layer", &f.n_layer) +
               meta_int(st, "n_head", &f.n_head);
   if (found != 5) return false;
+  const char *tie = rtp_safetensors_meta(st, "tie_embeddings");
+  f.tie_embeddings = tie && strcmp(tie, "1") == 0;
   *c = f;
   return true;
 }
@@ -484,7 +505,30 @@ static void config_from_ckpt(const struct rtp_ckpt *ck, struct gpt_config *c) {
     if (!s || !*s || *end || v <= 0 || v > 1 << 20) return;
     *dst[i] = (int)v;
   }
+  const char *tie = rtp_ckpt_state(ck, "tie_embeddings");
+  f.tie_embeddings = tie && strcmp(tie, "1") == 0;
   *c = f;
+}
+
+/* A Hugging Face GPT-2 as --init: its sizes (its config.json's n_head, or --n-head); a
+ * shorter --seq-len takes the first positions of its wpe. */
+static int resolve_hf_config(const struct options *o, struct rtp_safetensors *init,
+                             struct gpt_config *c) {
+  if (o->config)
+    return usage_error("--config %s: --init %s is a GPT-2, whose sizes are the file's",
+                       o->config, o->init);
+  int rc = gpt_hf_config(o->init, init, o->n_head, c);
+  if (rc) {
+    fprintf(stderr, "train-gpt: --init %s\n", gpt_hf_error());
+    return rc == RTP_EINVAL ? EXIT_USAGE : rc;
+  }
+  if (o->seq_len > c->seq_len)
+    return usage_error("--seq-len %d: --init %s has %d positions (n_positions)", o->seq_len,
+                       o->init, c->seq_len);
+  if (o->tie_embeddings && !c->tie_embeddings)
+    return usage_error("--tie-embeddings: --init %s has a head of its own (lm_head.weight)",
+                       o->init);
+  return 0;
 }
 
 /* --config (or the sizes of --init or of the checkpoint read), then the size flags on top. */
@@ -493,8 +537,14 @@ static int resolve_config(struct options *o, struct rtp_safetensors *init,
   const struct preset *p = find_preset(o->config ? o->config : "small");
   if (!p) return usage_error("--config must be tiny, small or medium, not '%s'", o->config);
   *c = p->cfg;
-  if (!o->config && init) config_from_file(init, c);
+  if (init && gpt_hf_detect(init)) {
+    int rc = resolve_hf_config(o, init, c);
+    if (rc) return rc;
+  } else if (!o->config && init) {
+    config_from_file(init, c);
+  }
   if (!o->config && ck) config_from_ckpt(ck, c);
+  if (o->tie_embeddings) c->tie_embeddings = true;
   if (o->lr < 0) o->lr = p->lr;
   if (o->n_layer >= 0) c->n_layer = o->n_layer;
   if (o->d_model >= 0) c->d_model = o->d_model;
@@ -830,6 +880,17 @@ static int check_layout(const struct trainer *tr, struct gpt_config c,
             "train-gpt: --strategy tp on %d ranks: the %d heads must split evenly between "
             "them (--n-head a multiple of %d)\n",
             tr->world, c.n_head, tr->world);
+    return EXIT_USAGE;
+  }
+  /* Tied, wte would be on the first stage (the embedding) and on the last (the head), its
+   * two gradients summed across them: not done (the library refuses a parameter read on
+   * two stages). */
+  if (o->pp > 1 && c.tie_embeddings) {
+    fprintf(stderr,
+            "train-gpt: tied embeddings (--tie-embeddings, or a GPT-2 --init) with --pp %d: "
+            "the embedding is on the first stage and the head on the last, and a tied weight "
+            "cannot be split across stages (use --pp 1)\n",
+            o->pp);
     return EXIT_USAGE;
   }
   if (o->pp > c.n_layer) {
@@ -1491,9 +1552,52 @@ static int check_init(const struct trainer *tr, struct rtp_safetensors *st, cons
   return RTP_OK;
 }
 
+/* A Hugging Face GPT-2 must be this model too: a size flag must not make it read a part of
+ * the file (fewer blocks, say); only the positions may be fewer (resolve_hf_config). */
+static int check_hf_init(const struct trainer *tr, struct rtp_safetensors *st,
+                         const char *path) {
+  struct gpt_config f, c = tr->m.cfg;
+  if (gpt_hf_config(path, st, c.n_head, &f)) {
+    fprintf(stderr, "train-gpt: --init %s\n", gpt_hf_error());
+    return RTP_EINVAL;
+  }
+  if (f.vocab == c.vocab && f.d_model == c.d_model && f.n_layer == c.n_layer &&
+      f.seq_len >= c.seq_len && f.tie_embeddings == c.tie_embeddings)
+    return RTP_OK;
+  fprintf(stderr,
+          "train-gpt: --init %s is a GPT-2 of vocab %d, d_model %d, %d blocks%s; the model has "
+          "vocab %d, d_model %d, %d blocks%s (leave the size flags out)\n",
+          path, f.vocab, f.d_model, f.n_layer, f.tie_embeddings ? ", tied" : "", c.vocab,
+          c.d_model, c.n_layer, c.tie_embeddings ? ", tied" : "");
+  return RTP_ESHAPE;
+}
+
+/* Every rank reads each parameter whole (HF's Conv1D weights are the transpose of ours, so
+ * a rank's rows are not rows of the file) and keeps its part. */
+static int load_hf_init(struct trainer *tr, struct rtp_safetensors *st, const char *path) {
+  int rc = check_hf_init(tr, st, path);
+  float *full = rc ? NULL : malloc(largest_param_bytes(&tr->m));
+  if (!rc && !full) rc = fail(RTP_ENOMEM, "--init %s", path);
+  for (int i = 0; i < tr->m.n_params && !rc; i++) {
+    const struct rtp_tensor *p = tr->m.params[i];
+    struct rtp_tensor *mine = rtp_parallel_tensor(tr->par, p);
+    if (!mine) continue; /* another stage's */
+    if (gpt_hf_read(st, p, full)) {
+      fprintf(stderr, "train-gpt: --init %s: %s\n", path, gpt_hf_error());
+      rc = RTP_EFORMAT;
+      break;
+    }
+    rc = rtp_parallel_shard_copy(tr->par, p, full, mine->data);
+    if (rc) rc = fail(rc, "--init %s", path);
+  }
+  free(full);
+  return rc;
+}
+
 /* Each rank reads only its block of every parameter; under tp, whose pieces are not all
  * blocks of rows, each parameter whole, and keeps its part of it. */
 static int load_init(struct trainer *tr, struct rtp_safetensors *st, const char *path) {
+  if (gpt_hf_detect(st)) return load_hf_init(tr, st, path);
   int checked = check_init(tr, st, path);
   if (checked) return checked;
   bool tp = tr->strategy == RTP_STRATEGY_TP;
@@ -1597,9 +1701,15 @@ static int gather_param(struct trainer *tr, int i, float *full) {
   return rc ? fail(rc, "gathering %s", p->name) : RTP_OK;
 }
 
-/* One consolidated file with nanoGPT's names and [out, in] shapes, plus the sizes. */
-static int save_model(const char *path, struct gpt_config c, struct rtp_tensor **t, int n,
-                      int64_t steps) {
+/* One consolidated file with nanoGPT's names and [out, in] shapes, plus the sizes (and
+ * the tying: a tied model has no lm_head.weight); or, --format hf, Hugging Face's GPT-2. */
+static int save_model(const char *path, const char *format, struct gpt_config c,
+                      struct rtp_tensor **t, int n, int64_t steps) {
+  if (strcmp(format, "hf") == 0) {
+    int rc = gpt_hf_save(path, c, t, n);
+    if (rc) fprintf(stderr, "train-gpt: --export %s: %s\n", path, gpt_hf_error());
+    return rc;
+  }
   char v[6][24];
   snprintf(v[0], sizeof(v[0]), "%d", c.vocab);
   snprintf(v[1], sizeof(v[1]), "%d", c.seq_len);
@@ -1607,8 +1717,11 @@ static int save_model(const char *path, struct gpt_config c, struct rtp_tensor *
   snprintf(v[3], sizeof(v[3]), "%d", c.n_layer);
   snprintf(v[4], sizeof(v[4]), "%d", c.n_head);
   snprintf(v[5], sizeof(v[5]), "%" PRId64, steps);
-  const char *meta[] = {"format",  "pt", "vocab",  v[0], "seq_len", v[1], "d_model", v[2],
-                        "n_layer", v[3], "n_head", v[4], "step",    v[5], NULL};
+  const char *meta[] = {"format",  "pt", "vocab",          v[0],
+                        "seq_len", v[1], "d_model",        v[2],
+                        "n_layer", v[3], "n_head",         v[4],
+                        "step",    v[5], "tie_embeddings", c.tie_embeddings ? "1" : "0",
+                        NULL};
   int rc = rtp_safetensors_save(path, t, n, meta);
   return rc ? fail(rc, "--export %s", path) : RTP_OK;
 }
@@ -1625,7 +1738,8 @@ static int export_verdict(struct trainer *tr, int rc, const char *path) {
 
 /* Rank 0 gathers the whole model into a context of its own and writes it; the other
  * ranks take part in the gathers with room for one parameter. */
-static int export_model(struct trainer *tr, const char *path, int64_t steps) {
+static int export_model(struct trainer *tr, const char *path, const char *format,
+                        int64_t steps) {
   struct rtp_tensor *full[5 + 12 * GPT_MAX_LAYERS];
   size_t bytes = (size_t)gpt_n_params(tr->m.cfg) * sizeof(float) +
                  (size_t)tr->m.n_params * 1024 + (1u << 20);
@@ -1647,7 +1761,7 @@ static int export_model(struct trainer *tr, const char *path, int64_t steps) {
     }
     rc = gather_param(tr, i, dst);
   }
-  if (!rc && ctx) rc = save_model(path, tr->m.cfg, full, tr->m.n_params, steps);
+  if (!rc && ctx) rc = save_model(path, format, tr->m.cfg, full, tr->m.n_params, steps);
   rc = export_verdict(tr, rc, path);
   rtp_context_free(ctx);
   free(scratch);
@@ -1664,7 +1778,7 @@ struct ckpt_state {
   char seed[24], batch[24], pos[24], sizes[5][24]; /* sizes: for reading it as a model */
   char sched[3][24];                               /* the schedule's numbers */
   char best[24];
-  const char *kv[27];
+  const char *kv[29]; /* 6 + 10 sizes + 2 tie + 8 schedule + 2 best + NULL */
 };
 
 /* The learning-rate schedule's flags as the checkpoint's state records them; the step is
@@ -1695,6 +1809,8 @@ static struct rtp_ckpt_params ckpt_params(struct trainer *tr, const struct optio
     cs->kv[n++] = size_keys[i];
     cs->kv[n++] = cs->sizes[i];
   }
+  cs->kv[n++] = "tie_embeddings";
+  cs->kv[n++] = c.tie_embeddings ? "1" : "0";
   const char *sched[4];
   sched_text(o, cs->sched, sched);
   for (int i = 0; i < 4 && o->lr_schedule; i++) { /* once resolve_schedule has run */
@@ -1853,6 +1969,17 @@ static int resume_best(struct trainer *tr, const struct rtp_ckpt *c) {
 
 /* The weights, Adam states and step of --ckpt-dir's latest checkpoint, and the schedule's
  * flags left out (resolve_schedule). */
+/* A tied model's checkpoint has no lm_head: resumed untied (or the other way round) the
+ * load would name a missing tensor rather than the flag. Older checkpoints are untied. */
+static int check_resume_tie(const struct rtp_ckpt *c, const struct trainer *tr) {
+  const char *saved = rtp_ckpt_state(c, "tie_embeddings");
+  bool tied = saved && strcmp(saved, "1") == 0;
+  if (tied == tr->m.cfg.tie_embeddings) return RTP_OK;
+  fprintf(stderr, "train-gpt: --resume: %s was saved %s --tie-embeddings: resume %s it\n",
+          rtp_ckpt_path(c), tied ? "with" : "without", tied ? "with" : "without");
+  return EXIT_USAGE;
+}
+
 static int resume(struct trainer *tr, struct options *o, int64_t *step) {
   struct rtp_ckpt *c = NULL;
   struct ckpt_state cs;
@@ -1860,6 +1987,7 @@ static int resume(struct trainer *tr, struct options *o, int64_t *step) {
   if (rc) return fail(rc, "--resume");
   struct rtp_ckpt_params p = ckpt_params(tr, o, &cs, 0);
   rc = check_resume_state(c, &cs);
+  if (!rc) rc = check_resume_tie(c, tr);
   if (!rc) rc = resolve_schedule(o, c);
   if (!rc && (rc = rtp_ckpt_load(c, &p))) fail(rc, "--resume from %s", rtp_ckpt_path(c));
   if (!rc) rc = check_resume_position(c, tr);
@@ -2178,11 +2306,12 @@ static void print_model(const struct trainer *tr, const struct options *o) {
   char data[96] = "";
   if (c.vocab != 256) snprintf(data, sizeof(data), ", vocabulary %d", c.vocab);
   printf(
-      "model: %d layers, d_model %d, %d heads, seq_len %d, %.2fM parameters%s; batch %d%s%s%s, "
-      "lr %g, %s data%s%s\n",
-      c.n_layer, c.d_model, c.n_head, c.seq_len, gpt_n_params(c) / 1e6, data, o->batch, micro,
-      ranks, accum, o->lr, o->data ? o->data : "built-in addition",
-      o->val_data ? ", evaluated on " : "", o->val_data ? o->val_data : "");
+      "model: %d layers, d_model %d, %d heads, seq_len %d, %.2fM parameters%s%s; batch "
+      "%d%s%s%s, lr %g, %s data%s%s\n",
+      c.n_layer, c.d_model, c.n_head, c.seq_len, gpt_n_params(c) / 1e6, data,
+      c.tie_embeddings ? " (tied embeddings)" : "", o->batch, micro, ranks, accum, o->lr,
+      o->data ? o->data : "built-in addition", o->val_data ? ", evaluated on " : "",
+      o->val_data ? o->val_data : "");
   fflush(stdout); /* before the slow work: under rtp-run stdout is a pipe */
 }
 
@@ -2217,7 +2346,8 @@ static int run(struct options *o) {
   if (!rc && train) rc = run_training(&tr, &data, o, first, metrics);
   if (!rc && o->eval_only) rc = run_eval_only(&tr, &data, o);
   /* the export before the sample: rank 0 alone decodes, the others are done by then */
-  if (!rc && o->export_path) rc = export_model(&tr, o->export_path, train ? o->steps : first);
+  if (!rc && o->export_path)
+    rc = export_model(&tr, o->export_path, o->format, train ? o->steps : first);
   if (!rc && o->sample) rc = run_sample(&tr, &data, o, &prompt);
   if (metrics && fclose(metrics) && !rc) rc = fail(RTP_EIO, "--metrics %s", o->metrics);
   trainer_free(&tr);
