@@ -17,6 +17,7 @@ Nothing is downloaded (HF_HUB_OFFLINE). Exit status: 0, 1 error, 77 transformers
 """
 import argparse
 import json
+import struct
 import os
 import sys
 
@@ -49,8 +50,10 @@ def make(a):
         os.remove(os.path.join(a.dir, "config.json"))
 
 
-def windows(path, T):
+def windows(path, T, uint16):
     data = open(path, "rb").read()
+    if uint16:  # nanoGPT's token files: little-endian uint16, nothing else
+        data = struct.unpack(f"<{len(data) // 2}H", data)
     n = (len(data) - 1) // T
     seq = torch.tensor([list(data[i * T:i * T + T + 1]) for i in range(n)], dtype=torch.long)
     return seq[:, :-1], seq[:, 1:]
@@ -59,7 +62,7 @@ def windows(path, T):
 def loss(a):
     model = transformers.GPT2LMHeadModel.from_pretrained(a.dir).double().eval()
     T = a.seq_len or model.config.n_positions
-    idx, targets = windows(a.data, T)
+    idx, targets = windows(a.data, T, a.uint16)
     with torch.no_grad():
         logits = model(idx).logits
         mean = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
@@ -82,12 +85,14 @@ def main():
     m.add_argument("--no-config", action="store_true")
     m.add_argument("--data")
     m.add_argument("--logits")
+    m.add_argument("--uint16", action="store_true", help="DATA holds uint16 tokens, not bytes")
     m.set_defaults(seq_len=None)
     l = sub.add_parser("loss")
     l.add_argument("dir")
     l.add_argument("data")
     l.add_argument("--seq-len", type=int)
     l.add_argument("--logits")
+    l.add_argument("--uint16", action="store_true", help="DATA holds uint16 tokens, not bytes")
     a = ap.parse_args()
     make(a) if a.cmd == "make" else loss(a)
 

@@ -2157,12 +2157,12 @@ const std::string &transformers_python() {
 
 // The reference GPT's logits for data's windows (T + 1 bytes at i*T, every i that fits)
 // under the HF model at path, read through gpt_hf_read, one process.
-std::vector<float> hf_logits(const std::string &path, const std::string &data, int *vocab) {
+std::vector<float> hf_logits(const std::string &path, const std::vector<uint16_t> &text,
+                             int *vocab) {
   rtp_safetensors *st = nullptr;
   EXPECT_EQ(rtp_safetensors_open(path.c_str(), &st), 0) << rtp_last_error();
   gpt_config cfg{};
   EXPECT_EQ(gpt_hf_config(path.c_str(), st, -1, &cfg), 0) << gpt_hf_error();
-  std::string text = slurp(data);
   int T = cfg.seq_len, n = (int)((text.size() - 1) / T);
   rtp_context *ctx = rtp_context_new({gpt_arena_size(cfg, n), nullptr, false, nullptr, 0});
   gpt m{};
@@ -2171,8 +2171,8 @@ std::vector<float> hf_logits(const std::string &path, const std::string &data, i
     EXPECT_EQ(gpt_hf_read(st, m.params[i], (float *)m.params[i]->data), 0) << gpt_hf_error();
   for (int w = 0; w < n; w++)
     for (int t = 0; t < T; t++) {
-      ((int32_t *)m.idx->data)[w * T + t] = (unsigned char)text[w * T + t];
-      ((int32_t *)m.targets->data)[w * T + t] = (unsigned char)text[w * T + t + 1];
+      ((int32_t *)m.idx->data)[w * T + t] = text[w * T + t];
+      ((int32_t *)m.targets->data)[w * T + t] = text[w * T + t + 1];
     }
   rtp_graph *g = rtp_graph_new(ctx, 4096);
   EXPECT_EQ(rtp_graph_build(g, m.logits), 0) << rtp_last_error();
@@ -2193,28 +2193,30 @@ std::vector<float> hf_logits(const std::string &path, const std::string &data, i
 // config.json of another activation is refused, naming it.
 TEST(TrainGptHf, InitGivesTransformersLogitsAndLoss) {
   SKIP_WITHOUT_TRANSFORMERS();
-  std::string dir = tmp_dir() + "hf-made", data = write_data_file();
+  const std::vector<uint16_t> tokens = token_stream(4000);  // below the model's 300
+  std::string dir = tmp_dir() + "hf-made", data = write_uint16("hf-tokens.bin", tokens);
   std::string model = dir + "/model.safetensors", want_logits = dir + "/logits.f32";
   Result made = run({transformers_python(), HF_GPT2, "make", dir, "--vocab", "300", "--data",
-                     data, "--logits", want_logits});
+                     data, "--uint16", "--logits", want_logits});
   ASSERT_EQ(made.code, 0) << made.out << made.err;
   double want = json_value(made.out, "loss");
   ASSERT_TRUE(std::isfinite(want)) << made.out;
 
-  Result eval = run(train_gpt("--eval-only", {"--init", model, "--data", data}));
+  Result eval =
+      run(train_gpt("--eval-only", {"--init", model, "--data", data, "--vocab", "300"}));
   ASSERT_EQ(eval.code, 0) << eval.err;
   double got = json_value(eval.out, "eval_loss");
   std::printf("transformers %.9f, train-gpt --init %.9f\n", want, got);
   EXPECT_NEAR(got, want, 1e-4 * want);
   for (const std::string st : {"rtp", "fsdp", "ddp", "tp"}) {  // each rank keeps its part
     Result r = run(on_ranks(2, "--eval-only --threads 1 --strategy " + st,
-                            {"--init", model, "--data", data}));
+                            {"--init", model, "--data", data, "--vocab", "300"}));
     ASSERT_EQ(r.code, 0) << st << ": " << r.err;
     EXPECT_NEAR(json_value(r.out.substr(r.out.find('{')), "eval_loss"), got, 1e-6 * got) << st;
   }
 
   int vocab = 0;
-  std::vector<float> logits = hf_logits(model, data, &vocab);
+  std::vector<float> logits = hf_logits(model, tokens, &vocab);
   std::string ref_bytes = slurp(want_logits);
   ASSERT_EQ(ref_bytes.size(), logits.size() * sizeof(float));
   const float *ref = (const float *)ref_bytes.data();
@@ -2230,14 +2232,15 @@ TEST(TrainGptHf, InitGivesTransformersLogitsAndLoss) {
   std::string alone = tmp_dir() + "hf-alone";
   ASSERT_EQ(mkdir(alone.c_str(), 0700), 0);
   std::ofstream(alone + "/model.safetensors", std::ios::binary) << slurp(model);
-  Result no_heads =
-      run(train_gpt("--eval-only", {"--init", alone + "/model.safetensors", "--data", data}));
+  Result no_heads = run(train_gpt("--eval-only", {"--init", alone + "/model.safetensors",
+                                                  "--data", data, "--vocab", "300"}));
   EXPECT_EQ(no_heads.code, 2) << no_heads.err;
   EXPECT_NE(no_heads.err.find("give --n-head N, or put the model's config.json beside it"),
             std::string::npos)
       << no_heads.err;
-  Result heads = run(train_gpt("--eval-only --n-head 4",
-                               {"--init", alone + "/model.safetensors", "--data", data}));
+  Result heads =
+      run(train_gpt("--eval-only --n-head 4", {"--init", alone + "/model.safetensors", "--data",
+                                               data, "--vocab", "300"}));
   ASSERT_EQ(heads.code, 0) << heads.err;
   EXPECT_EQ(json_value(heads.out, "eval_loss"), got);
 
@@ -2245,8 +2248,8 @@ TEST(TrainGptHf, InitGivesTransformersLogitsAndLoss) {
   ASSERT_NE(config.find(from), std::string::npos) << config;
   std::ofstream(alone + "/config.json")
       << config.replace(config.find(from), from.size(), "\"gelu\"");
-  Result exact =
-      run(train_gpt("--eval-only", {"--init", alone + "/model.safetensors", "--data", data}));
+  Result exact = run(train_gpt("--eval-only", {"--init", alone + "/model.safetensors", "--data",
+                                               data, "--vocab", "300"}));
   EXPECT_NE(exact.code, 0);
   EXPECT_NE(exact.err.find("activation_function \"gelu\""), std::string::npos) << exact.err;
 }

@@ -2184,9 +2184,9 @@ static bool uses_data(const struct options *o, const struct rtp_ckpt *ck) {
   return o->eval_only || (!ck && o->steps > 0) || (o->sample && !o->prompt);
 }
 
-/* The model's vocabulary: that of the model read (--init's metadata, or the checkpoint's
- * state), else the data's. A model read must fit the data it uses: a byte model (256)
- * bytes, a token model tokens below its vocabulary. */
+/* The model's vocabulary: that of the model read (--init's metadata or a GPT-2's shapes,
+ * or the checkpoint's state), else the data's. A model read must fit the data it uses: a byte
+ * model (256) bytes, a token model tokens below its vocabulary. */
 static int resolve_vocab(const struct options *o, struct rtp_safetensors *init,
                          const struct rtp_ckpt *ck, const struct dataset *d,
                          struct gpt_config *c) {
@@ -2196,6 +2196,8 @@ static int resolve_vocab(const struct options *o, struct rtp_safetensors *init,
   int v = 0;
   if (init && meta_int(init, "vocab", &v) == 1)
     c->vocab = v;
+  else if (init && gpt_hf_detect(init))
+    ; /* a GPT-2's is its wte's rows, which resolve_config read */
   else if (s && *s && !*end && saved > 0 && saved <= GPT_MAX_SIZE)
     c->vocab = (int)saved;
   else
