@@ -238,13 +238,24 @@ static void read_blame(struct blame_line *b) {
   }
 }
 
-/* Whether the blamed rank is the job's fault: it did not finish well here (it may run on
- * another node, where it is taken at the reporter's word). */
-static bool at_fault(const struct rank *rs, int n, int blamed) {
-  if (blamed < 0) return false;
+/* The exit code of a blamed rank that quit by itself with an error (its peers saw it leave,
+ * so it failed first: it printed why, and was not lost); 0 otherwise. */
+static int quit_with_error(const struct rank *rs, int n, int blamed) {
   for (int l = 0; l < n; l++)
-    if (rs[l].rank == blamed)
-      return !(WIFEXITED(rs[l].status) && WEXITSTATUS(rs[l].status) == 0 && !rs[l].running);
+    if (rs[l].rank == blamed && !rs[l].running && !rs[l].sent && WIFEXITED(rs[l].status))
+      return WEXITSTATUS(rs[l].status);
+  return 0;
+}
+
+/* Whether the blamed rank is the job's fault: it did not finish well here (it may run on
+ * another node, where it is taken at the reporter's word), and was not lost because
+ * rtp-run itself stopped it after another rank's failure. */
+static bool at_fault(const struct rank *rs, int n, const struct blame_line *bl) {
+  if (bl->blamed < 0) return false;
+  for (int l = 0; l < n; l++)
+    if (rs[l].rank == bl->blamed)
+      return !(WIFEXITED(rs[l].status) && WEXITSTATUS(rs[l].status) == 0 && !rs[l].running) &&
+             !(rs[l].sent && strcmp(bl->why, "lost") == 0);
   return true;
 }
 
@@ -526,7 +537,11 @@ int main(int argc, char **argv) {
       emit(&rs[l].out[k], rs[l].rank, true);
     }
   read_blame(&bl);
-  if (failed_rank >= 0 && !failed_crash && at_fault(rs, nproc, bl.blamed))
+  int quit = failed_rank >= 0 && !failed_crash ? quit_with_error(rs, nproc, bl.blamed) : 0;
+  if (quit)
+    fprintf(stderr, "rtp-run: job failed: rank %d failed first (exit code %d)\n", bl.blamed,
+            quit);
+  else if (failed_rank >= 0 && !failed_crash && at_fault(rs, nproc, &bl))
     fprintf(stderr, "rtp-run: job failed: rank %d %s (rank %d noticed; exit code %d)\n",
             bl.blamed, strcmp(bl.why, "silent") == 0 ? "went silent" : "was lost", bl.reporter,
             exit_code);
