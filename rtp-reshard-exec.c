@@ -1,0 +1,402 @@
+/* rtp-reshard-exec.c - cross-mesh resharding's execution: this rank's part of a plan
+ * (rtp-reshard.c) as graph nodes. Each slice's broadcast is a chain, sender -> r1 -> r2 ...,
+ * cut into chunks that each hop forwards as soon as they arrive (rtp_send, rtp_sendrecv,
+ * rtp_recv nodes); a receiver that holds the slice copies it locally. docs/resharding.md.
+ *
+ * Deadlock freedom: every transfer (slice s, chunk k, hop j) has the key (s, k + LOOKAHEAD·j),
+ * the same at both of its ends. Each rank appends its nodes in increasing key, and a node
+ * only ever waits for transfers of smaller keys. So the transfer of smallest key not yet
+ * done is posted at both ends (neither end can be stuck behind it), and completes: by
+ * induction all do. Both ends also post the transfers between two ranks in the same order,
+ * which is what matches the k-th send to the k-th recv. */
+#include "rtp-impl.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* Chunks a chain's receiver has asked for beyond the one it forwards: with 2, the next
+ * chunk's ready-to-receive is always with the sender before the current chunk is done. */
+#define LOOKAHEAD 2
+/* Sends nobody reads (a sender's chunks, a chain's last forwards) that a rank keeps in
+ * flight before a copy waits for the oldest: the communicator's requests are a fixed pool. */
+#define WINDOW 8
+
+/* ---- where this rank's local tensor holds the global one ------------------------------ */
+
+/* Per dimension, the distinct intervals of the slices a rank holds (or receives), sorted:
+ * its local tensor is their concatenation, as the layouts' blocks (and groups) are. */
+struct local_map {
+  int n[RTP_MAX_DIMS];
+  int64_t *first[RTP_MAX_DIMS], *at[RTP_MAX_DIMS]; /* global first, local first */
+  int64_t ne[RTP_MAX_DIMS];                        /* the local tensor's shape */
+};
+
+static int cmp_pair(const void *a, const void *b) {
+  int64_t x = ((const int64_t *)a)[0], y = ((const int64_t *)b)[0];
+  return (x > y) - (x < y);
+}
+
+static bool has_rank(const int *ranks, int n, int rank) {
+  for (int i = 0; i < n; i++)
+    if (ranks[i] == rank) return true;
+  return false;
+}
+
+static void map_free(struct local_map *m) {
+  for (int d = 0; d < RTP_MAX_DIMS; d++) free(m->first[d]);
+}
+
+/* The map of the slices that `in` selects (holders or receivers of rank). false when out
+ * of memory; m->n[0] == 0 when the rank is in none. */
+static bool map_init(struct local_map *m, const struct rtp_reshard *r, int rank, bool holders) {
+  memset(m, 0, sizeof(*m));
+  for (int d = 0; d < RTP_MAX_DIMS; d++) {
+    int64_t *pairs = malloc(sizeof(int64_t) * 2 * (size_t)(r->n_slices + 1));
+    if (!pairs) {
+      map_free(m);
+      return false;
+    }
+    int k = 0;
+    for (int i = 0; i < r->n_slices; i++) {
+      const struct rtp_reshard_slice *s = &r->slices[i];
+      if (!(holders ? has_rank(s->holders, s->n_holders, rank)
+                    : has_rank(s->receivers, s->n_receivers, rank)))
+        continue;
+      pairs[2 * k] = s->first[d];
+      pairs[2 * k++ + 1] = s->len[d];
+    }
+    qsort(pairs, (size_t)k, 2 * sizeof(int64_t), cmp_pair);
+    /* the planner's intervals in a dimension are equal or disjoint: keep one of each */
+    int u = 0;
+    for (int i = 0; i < k; i++)
+      if (u == 0 || pairs[2 * (u - 1)] != pairs[2 * i]) {
+        pairs[2 * u] = pairs[2 * i];
+        pairs[2 * u++ + 1] = pairs[2 * i + 1];
+      }
+    /* the same memory, rewritten as (global first, local first) */
+    int64_t at = 0;
+    for (int i = 0; i < u; i++) {
+      int64_t len = pairs[2 * i + 1];
+      pairs[2 * i + 1] = at;
+      at += len;
+    }
+    m->first[d] = pairs;
+    m->n[d] = u;
+    m->ne[d] = at;
+  }
+  return true;
+}
+
+/* The local index of global index x of dimension d (x in one of the map's intervals). */
+static int64_t map_local(const struct local_map *m, int d, int64_t x) {
+  const int64_t *p = m->first[d];
+  int lo = 0, hi = m->n[d] - 1;
+  while (lo < hi) { /* the last interval that starts at or before x */
+    int mid = (lo + hi + 1) / 2;
+    if (p[2 * mid] <= x)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return p[2 * lo + 1] + (x - p[2 * lo]);
+}
+
+/* ---- chunks -------------------------------------------------------------------------- */
+
+/* A slice cut into boxes of about `bytes`: whole along the dimensions below e, `rows`
+ * indices along e, one index along those above. */
+struct chunking {
+  int e;
+  int64_t rows, per; /* per: chunks along e for each index above it */
+  int64_t count;
+};
+
+static struct chunking chunking_of(const struct rtp_reshard_slice *s, size_t esize,
+                                   size_t bytes) {
+  struct chunking c = {0, 1, 1, 1};
+  size_t unit = esize; /* bytes of one index along dimension c.e */
+  while (c.e < RTP_MAX_DIMS - 1 && unit * (size_t)s->len[c.e] <= bytes)
+    unit *= (size_t)s->len[c.e++];
+  c.rows = bytes / unit < (size_t)s->len[c.e] ? (int64_t)(bytes / unit) : s->len[c.e];
+  if (c.rows < 1) c.rows = 1;
+  c.per = (s->len[c.e] + c.rows - 1) / c.rows;
+  c.count = c.per;
+  for (int d = c.e + 1; d < RTP_MAX_DIMS; d++) c.count *= s->len[d];
+  return c;
+}
+
+/* Chunk k of slice s, in global indices. */
+static void chunk_box(const struct rtp_reshard_slice *s, const struct chunking *c, int64_t k,
+                      int64_t first[RTP_MAX_DIMS], int64_t len[RTP_MAX_DIMS]) {
+  int64_t rest = k / c->per, i = k % c->per;
+  for (int d = 0; d < RTP_MAX_DIMS; d++) {
+    first[d] = s->first[d];
+    len[d] = s->len[d];
+    if (d == c->e) {
+      first[d] += i * c->rows;
+      len[d] = i * c->rows + c->rows <= s->len[d] ? c->rows : s->len[d] - i * c->rows;
+    } else if (d > c->e) {
+      first[d] += rest % s->len[d];
+      len[d] = 1;
+      rest /= s->len[d];
+    }
+  }
+}
+
+/* ---- the nodes ------------------------------------------------------------------------ */
+
+struct exec {
+  struct rtp_context *ctx;
+  struct rtp_graph *g;
+  struct rtp_comm *comm;
+  const struct rtp_reshard *r;
+  struct rtp_tensor *src, *dst;
+  struct local_map smap, dmap;
+  size_t esize, chunk_bytes;
+  int me;         /* this rank's job rank */
+  int *comm_rank; /* job rank -> rank in comm (-1: not in it), for ranks < n_job */
+  int n_job;      /* one more than the largest job rank of comm */
+  struct rtp_tensor *unread[WINDOW + 2]; /* sends nobody reads yet, oldest first */
+  int n_unread;
+  int rc;
+};
+
+/* Appends t (and what it reads that g does not have yet) to g. */
+static struct rtp_tensor *add(struct exec *x, struct rtp_tensor *t) {
+  if (x->rc) return NULL;
+  if (!t) {
+    x->rc = rtp_context_error(x->ctx, NULL);
+    if (!x->rc) x->rc = rtp__ctx_error(x->ctx, RTP_ENOMEM, "rtp_reshard_build: out of memory");
+    return NULL;
+  }
+  if ((x->rc = rtp_graph_build(x->g, t))) return NULL;
+  return t;
+}
+
+/* Where box (global first, len) lies in local tensor t of map m: byte offset. */
+static size_t box_offset(const struct local_map *m, const struct rtp_tensor *t,
+                         const int64_t *first) {
+  size_t off = 0;
+  for (int d = 0; d < RTP_MAX_DIMS; d++) off += (size_t)map_local(m, d, first[d]) * t->nb[d];
+  return off;
+}
+
+/* A view of the box of this rank's source tensor. */
+static struct rtp_tensor *src_box(struct exec *x, const int64_t *first, const int64_t *len) {
+  if (x->rc) return NULL;
+  return rtp_view(x->ctx, x->src, RTP_MAX_DIMS, len, x->src->nb,
+                  box_offset(&x->smap, x->src, first));
+}
+
+/* The oldest unread sends, for a copy to wait for through its spare sources (up to n):
+ * waiting is what bounds the requests in flight. Only sends at least two posts back are
+ * taken, so the copy waits for a smaller key than its own (the deadlock argument). */
+static void take_unread(struct exec *x, struct rtp_tensor *t, int first_spare, int n) {
+  for (int k = first_spare; k < first_spare + n && x->n_unread >= WINDOW; k++) {
+    t->src[k] = x->unread[0];
+    memmove(x->unread, x->unread + 1, sizeof(x->unread[0]) * (size_t)--x->n_unread);
+  }
+}
+
+static void note_unread(struct exec *x, struct rtp_tensor *send) {
+  if (!send) return;
+  RTP_ASSERT(x->n_unread < WINDOW + 2); /* each item adds one, and its copy takes one back */
+  x->unread[x->n_unread++] = send;
+}
+
+/* A copy of `from` into the box (first, len) of this rank's destination tensor: a DUP whose
+ * result is that memory (the kernels write a result at its strides). It reads dst too
+ * (src[1]), so that a planned dst lives through every write into it. */
+static struct rtp_tensor *copy_into_dst(struct exec *x, struct rtp_tensor *from,
+                                        const int64_t *first, const char *what, int s,
+                                        int64_t k) {
+  if (x->rc || !from) return NULL;
+  struct rtp_tensor *base = x->dst->view_src ? x->dst->view_src : x->dst;
+  struct rtp_tensor *t = rtp__new_node(x->ctx, RTP_OP_DUP, x->dst->type, from->ne, from, base);
+  if (!t) return add(x, NULL);
+  memcpy(t->nb, x->dst->nb, sizeof(t->nb));
+  t->view_src = base;
+  t->view_offs = x->dst->view_offs + box_offset(&x->dmap, x->dst, first);
+  if (base->data) t->data = (char *)base->data + t->view_offs;
+  rtp_tensor_set_name(t, "reshard.%s.%d.%lld", what, s, (long long)k);
+  take_unread(x, t, 2, 1);
+  return add(x, t);
+}
+
+/* Slice s's chain on this rank: the sender packs and sends each chunk; a receiver at
+ * position j of m asks for LOOKAHEAD chunks ahead, forwards each chunk (with the request
+ * for a later one, in one sendrecv) as soon as it is there, and copies it into dst. */
+static void chain(struct exec *x, int s, const struct rtp_reshard_slice *sl) {
+  int m = sl->n_receivers - sl->n_local, j = -1;
+  if (sl->sender == x->me)
+    j = 0;
+  else
+    for (int i = sl->n_local; i < sl->n_receivers; i++)
+      if (sl->receivers[i] == x->me) j = i - sl->n_local + 1;
+  if (j < 0 || m == 0) return;
+  int prev =
+      j > 0 ? x->comm_rank[j == 1 ? sl->sender : sl->receivers[sl->n_local + j - 2]] : -1;
+  int next = j < m ? x->comm_rank[sl->receivers[sl->n_local + j]] : -1;
+  struct chunking c = chunking_of(sl, x->esize, x->chunk_bytes);
+  int64_t first[RTP_MAX_DIMS], len[RTP_MAX_DIMS];
+  if (j == 0) {
+    for (int64_t k = 0; k < c.count && !x->rc; k++) {
+      chunk_box(sl, &c, k, first, len);
+      struct rtp_tensor *p = x->rc ? NULL : rtp_dup(x->ctx, src_box(x, first, len));
+      if (p) {
+        rtp_tensor_set_name(p, "reshard.pack.%d.%lld", s, (long long)k);
+        take_unread(x, p, 1, 2);
+      }
+      if (!add(x, p)) return;
+      note_unread(x, add(x, rtp_send(x->ctx, x->comm, p, next, NULL)));
+    }
+    return;
+  }
+  /* got[k % (LOOKAHEAD + 1)]: the node whose result is chunk k */
+  struct rtp_tensor *got[LOOKAHEAD + 1] = {0};
+  for (int64_t k = 0; k < c.count && k < LOOKAHEAD; k++) {
+    chunk_box(sl, &c, k, first, len);
+    struct rtp_tensor *buf = rtp__new_node(x->ctx, RTP_OP_EMPTY, x->dst->type, len, NULL, NULL);
+    got[k] = add(x, rtp_recv(x->ctx, x->comm, buf, prev, NULL));
+  }
+  for (int64_t k = 0; k < c.count && !x->rc; k++) {
+    struct rtp_tensor *have = got[k % (LOOKAHEAD + 1)], *more = NULL;
+    struct rtp_tensor *buf = NULL;
+    if (k + LOOKAHEAD < c.count) {
+      chunk_box(sl, &c, k + LOOKAHEAD, first, len);
+      buf = rtp__new_node(x->ctx, RTP_OP_EMPTY, x->dst->type, len, NULL, NULL);
+      if (!buf) return (void)add(x, NULL);
+    }
+    if (next >= 0 && buf)
+      more = add(x, rtp_sendrecv(x->ctx, x->comm, have, next, buf, prev, NULL));
+    else if (next >= 0)
+      note_unread(x, add(x, rtp_send(x->ctx, x->comm, have, next, NULL)));
+    else if (buf)
+      more = add(x, rtp_recv(x->ctx, x->comm, buf, prev, NULL));
+    got[(k + LOOKAHEAD) % (LOOKAHEAD + 1)] = more;
+    chunk_box(sl, &c, k, first, len);
+    copy_into_dst(x, have, first, "chunk", s, k);
+  }
+}
+
+/* The slices in the order every rank appends them: by round, the broadcasts that cross no
+ * NIC (local copies, same-host chains) last, then by index. */
+static int *slice_order(const struct rtp_reshard *r) {
+  int *order = malloc(sizeof(int) * (size_t)(r->n_slices + 1)), k = 0;
+  if (!order) return NULL;
+  for (int q = 0; q < r->n_rounds; q++)
+    for (int i = 0; i < r->n_slices; i++)
+      if (r->slices[i].round == q) order[k++] = i;
+  for (int i = 0; i < r->n_slices; i++)
+    if (r->slices[i].round < 0) order[k++] = i;
+  return order;
+}
+
+/* ---- checks ---------------------------------------------------------------------------- */
+
+static int check_tensor(struct exec *x, const char *which, const struct rtp_tensor *t,
+                        const struct local_map *m, bool needed) {
+  if (!t) {
+    if (!needed) return RTP_OK;
+    return rtp__ctx_error(x->ctx, RTP_EINVAL,
+                          "rtp_reshard_build: rank %d %s the tensor but its %s is NULL", x->me,
+                          which[0] == 's' ? "sends or copies" : "receives", which);
+  }
+  char shape[128];
+  rtp__shape_str(t, shape, sizeof(shape));
+  if ((t->type != RTP_TYPE_F32 && t->type != RTP_TYPE_BF16) ||
+      rtp_type_size(t->type) != x->esize || !rtp_tensor_is_contiguous(t))
+    return rtp__ctx_error(x->ctx, RTP_ESHAPE,
+                          "rtp_reshard_build: %s %s must be contiguous f32 or bf16 with the "
+                          "plan's %zu-byte elements",
+                          which, shape, x->esize);
+  if (m->n[0] == 0) return RTP_OK; /* an empty block: this rank holds nothing */
+  for (int d = 0; d < RTP_MAX_DIMS; d++)
+    if (t->ne[d] != m->ne[d])
+      return rtp__ctx_error(
+          x->ctx, RTP_ESHAPE,
+          "rtp_reshard_build: rank %d's %s is %s, its block of the layout is %lld x %lld x "
+          "%lld x %lld",
+          x->me, which, shape, (long long)m->ne[0], (long long)m->ne[1], (long long)m->ne[2],
+          (long long)m->ne[3]);
+  return RTP_OK;
+}
+
+/* comm_rank[job rank] for comm's ranks; every rank a slice names must be there. */
+static int map_comm(struct exec *x) {
+  int n = rtp_comm_size(x->comm), n_job = 0;
+  for (int i = 0; i < n; i++)
+    if (rtp_comm_world_rank(x->comm, i) + 1 > n_job)
+      n_job = rtp_comm_world_rank(x->comm, i) + 1;
+  if (!(x->comm_rank = malloc(sizeof(int) * (size_t)n_job)))
+    return rtp__ctx_error(x->ctx, RTP_ENOMEM, "rtp_reshard_build: out of memory");
+  x->n_job = n_job;
+  for (int i = 0; i < n_job; i++) x->comm_rank[i] = -1;
+  for (int i = 0; i < n; i++) x->comm_rank[rtp_comm_world_rank(x->comm, i)] = i;
+  x->me = rtp_comm_world_rank(x->comm, rtp_comm_rank(x->comm));
+  for (int i = 0; i < x->r->n_slices; i++) {
+    const struct rtp_reshard_slice *s = &x->r->slices[i];
+    for (int k = -1; k < s->n_receivers; k++) {
+      int q = k < 0 ? s->sender : s->receivers[k];
+      if (q >= 0 && (q >= n_job || x->comm_rank[q] < 0))
+        return rtp__ctx_error(x->ctx, RTP_EINVAL,
+                              "rtp_reshard_build: the plan moves data of rank %d, which is not "
+                              "in the communicator",
+                              q);
+    }
+  }
+  return RTP_OK;
+}
+
+/* Whether this rank sends or copies locally (needs src), and receives (needs dst). */
+static void roles(const struct exec *x, bool *sends, bool *receives) {
+  *sends = *receives = false;
+  for (int i = 0; i < x->r->n_slices; i++) {
+    const struct rtp_reshard_slice *s = &x->r->slices[i];
+    bool local = has_rank(s->receivers, s->n_local, x->me);
+    *sends |= s->sender == x->me || local;
+    *receives |=
+        local || has_rank(s->receivers + s->n_local, s->n_receivers - s->n_local, x->me);
+  }
+}
+
+int rtp_reshard_build(struct rtp_context *ctx, struct rtp_graph *g, struct rtp_comm *comm,
+                      const struct rtp_reshard *r, struct rtp_tensor *src,
+                      struct rtp_tensor *dst, size_t chunk_bytes) {
+  if (!ctx || !g || !comm || !r || r->n_slices < 1)
+    return rtp__ctx_error(ctx, RTP_EINVAL,
+                          "rtp_reshard_build: NULL context, graph, communicator or plan");
+  struct exec x = {.ctx = ctx, .g = g, .comm = comm, .r = r, .src = src, .dst = dst};
+  const struct rtp_reshard_slice *s0 = &r->slices[0];
+  x.esize = s0->nbytes / (size_t)(s0->len[0] * s0->len[1] * s0->len[2] * s0->len[3]);
+  x.chunk_bytes = chunk_bytes ? chunk_bytes : RTP_RESHARD_CHUNK;
+  int rc = map_comm(&x);
+  bool sends = false, receives = false, maps = false;
+  if (!rc) {
+    roles(&x, &sends, &receives);
+    maps = map_init(&x.smap, r, x.me, true);
+    if (maps && !map_init(&x.dmap, r, x.me, false)) {
+      map_free(&x.smap);
+      maps = false;
+    }
+    if (!maps) rc = rtp__ctx_error(ctx, RTP_ENOMEM, "rtp_reshard_build: out of memory");
+  }
+  if (!rc) rc = check_tensor(&x, "source", src, &x.smap, sends);
+  if (!rc) rc = check_tensor(&x, "destination", dst, &x.dmap, receives);
+  int *order = rc ? NULL : slice_order(r);
+  if (!rc && !order) rc = rtp__ctx_error(ctx, RTP_ENOMEM, "rtp_reshard_build: out of memory");
+  for (int i = 0; !rc && i < r->n_slices; i++) {
+    const struct rtp_reshard_slice *sl = &r->slices[order[i]];
+    if (has_rank(sl->receivers, sl->n_local, x.me))
+      copy_into_dst(&x, src_box(&x, sl->first, sl->len), sl->first, "local", order[i], 0);
+    chain(&x, order[i], sl);
+    rc = x.rc;
+  }
+  free(order);
+  free(x.comm_rank);
+  if (maps) {
+    map_free(&x.smap);
+    map_free(&x.dmap);
+  }
+  return rc;
+}
