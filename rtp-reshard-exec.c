@@ -27,8 +27,8 @@
  * its local tensor is their concatenation, as the layouts' blocks (and groups) are. */
 struct local_map {
   int n[RTP_MAX_DIMS];
-  int64_t *first[RTP_MAX_DIMS], *at[RTP_MAX_DIMS]; /* global first, local first */
-  int64_t ne[RTP_MAX_DIMS];                        /* the local tensor's shape */
+  int64_t *first[RTP_MAX_DIMS]; /* n pairs: an interval's global first, its local first */
+  int64_t ne[RTP_MAX_DIMS];     /* the local tensor's shape */
 };
 
 static int cmp_pair(const void *a, const void *b) {
@@ -46,8 +46,8 @@ static void map_free(struct local_map *m) {
   for (int d = 0; d < RTP_MAX_DIMS; d++) free(m->first[d]);
 }
 
-/* The map of the slices that `in` selects (holders or receivers of rank). false when out
- * of memory; m->n[0] == 0 when the rank is in none. */
+/* The map of the slices rank holds (holders) or receives. false when out of memory;
+ * m->n[0] == 0 when the rank is in none. */
 static bool map_init(struct local_map *m, const struct rtp_reshard *r, int rank, bool holders) {
   memset(m, 0, sizeof(*m));
   for (int d = 0; d < RTP_MAX_DIMS; d++) {
@@ -223,6 +223,11 @@ static struct rtp_tensor *copy_into_dst(struct exec *x, struct rtp_tensor *from,
   return add(x, t);
 }
 
+/* A transfer of chunk k of slice s, named so for traces ("reshard.3.0 send to 2"). */
+static struct rtp_tensor *named(struct rtp_tensor *t, int s, int64_t k) {
+  return t ? rtp_tensor_set_name(t, "reshard.%d.%lld", s, (long long)k) : NULL;
+}
+
 /* Slice s's chain on this rank: the sender packs and sends each chunk; a receiver at
  * position j of m asks for LOOKAHEAD chunks ahead, forwards each chunk (with the request
  * for a later one, in one sendrecv) as soon as it is there, and copies it into dst. */
@@ -248,7 +253,7 @@ static void chain(struct exec *x, int s, const struct rtp_reshard_slice *sl) {
         take_unread(x, p, 1, 2);
       }
       if (!add(x, p)) return;
-      note_unread(x, add(x, rtp_send(x->ctx, x->comm, p, next, NULL)));
+      note_unread(x, add(x, named(rtp_send(x->ctx, x->comm, p, next, NULL), s, k)));
     }
     return;
   }
@@ -257,7 +262,7 @@ static void chain(struct exec *x, int s, const struct rtp_reshard_slice *sl) {
   for (int64_t k = 0; k < c.count && k < LOOKAHEAD; k++) {
     chunk_box(sl, &c, k, first, len);
     struct rtp_tensor *buf = rtp__new_node(x->ctx, RTP_OP_EMPTY, x->dst->type, len, NULL, NULL);
-    got[k] = add(x, rtp_recv(x->ctx, x->comm, buf, prev, NULL));
+    got[k] = add(x, named(rtp_recv(x->ctx, x->comm, buf, prev, NULL), s, k));
   }
   for (int64_t k = 0; k < c.count && !x->rc; k++) {
     struct rtp_tensor *have = got[k % (LOOKAHEAD + 1)], *more = NULL;
@@ -268,11 +273,11 @@ static void chain(struct exec *x, int s, const struct rtp_reshard_slice *sl) {
       if (!buf) return (void)add(x, NULL);
     }
     if (next >= 0 && buf)
-      more = add(x, rtp_sendrecv(x->ctx, x->comm, have, next, buf, prev, NULL));
+      more = add(x, named(rtp_sendrecv(x->ctx, x->comm, have, next, buf, prev, NULL), s, k));
     else if (next >= 0)
-      note_unread(x, add(x, rtp_send(x->ctx, x->comm, have, next, NULL)));
+      note_unread(x, add(x, named(rtp_send(x->ctx, x->comm, have, next, NULL), s, k)));
     else if (buf)
-      more = add(x, rtp_recv(x->ctx, x->comm, buf, prev, NULL));
+      more = add(x, named(rtp_recv(x->ctx, x->comm, buf, prev, NULL), s, k));
     got[(k + LOOKAHEAD) % (LOOKAHEAD + 1)] = more;
     chunk_box(sl, &c, k, first, len);
     copy_into_dst(x, have, first, "chunk", s, k);
@@ -280,27 +285,34 @@ static void chain(struct exec *x, int s, const struct rtp_reshard_slice *sl) {
 }
 
 /* The slices in the order every rank appends them: by round, the broadcasts that cross no
- * NIC (local copies, same-host chains) last, then by index. */
+ * NIC (local copies, same-host chains) last, then by index (a counting sort). */
 static int *slice_order(const struct rtp_reshard *r) {
-  int *order = malloc(sizeof(int) * (size_t)(r->n_slices + 1)), k = 0;
+  int *order = malloc(sizeof(int) * (size_t)(r->n_slices + r->n_rounds + 2));
   if (!order) return NULL;
-  for (int q = 0; q < r->n_rounds; q++)
-    for (int i = 0; i < r->n_slices; i++)
-      if (r->slices[i].round == q) order[k++] = i;
-  for (int i = 0; i < r->n_slices; i++)
-    if (r->slices[i].round < 0) order[k++] = i;
+  int *at = order + r->n_slices; /* at[q + 1]: where round q's slices go; at[0]: round -1 */
+  memset(at, 0, sizeof(int) * (size_t)(r->n_rounds + 2));
+  for (int i = 0; i < r->n_slices; i++) at[r->slices[i].round + 1]++;
+  int next = 0;
+  for (int q = 1; q <= r->n_rounds; q++) {
+    int n = at[q];
+    at[q] = next;
+    next += n;
+  }
+  at[0] = next;
+  for (int i = 0; i < r->n_slices; i++) order[at[r->slices[i].round + 1]++] = i;
   return order;
 }
 
 /* ---- checks ---------------------------------------------------------------------------- */
 
+/* t (src or dst: `which`, which this rank needs to `need`, or NULL) against the plan. */
 static int check_tensor(struct exec *x, const char *which, const struct rtp_tensor *t,
-                        const struct local_map *m, bool needed) {
+                        const struct local_map *m, const char *need) {
   if (!t) {
-    if (!needed) return RTP_OK;
+    if (!need) return RTP_OK;
     return rtp__ctx_error(x->ctx, RTP_EINVAL,
-                          "rtp_reshard_build: rank %d %s the tensor but its %s is NULL", x->me,
-                          which[0] == 's' ? "sends or copies" : "receives", which);
+                          "rtp_reshard_build: rank %d %s but its %s is NULL", x->me, need,
+                          which);
   }
   char shape[128];
   rtp__shape_str(t, shape, sizeof(shape));
@@ -381,8 +393,8 @@ int rtp_reshard_build(struct rtp_context *ctx, struct rtp_graph *g, struct rtp_c
     }
     if (!maps) rc = rtp__ctx_error(ctx, RTP_ENOMEM, "rtp_reshard_build: out of memory");
   }
-  if (!rc) rc = check_tensor(&x, "source", src, &x.smap, sends);
-  if (!rc) rc = check_tensor(&x, "destination", dst, &x.dmap, receives);
+  if (!rc) rc = check_tensor(&x, "source", src, &x.smap, sends ? "sends or copies" : NULL);
+  if (!rc) rc = check_tensor(&x, "destination", dst, &x.dmap, receives ? "receives" : NULL);
   int *order = rc ? NULL : slice_order(r);
   if (!rc && !order) rc = rtp__ctx_error(ctx, RTP_ENOMEM, "rtp_reshard_build: out of memory");
   for (int i = 0; !rc && i < r->n_slices; i++) {
