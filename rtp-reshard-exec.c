@@ -1,14 +1,17 @@
 /* rtp-reshard-exec.c - cross-mesh resharding's execution: this rank's part of a plan
  * (rtp-reshard.c) as graph nodes. Each slice's broadcast is a chain, sender -> r1 -> r2 ...,
  * cut into chunks that each hop forwards as soon as they arrive (rtp_send, rtp_sendrecv,
- * rtp_recv nodes); a receiver that holds the slice copies it locally. docs/resharding.md.
+ * rtp_recv nodes); a receiver that holds the slice copies it locally. The plan's rounds
+ * run in waves of WAVE rounds: the chains of a wave run at once, their chunks interleaved.
+ * docs/resharding.md.
  *
- * Deadlock freedom: every transfer (slice s, chunk k, hop j) has the key (s, k + LOOKAHEAD·j),
- * the same at both of its ends. Each rank appends its nodes in increasing key, and a node
- * only ever waits for transfers of smaller keys. So the transfer of smallest key not yet
- * done is posted at both ends (neither end can be stuck behind it), and completes: by
- * induction all do. Both ends also post the transfers between two ranks in the same order,
- * which is what matches the k-th send to the k-th recv. */
+ * Deadlock freedom: every transfer (chunk k of slice s, hop j of its chain) has the key
+ * (wave of s, k + LOOKAHEAD·j, position of s), the same at both of its ends. Each rank
+ * appends its nodes in increasing key, and a node only ever waits for transfers of smaller
+ * keys. So the transfer of smallest key not yet done is posted at both ends (neither end
+ * can be stuck behind it), and completes: by induction all do. Both ends also post the
+ * transfers between two ranks in the same order, which is what matches the k-th send to
+ * the k-th recv. */
 #include "rtp-impl.h"
 
 #include <stdlib.h>
@@ -19,7 +22,12 @@
 #define LOOKAHEAD 2
 /* Sends nobody reads (a sender's chunks, a chain's last forwards) that a rank keeps in
  * flight before a copy waits for the oldest: the communicator's requests are a fixed pool. */
-#define WINDOW 8
+#define WINDOW 16
+/* Rounds whose broadcasts run at once. A rank is in at most one broadcast per round (they
+ * share no host), so in at most WAVE chains at a time, each with at most LOOKAHEAD + 1
+ * transfers in flight: with WINDOW, 40 of the communicator's 128 requests. Running rounds
+ * together lets a host send in one round's broadcast while it receives in another's. */
+#define WAVE 8
 
 /* ---- where this rank's local tensor holds the global one ------------------------------ */
 
@@ -228,59 +236,109 @@ static struct rtp_tensor *named(struct rtp_tensor *t, int s, int64_t k) {
   return t ? rtp_tensor_set_name(t, "reshard.%d.%lld", s, (long long)k) : NULL;
 }
 
-/* Slice s's chain on this rank: the sender packs and sends each chunk; a receiver at
- * position j of m asks for LOOKAHEAD chunks ahead, forwards each chunk (with the request
- * for a later one, in one sendrecv) as soon as it is there, and copies it into dst. */
-static void chain(struct exec *x, int s, const struct rtp_reshard_slice *sl) {
-  int m = sl->n_receivers - sl->n_local, j = -1;
+/* This rank's part of one slice's chain, appended a step at a time: step i (from 0 for
+ * the sender, from -LOOKAHEAD for a receiver) has the key t = i + LOOKAHEAD·j at hop j. */
+struct cursor {
+  int s; /* the slice's index */
+  const struct rtp_reshard_slice *sl;
+  int j, m;       /* this rank's hop (0: the sender) of the chain's m */
+  int prev, next; /* comm ranks before and after it in the chain (-1: none) */
+  struct chunking c;
+  int64_t step;
+  struct rtp_tensor *got[LOOKAHEAD + 1]; /* got[k % (LOOKAHEAD + 1)]: the node whose
+                                            result is chunk k */
+};
+
+static int64_t cursor_key(const struct cursor *u) {
+  return u->step + (int64_t)LOOKAHEAD * u->j;
+}
+
+static bool cursor_done(const struct cursor *u) {
+  return u->step >= u->c.count;
+}
+
+/* This rank's cursor on slice s; false if it is not on the chain. */
+static bool cursor_init(struct exec *x, struct cursor *u, int s) {
+  const struct rtp_reshard_slice *sl = &x->r->slices[s];
+  *u = (struct cursor){.s = s, .sl = sl, .j = -1, .m = sl->n_receivers - sl->n_local};
   if (sl->sender == x->me)
-    j = 0;
+    u->j = 0;
   else
     for (int i = sl->n_local; i < sl->n_receivers; i++)
-      if (sl->receivers[i] == x->me) j = i - sl->n_local + 1;
-  if (j < 0 || m == 0) return;
-  int prev =
-      j > 0 ? x->comm_rank[j == 1 ? sl->sender : sl->receivers[sl->n_local + j - 2]] : -1;
-  int next = j < m ? x->comm_rank[sl->receivers[sl->n_local + j]] : -1;
-  struct chunking c = chunking_of(sl, x->esize, x->chunk_bytes);
+      if (sl->receivers[i] == x->me) u->j = i - sl->n_local + 1;
+  if (u->j < 0 || u->m == 0) return false;
+  const int *chain = sl->receivers + sl->n_local; /* hops 1..m */
+  u->prev = u->j > 0 ? x->comm_rank[u->j == 1 ? sl->sender : chain[u->j - 2]] : -1;
+  u->next = u->j < u->m ? x->comm_rank[chain[u->j]] : -1;
+  u->c = chunking_of(sl, x->esize, x->chunk_bytes);
+  u->step = u->j > 0 ? -LOOKAHEAD : 0;
+  return true;
+}
+
+/* A planned buffer for chunk k, which a recv fills. */
+static struct rtp_tensor *chunk_buffer(struct exec *x, const struct cursor *u, int64_t k) {
   int64_t first[RTP_MAX_DIMS], len[RTP_MAX_DIMS];
-  if (j == 0) {
-    for (int64_t k = 0; k < c.count && !x->rc; k++) {
-      chunk_box(sl, &c, k, first, len);
-      struct rtp_tensor *p = x->rc ? NULL : rtp_dup(x->ctx, src_box(x, first, len));
-      if (p) {
-        rtp_tensor_set_name(p, "reshard.pack.%d.%lld", s, (long long)k);
-        take_unread(x, p, 1, 2);
-      }
-      if (!add(x, p)) return;
-      note_unread(x, add(x, named(rtp_send(x->ctx, x->comm, p, next, NULL), s, k)));
-    }
+  chunk_box(u->sl, &u->c, k, first, len);
+  return x->rc ? NULL : rtp__new_node(x->ctx, RTP_OP_EMPTY, x->dst->type, len, NULL, NULL);
+}
+
+/* The sender's step k: pack chunk k of src and send it to the chain's first receiver. */
+static void sender_step(struct exec *x, struct cursor *u, int64_t k) {
+  int64_t first[RTP_MAX_DIMS], len[RTP_MAX_DIMS];
+  chunk_box(u->sl, &u->c, k, first, len);
+  struct rtp_tensor *p = x->rc ? NULL : rtp_dup(x->ctx, src_box(x, first, len));
+  if (p) {
+    rtp_tensor_set_name(p, "reshard.pack.%d.%lld", u->s, (long long)k);
+    take_unread(x, p, 1, 2);
+  }
+  if (add(x, p))
+    note_unread(x, add(x, named(rtp_send(x->ctx, x->comm, p, u->next, NULL), u->s, k)));
+}
+
+/* A receiver's step: before chunk 0, ask for the first chunks; at chunk k, forward it
+ * (asking for chunk k + LOOKAHEAD in the same sendrecv), then copy it into dst. */
+static void receiver_step(struct exec *x, struct cursor *u, int64_t k) {
+  struct rtp_tensor **got = u->got;
+  if (k < 0) {
+    int64_t ask = k + LOOKAHEAD;
+    if (ask < u->c.count)
+      got[ask] = add(x, named(rtp_recv(x->ctx, x->comm, chunk_buffer(x, u, ask), u->prev, NULL),
+                              u->s, ask));
     return;
   }
-  /* got[k % (LOOKAHEAD + 1)]: the node whose result is chunk k */
-  struct rtp_tensor *got[LOOKAHEAD + 1] = {0};
-  for (int64_t k = 0; k < c.count && k < LOOKAHEAD; k++) {
-    chunk_box(sl, &c, k, first, len);
-    struct rtp_tensor *buf = rtp__new_node(x->ctx, RTP_OP_EMPTY, x->dst->type, len, NULL, NULL);
-    got[k] = add(x, named(rtp_recv(x->ctx, x->comm, buf, prev, NULL), s, k));
+  struct rtp_tensor *have = got[k % (LOOKAHEAD + 1)], *more = NULL, *buf = NULL;
+  if (k + LOOKAHEAD < u->c.count && !(buf = chunk_buffer(x, u, k + LOOKAHEAD))) {
+    add(x, NULL);
+    return;
   }
-  for (int64_t k = 0; k < c.count && !x->rc; k++) {
-    struct rtp_tensor *have = got[k % (LOOKAHEAD + 1)], *more = NULL;
-    struct rtp_tensor *buf = NULL;
-    if (k + LOOKAHEAD < c.count) {
-      chunk_box(sl, &c, k + LOOKAHEAD, first, len);
-      buf = rtp__new_node(x->ctx, RTP_OP_EMPTY, x->dst->type, len, NULL, NULL);
-      if (!buf) return (void)add(x, NULL);
-    }
-    if (next >= 0 && buf)
-      more = add(x, named(rtp_sendrecv(x->ctx, x->comm, have, next, buf, prev, NULL), s, k));
-    else if (next >= 0)
-      note_unread(x, add(x, named(rtp_send(x->ctx, x->comm, have, next, NULL), s, k)));
-    else if (buf)
-      more = add(x, named(rtp_recv(x->ctx, x->comm, buf, prev, NULL), s, k));
-    got[(k + LOOKAHEAD) % (LOOKAHEAD + 1)] = more;
-    chunk_box(sl, &c, k, first, len);
-    copy_into_dst(x, have, first, "chunk", s, k);
+  if (u->next >= 0 && buf)
+    more = add(
+        x, named(rtp_sendrecv(x->ctx, x->comm, have, u->next, buf, u->prev, NULL), u->s, k));
+  else if (u->next >= 0)
+    note_unread(x, add(x, named(rtp_send(x->ctx, x->comm, have, u->next, NULL), u->s, k)));
+  else if (buf)
+    more = add(x, named(rtp_recv(x->ctx, x->comm, buf, u->prev, NULL), u->s, k + LOOKAHEAD));
+  got[(k + LOOKAHEAD) % (LOOKAHEAD + 1)] = more;
+  int64_t first[RTP_MAX_DIMS], len[RTP_MAX_DIMS];
+  chunk_box(u->sl, &u->c, k, first, len);
+  copy_into_dst(x, have, first, "chunk", u->s, k);
+}
+
+/* The chains of one wave (cursors in slice order), merged step by step in key order: the
+ * smallest key first, ties to the earlier slice. */
+static void run_wave(struct exec *x, struct cursor *u, int n) {
+  for (;;) {
+    int best = -1;
+    for (int i = 0; i < n; i++)
+      if (!cursor_done(&u[i]) && (best < 0 || cursor_key(&u[i]) < cursor_key(&u[best])))
+        best = i;
+    if (best < 0 || x->rc) return;
+    struct cursor *c = &u[best];
+    if (c->j == 0)
+      sender_step(x, c, c->step);
+    else
+      receiver_step(x, c, c->step);
+    c->step++;
   }
 }
 
@@ -301,6 +359,13 @@ static int *slice_order(const struct rtp_reshard *r) {
   at[0] = next;
   for (int i = 0; i < r->n_slices; i++) order[at[r->slices[i].round + 1]++] = i;
   return order;
+}
+
+/* The wave of the i-th slice in order: its round / WAVE, or for those in no round (the
+ * last in the order, from position n_round) one wave per WAVE of them after the rounds'. */
+static int wave_of(const struct rtp_reshard *r, const int *order, int i, int n_round) {
+  int round = r->slices[order[i]].round;
+  return round >= 0 ? round / WAVE : (r->n_rounds + WAVE - 1) / WAVE + (i - n_round) / WAVE;
 }
 
 /* ---- checks ---------------------------------------------------------------------------- */
@@ -397,11 +462,20 @@ int rtp_reshard_build(struct rtp_context *ctx, struct rtp_graph *g, struct rtp_c
   if (!rc) rc = check_tensor(&x, "destination", dst, &x.dmap, receives ? "receives" : NULL);
   int *order = rc ? NULL : slice_order(r);
   if (!rc && !order) rc = rtp__ctx_error(ctx, RTP_ENOMEM, "rtp_reshard_build: out of memory");
-  for (int i = 0; !rc && i < r->n_slices; i++) {
-    const struct rtp_reshard_slice *sl = &r->slices[order[i]];
-    if (has_rank(sl->receivers, sl->n_local, x.me))
-      copy_into_dst(&x, src_box(&x, sl->first, sl->len), sl->first, "local", order[i], 0);
-    chain(&x, order[i], sl);
+  int n_round = 0; /* the slices in a round, which come first in order */
+  for (int i = 0; !rc && i < r->n_slices; i++) n_round += r->slices[i].round >= 0;
+  for (int i = 0; !rc && i < r->n_slices;) {
+    /* a wave: the slices of WAVE rounds, or WAVE of those in no round */
+    int w = wave_of(r, order, i, n_round), e = i, n = 0;
+    struct cursor u[WAVE];
+    for (; e < r->n_slices && wave_of(r, order, e, n_round) == w; e++)
+      if (cursor_init(&x, &u[n], order[e])) n++;
+    run_wave(&x, u, n);
+    for (; i < e && !x.rc; i++) {
+      const struct rtp_reshard_slice *sl = &r->slices[order[i]];
+      if (has_rank(sl->receivers, sl->n_local, x.me))
+        copy_into_dst(&x, src_box(&x, sl->first, sl->len), sl->first, "local", order[i], 0);
+    }
     rc = x.rc;
   }
   free(order);

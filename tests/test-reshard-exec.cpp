@@ -252,6 +252,44 @@ TEST(ReshardExec, LargeTensorInDefaultChunks) {
   for (int r = 0; r < 7; r++) EXPECT_EQ(res[r].code, 0) << "rank " << r;
 }
 
+// More rounds than run at once (WAVE, 8): row blocks in 9 groups on 2 ranks of 2 hosts,
+// replicated on those and a third, make 18 broadcasts that each take both hosts, so 18
+// rounds in 3 waves, and 18 local copies after them; bit for bit, in chunks of 3 elements
+// and whole.
+TEST(ReshardExec, ManyRoundsRunInWaves) {
+  int port = free_port();
+  auto res = run_procs(3, [&](int rank) {
+    rtp_comm_params cp = params(rank, 3, port);
+    rtp_comm *c;
+    CHECK_OK(rtp_comm_init(&cp, &c));
+    const int64_t ne[RTP_MAX_DIMS] = {10, 90, 1, 1};
+    int h[3] = {0, 1, 1};
+    Side groups{"2 d1/a0x9", {}, chunked({{1, 0, 9}})},
+        rep{"3 rep", {}, rtp_layout_replicated()};
+    EXPECT_EQ(rtp_mesh_init_1d(&groups.mesh, 2, nullptr, h), RTP_OK);
+    EXPECT_EQ(rtp_mesh_init_1d(&rep.mesh, 3, nullptr, h), RTP_OK);
+    rtp_reshard_params p{};
+    p.src_mesh = &groups.mesh;
+    p.dst_mesh = &rep.mesh;
+    p.src = &groups.layout;
+    p.dst = &rep.layout;
+    for (int d = 0; d < RTP_MAX_DIMS; d++) p.ne[d] = ne[d];
+    p.elem_size = 4;
+    rtp_reshard *plan = nullptr;
+    CHECK_OK(rtp_reshard_plan(&p, &plan));
+    CHECK(plan->n_rounds == 18, "%d rounds", plan->n_rounds);
+    rtp_reshard_free(plan);
+    for (size_t chunk : {(size_t)12, (size_t)0}) {
+      std::string e = reshard_once(c, rank, groups, rep, ne, RTP_TYPE_F32, chunk, 3);
+      CHECK(e.empty(), "%s", e.c_str());
+    }
+    CHECK_OK(rtp_comm_barrier(c, nullptr));
+    rtp_comm_free(c);
+    return 0;
+  });
+  for (int r = 0; r < 3; r++) EXPECT_EQ(res[r].code, 0) << "rank " << r;
+}
+
 // Rank 3 runs the first half of its part of a reshard (row blocks on 4 ranks to replicated
 // on 4, in small chunks) and dies (SIGKILL): the others, mid-reshard, fail within seconds
 // naming it, and their graphs return the failure instead of a destination.
