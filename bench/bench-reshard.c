@@ -95,8 +95,8 @@ static int case_sides(const char *name, int n, int per_host, struct side *a, str
     for (int i = 0; i < n; i++) hs[i] = i / per_host;
     a->layout = rtp_layout_replicated();
     rtp_mesh_init_2d(&a->mesh, hosts, per_host, NULL, hs);
-    rtp_layout_chunk(&a->layout, 1, 0, 1);
-    rtp_layout_chunk(&a->layout, 0, 1, 1);
+    rtp_layout_chunk(&a->layout, 0, 0, 1); /* columns over hosts, rows within each */
+    rtp_layout_chunk(&a->layout, 1, 1, 1);
     *b = rows_on(all);
   } else if (!strcmp(name, "rep-to-rows") || !strcmp(name, "rows-to-rep2")) {
     if (hosts < 2) return 0;
