@@ -196,9 +196,10 @@ static struct rtp_tensor *src_box(struct exec *x, const int64_t *first, const in
                   box_offset(&x->smap, x->src, first));
 }
 
-/* The oldest unread sends, for a copy to wait for through its spare sources (up to n):
- * waiting is what bounds the requests in flight. Only sends at least two posts back are
- * taken, so the copy waits for a smaller key than its own (the deadlock argument). */
+/* The oldest unread sends, for a pack or copy to wait for through its spare sources (up
+ * to n): waiting is what bounds the requests in flight. Only the oldest of at least WINDOW
+ * is taken, never the send just posted, so t waits for a smaller key than its own (the
+ * deadlock argument). */
 static void take_unread(struct exec *x, struct rtp_tensor *t, int first_spare, int n) {
   for (int k = first_spare; k < first_spare + n && x->n_unread >= WINDOW; k++) {
     t->src[k] = x->unread[0];
@@ -468,8 +469,15 @@ int rtp_reshard_build(struct rtp_context *ctx, struct rtp_graph *g, struct rtp_c
     /* a wave: the slices of WAVE rounds, or WAVE of those in no round */
     int w = wave_of(r, order, i, n_round), e = i, n = 0;
     struct cursor u[WAVE];
-    for (; e < r->n_slices && wave_of(r, order, e, n_round) == w; e++)
-      if (cursor_init(&x, &u[n], order[e])) n++;
+    struct cursor extra;
+    for (; e < r->n_slices && wave_of(r, order, e, n_round) == w && !rc; e++)
+      if (cursor_init(&x, n < WAVE ? &u[n] : &extra, order[e]) && ++n > WAVE)
+        rc = x.rc = rtp__ctx_error(ctx, RTP_EINVAL,
+                                   "rtp_reshard_build: the plan puts rank %d in more than one "
+                                   "broadcast of a round (slice %d, round %d): a round's "
+                                   "broadcasts must share no host",
+                                   x.me, order[e], r->slices[order[e]].round);
+    if (rc) break;
     run_wave(&x, u, n);
     for (; i < e && !x.rc; i++) {
       const struct rtp_reshard_slice *sl = &r->slices[order[i]];

@@ -112,8 +112,9 @@ static int case_sides(const char *name, int n, int per_host, struct side *a, str
 }
 
 /* The naive method's plan: every (slice, receiver) its own point-to-point slice from the
- * slice's first holder (receivers that hold it copy it), with its busiest NIC's bytes.
- * Shares r's rank lists. */
+ * slice's first holder (receivers that hold it copy it), in rounds of transfers with no
+ * host in common (greedy, as the planner's), with its busiest NIC's bytes. Shares r's rank
+ * lists. */
 static struct rtp_reshard *naive_plan(const struct rtp_reshard *r, int per_host) {
   int n = 0;
   for (int i = 0; i < r->n_slices; i++)
@@ -121,10 +122,16 @@ static struct rtp_reshard *naive_plan(const struct rtp_reshard *r, int per_host)
   struct rtp_reshard *p = calloc(1, sizeof(*p) + sizeof(struct rtp_reshard_slice) * (size_t)n);
   if (!p) return NULL;
   uint64_t sent[RTP_MESH_MAX_RANKS] = {0}, recv[RTP_MESH_MAX_RANKS] = {0};
+  int hosts = RTP_MESH_MAX_RANKS;
+  unsigned char *busy = calloc((size_t)n * (size_t)hosts, 1); /* [round][host] */
+  if (!busy) {
+    free(p);
+    return NULL;
+  }
   *p = *r;
   p->slices = (struct rtp_reshard_slice *)(p + 1);
   p->n_slices = 0;
-  p->n_rounds = 1;
+  p->n_rounds = 0;
   p->nic_sent = p->nic_recv = NULL;
   p->nic_max = 0;
   for (int i = 0; i < r->n_slices; i++) {
@@ -143,15 +150,21 @@ static struct rtp_reshard *naive_plan(const struct rtp_reshard *r, int per_host)
       t->n_receivers = 1;
       t->n_local = 0;
       t->sender = s->holders[0];
-      t->round = 0;
       int hs = t->sender / per_host, hr = t->receivers[0] / per_host;
+      t->round = -1; /* within a host: in no round */
       if (hs == hr || hs >= RTP_MESH_MAX_RANKS || hr >= RTP_MESH_MAX_RANKS) continue;
+      /* the first round where both hosts are free: a round's transfers share no host */
+      for (t->round = 0; busy[t->round * hosts + hs] || busy[t->round * hosts + hr];)
+        t->round++;
+      busy[t->round * hosts + hs] = busy[t->round * hosts + hr] = 1;
+      p->n_rounds = t->round + 1 > p->n_rounds ? t->round + 1 : p->n_rounds;
       sent[hs] += s->nbytes;
       recv[hr] += s->nbytes;
       p->nic_max = sent[hs] > p->nic_max ? sent[hs] : p->nic_max;
       p->nic_max = recv[hr] > p->nic_max ? recv[hr] : p->nic_max;
     }
   }
+  free(busy);
   return p;
 }
 

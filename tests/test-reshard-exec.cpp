@@ -290,6 +290,84 @@ TEST(ReshardExec, ManyRoundsRunInWaves) {
   for (int r = 0; r < 3; r++) EXPECT_EQ(res[r].code, 0) << "rank " << r;
 }
 
+// Bad input is refused with a message naming it, before anything is sent: a plan with a
+// rank the communicator lacks, a block of the wrong shape or type, a missing destination,
+// a plan whose round has a rank in two broadcasts (edited by hand), no plan.
+TEST(ReshardExec, BadInputIsRefusedWithAMessage) {
+  int port = free_port();
+  auto res = run_procs(2, [&](int rank) {
+    rtp_comm_params cp = params(rank, 2, port);
+    rtp_comm *c;
+    CHECK_OK(rtp_comm_init(&cp, &c));
+    // rank 0's 10 x 90 tensor in 9 groups of rows, to rank 1 (or 2), replicated
+    int h0[1] = {0}, h1[1] = {1}, r1[1] = {1}, r2[1] = {2};
+    Side groups{"1 d1/a0x9", {}, chunked({{1, 0, 9}})},
+        rep{"1 rep", {}, rtp_layout_replicated()};
+    Side far = rep;
+    EXPECT_EQ(rtp_mesh_init_1d(&groups.mesh, 1, nullptr, h0), RTP_OK);
+    EXPECT_EQ(rtp_mesh_init_1d(&rep.mesh, 1, r1, h1), RTP_OK);
+    EXPECT_EQ(rtp_mesh_init_1d(&far.mesh, 1, r2, h1), RTP_OK);
+    auto plan_of = [&](const Side &a, const Side &b) {
+      rtp_reshard_params p{};
+      p.src_mesh = &a.mesh;
+      p.dst_mesh = &b.mesh;
+      p.src = &a.layout;
+      p.dst = &b.layout;
+      p.ne[0] = 10;
+      p.ne[1] = 90;
+      p.ne[2] = p.ne[3] = 1;
+      p.elem_size = 4;
+      rtp_reshard *r = nullptr;
+      EXPECT_EQ(rtp_reshard_plan(&p, &r), RTP_OK);
+      return r;
+    };
+    rtp_reshard *ok = plan_of(groups, rep), *bad_rank = plan_of(groups, far),
+                *bad_rounds = plan_of(groups, rep);
+    CHECK(ok && bad_rank && bad_rounds && ok->n_rounds == 9, "plans");
+    for (int i = 0; i < bad_rounds->n_slices; i++) bad_rounds->slices[i].round = 0;
+    rtp_init_params ip{};
+    ip.mem_size = 1u << 20;
+    rtp_context *ctx = rtp_context_new(ip);
+    rtp_tensor *whole = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, 10, 90);
+    rtp_tensor *wrong = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, 10, 89);
+    rtp_tensor *bf16 = rtp_tensor_new_2d(ctx, RTP_TYPE_BF16, 10, 90);
+    rtp_tensor *mine = rank == 0 ? whole : nullptr, *got = rank == 1 ? whole : nullptr;
+    struct Case {
+      const rtp_reshard *plan;
+      rtp_tensor *src, *dst;
+      int status;
+      const char *words;
+      bool rank0, rank1;  // the ranks that must refuse it
+    } cases[] = {
+        {bad_rank, mine, nullptr, RTP_EINVAL, "rank 2, which is not in the communicator", 1, 1},
+        {ok, rank == 0 ? wrong : nullptr, got, RTP_ESHAPE, "its block of the layout is 10 x 90",
+         1, 0},
+        {ok, mine, rank == 1 ? bf16 : nullptr, RTP_ESHAPE, "4-byte elements", 0, 1},
+        {ok, mine, nullptr, RTP_EINVAL, "receives but its destination is NULL", 0, 1},
+        {ok, nullptr, got, RTP_EINVAL, "sends or copies but its source is NULL", 1, 0},
+        {bad_rounds, mine, got, RTP_EINVAL, "more than one broadcast of a round", 1, 1},
+        {nullptr, mine, got, RTP_EINVAL, "NULL context, graph, communicator or plan", 1, 1},
+    };
+    for (const Case &k : cases) {
+      rtp_graph *g = rtp_graph_new(ctx, 4096);
+      int st = rtp_reshard_build(ctx, g, c, k.plan, k.src, k.dst, 0);
+      bool refuses = rank == 0 ? k.rank0 : k.rank1;
+      std::string msg = rtp_last_error();
+      if (!refuses) {
+        CHECK(st == RTP_OK || k.plan == bad_rounds, "'%s': %s", k.words, msg.c_str());
+        continue;
+      }
+      CHECK(st == k.status, "'%s': status %d: %s", k.words, st, msg.c_str());
+      CHECK(contains(msg, k.words), "'%s' not in '%s'", k.words, msg.c_str());
+    }
+    rtp_context_free(ctx);
+    for (rtp_reshard *r : {ok, bad_rank, bad_rounds}) rtp_reshard_free(r);
+    rtp_comm_free(c);
+    return 0;
+  });
+  for (int r = 0; r < 2; r++) EXPECT_EQ(res[r].code, 0) << "rank " << r;
+}
+
 // Rank 3 runs the first half of its part of a reshard (row blocks on 4 ranks to replicated
 // on 4, in small chunks) and dies (SIGKILL): the others, mid-reshard, fail within seconds
 // naming it, and their graphs return the failure instead of a destination.
