@@ -281,6 +281,15 @@ static void receivers(const struct rtp_reshard *r, int per_host, int *n_recv, in
     }
 }
 
+/* seconds / bound as JSON: null when nothing crosses a NIC (a bound of 0). */
+static const char *ratio_json(double seconds, double bound, char *buf) {
+  if (bound > 0)
+    snprintf(buf, 32, "%.3f", seconds / bound);
+  else
+    snprintf(buf, 32, "null");
+  return buf;
+}
+
 static int bench_case(struct rtp_comm *c, const char *name, const struct opts *o) {
   int n = rtp_comm_size(c), rank = rtp_comm_rank(c);
   struct side a, b;
@@ -301,6 +310,7 @@ static int bench_case(struct rtp_comm *c, const char *name, const struct opts *o
   const char *names[3] = {"naive", "broadcast", "ours"};
   const struct rtp_reshard *plans[3] = {naive, first, ours};
   double secs[3] = {0};
+  char ratio[32];
   for (int m = 0; m < 3 && !rc; m++) {
     bool exact = false;
     rc = run_method(c, plans[m], &a, &b, ne, o, &secs[m], &exact);
@@ -308,9 +318,9 @@ static int bench_case(struct rtp_comm *c, const char *name, const struct opts *o
       printf(
           "{\"bench\":\"reshard\",\"case\":\"%s\",\"method\":\"%s\",\"hosts\":%d,"
           "\"ranks\":%d,\"bytes\":%zu,\"seconds\":%.4f,\"lower_bound_s\":%.4f,"
-          "\"ratio_to_bound\":%.3f,\"nic_max_bytes\":%llu,\"exact\":%s}\n",
+          "\"ratio_to_bound\":%s,\"nic_max_bytes\":%llu,\"exact\":%s}\n",
           name, names[m], n / o->per_host, n, (size_t)(ne[0] * ne[1] * 4), secs[m],
-          ours->lower_bound_s, secs[m] / ours->lower_bound_s,
+          ours->lower_bound_s, ratio_json(secs[m], ours->lower_bound_s, ratio),
           (unsigned long long)plans[m]->nic_max, exact ? "true" : "false");
     fflush(stdout);
   }
@@ -320,8 +330,9 @@ static int bench_case(struct rtp_comm *c, const char *name, const struct opts *o
     printf(
         "{\"bench\":\"reshard\",\"case\":\"%s\",\"receivers\":%d,"
         "\"receiver_hosts\":%d,\"ours_vs_naive\":%.2f,\"ours_vs_broadcast\":%.2f,"
-        "\"ours_ratio_to_bound\":%.3f}\n",
-        name, nr, nh, secs[0] / secs[2], secs[1] / secs[2], secs[2] / ours->lower_bound_s);
+        "\"ours_ratio_to_bound\":%s}\n",
+        name, nr, nh, secs[0] / secs[2], secs[1] / secs[2],
+        ratio_json(secs[2], ours->lower_bound_s, ratio));
     fflush(stdout);
   }
   free(naive);
