@@ -1041,8 +1041,9 @@ RTP_API void rtp_reshard_free(struct rtp_reshard *r); /* NULL is fine */
  * these see dst complete and may overwrite src (src is copied before it is sent). If a
  * rank dies or the job fails meanwhile, rtp_graph_compute returns the failure (naming the
  * rank), and dst must not be used. Each chunk takes 2 to 3 nodes of g. RTP_EINVAL for a
- * plan naming ranks that comm lacks, RTP_ESHAPE for tensors that do not fit it (messages
- * in ctx too). docs/resharding.md.
+ * plan naming ranks that comm lacks or putting a rank in two broadcasts of one round (an
+ * edited plan), or a NULL tensor this rank needs; RTP_ESHAPE for tensors that do not fit
+ * the plan (messages in ctx too). docs/resharding.md.
  */
 RTP_API int rtp_reshard_build(struct rtp_context *ctx, struct rtp_graph *g,
                               struct rtp_comm *comm, const struct rtp_reshard *r,
