@@ -7,10 +7,13 @@
  *    "bytes":67108864,"seconds":0.61,"lower_bound_s":0.537,"ratio_to_bound":1.14,
  *    "nic_max_bytes":67108864,"exact":true}
  *   {"bench":"reshard","case":"1-to-all","receivers":8,"receiver_hosts":4,
- *    "ours_vs_naive":6.1,"ours_vs_broadcast":1.0,"ours_ratio_to_bound":1.14}
+ *    "ours_vs_naive":6.1,"ours_vs_p2p_per_host":2.0,"ours_vs_broadcast":1.0,
+ *    "ours_ratio_to_bound":1.14}
  *
  * Methods, in the same run: "naive" (each receiver gets every slice it needs from the
- * slice's first holder, point to point), "broadcast" (one chained broadcast per slice from
+ * slice's first holder, point to point), "p2p-per-host" (the slice goes point to point to
+ * one receiver per host, which forwards it to the others there: Alpa's older send/recv
+ * plus a local gather, done as a chain), "broadcast" (one chained broadcast per slice from
  * its first holder: no load balance) and "ours" (the planner's balanced senders). seconds
  * is the median over --reps runs of the slowest rank's time; the lower bound is the
  * busiest NIC's bytes under our plan / --bandwidth; exact says every rank's destination
@@ -111,11 +114,12 @@ static int case_sides(const char *name, int n, int per_host, struct side *a, str
   return 1;
 }
 
-/* The naive method's plan: every (slice, receiver) its own point-to-point slice from the
- * slice's first holder (receivers that hold it copy it), in rounds of transfers with no
- * host in common (greedy, as the planner's), with its busiest NIC's bytes. Shares r's rank
- * lists. */
-static struct rtp_reshard *naive_plan(const struct rtp_reshard *r, int per_host) {
+/* The plans of the send/recv methods, from the first-owner plan r: every slice goes from
+ * its first holder point to point to each receiver ("naive"), or to each receiving host,
+ * whose first receiver forwards it to the others there ("p2p-per-host"; by_host);
+ * receivers that hold it copy it. In rounds of transfers with no host in common (greedy,
+ * as the planner's), with the busiest NIC's bytes. Shares r's rank lists. */
+static struct rtp_reshard *p2p_plan(const struct rtp_reshard *r, int per_host, bool by_host) {
   int n = 0;
   for (int i = 0; i < r->n_slices; i++)
     n += (r->slices[i].n_local > 0) + r->slices[i].n_receivers - r->slices[i].n_local;
@@ -143,11 +147,15 @@ static struct rtp_reshard *naive_plan(const struct rtp_reshard *r, int per_host)
       l->sender = -1;
       l->round = -1;
     }
-    for (int k = s->n_local; k < s->n_receivers; k++) {
+    /* the chain visits a host's receivers one after the other */
+    for (int k = s->n_local, e; k < s->n_receivers; k = e) {
+      for (e = k + 1; by_host && e < s->n_receivers &&
+                      s->receivers[e] / per_host == s->receivers[k] / per_host;)
+        e++;
       struct rtp_reshard_slice *t = &p->slices[p->n_slices++];
       *t = *s;
       t->receivers = s->receivers + k;
-      t->n_receivers = 1;
+      t->n_receivers = e - k;
       t->n_local = 0;
       t->sender = s->holders[0];
       int hs = t->sender / per_host, hr = t->receivers[0] / per_host;
@@ -302,16 +310,17 @@ static int bench_case(struct rtp_comm *c, const char *name, const struct opts *o
                                  .ne = {ne[0], ne[1], 1, 1},
                                  .elem_size = 4,
                                  .bandwidth = o->bandwidth};
-  struct rtp_reshard *ours = NULL, *first = NULL, *naive = NULL;
+  struct rtp_reshard *ours = NULL, *first = NULL, *naive = NULL, *per_host = NULL;
   int rc = rtp_reshard_plan(&p, &ours);
   p.first_owner = true;
   if (!rc) rc = rtp_reshard_plan(&p, &first);
-  if (!rc && !(naive = naive_plan(first, o->per_host))) rc = RTP_ENOMEM;
-  const char *names[3] = {"naive", "broadcast", "ours"};
-  const struct rtp_reshard *plans[3] = {naive, first, ours};
-  double secs[3] = {0};
+  if (!rc && !(naive = p2p_plan(first, o->per_host, false))) rc = RTP_ENOMEM;
+  if (!rc && !(per_host = p2p_plan(first, o->per_host, true))) rc = RTP_ENOMEM;
+  const char *names[4] = {"naive", "p2p-per-host", "broadcast", "ours"};
+  const struct rtp_reshard *plans[4] = {naive, per_host, first, ours};
+  double secs[4] = {0};
   char ratio[32];
-  for (int m = 0; m < 3 && !rc; m++) {
+  for (int m = 0; m < 4 && !rc; m++) {
     bool exact = false;
     rc = run_method(c, plans[m], &a, &b, ne, o, &secs[m], &exact);
     if (!rc && rank == 0)
@@ -329,13 +338,14 @@ static int bench_case(struct rtp_comm *c, const char *name, const struct opts *o
     receivers(ours, o->per_host, &nr, &nh);
     printf(
         "{\"bench\":\"reshard\",\"case\":\"%s\",\"receivers\":%d,"
-        "\"receiver_hosts\":%d,\"ours_vs_naive\":%.2f,\"ours_vs_broadcast\":%.2f,"
-        "\"ours_ratio_to_bound\":%s}\n",
-        name, nr, nh, secs[0] / secs[2], secs[1] / secs[2],
-        ratio_json(secs[2], ours->lower_bound_s, ratio));
+        "\"receiver_hosts\":%d,\"ours_vs_naive\":%.2f,\"ours_vs_p2p_per_host\":%.2f,"
+        "\"ours_vs_broadcast\":%.2f,\"ours_ratio_to_bound\":%s}\n",
+        name, nr, nh, secs[0] / secs[3], secs[1] / secs[3], secs[2] / secs[3],
+        ratio_json(secs[3], ours->lower_bound_s, ratio));
     fflush(stdout);
   }
   free(naive);
+  free(per_host);
   rtp_reshard_free(first);
   rtp_reshard_free(ours);
   if (rc) fprintf(stderr, "bench-reshard rank %d: %s: %s\n", rank, name, rtp_last_error());
