@@ -401,7 +401,7 @@ int rtp_tensor_set(struct rtp_tensor *t, const void *src, size_t offset, size_t 
                       rtp_tensor_is_contiguous(t) ? "" : ", not contiguous");
   struct rtp_backend *b = rtp__tensor_backend(t);
   if (!b) {
-    memcpy((char *)t->data + offset, src, n);
+    if (n) memcpy((char *)t->data + offset, src, n); /* src may be NULL for n == 0 */
     return RTP_OK;
   }
   return b->i->set(b, (char *)t->data + offset, src, n);
@@ -417,7 +417,7 @@ int rtp_tensor_get(const struct rtp_tensor *t, void *dst, size_t offset, size_t 
                       rtp_tensor_is_contiguous(t) ? "" : ", not contiguous");
   struct rtp_backend *b = rtp__tensor_backend(t);
   if (!b) {
-    memcpy(dst, (const char *)t->data + offset, n);
+    if (n) memcpy(dst, (const char *)t->data + offset, n); /* dst may be NULL for n == 0 */
     return RTP_OK;
   }
   return b->i->get(b, dst, (const char *)t->data + offset, n);

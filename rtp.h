@@ -931,8 +931,8 @@ RTP_API int rtp_parallel_shard_copy(const struct rtp_parallel *p,
  * on a mesh A of ranks is needed laid out another way on a mesh B (the same ranks or
  * others, the same shape or another). rtp_reshard_plan cuts the move into slices, picks
  * a sender for each slice so that no host's NIC carries much more than the others, and
- * groups the broadcasts into rounds of host-disjoint broadcasts. It only plans: nothing
- * here communicates (the execution is not built yet). docs/resharding.md.
+ * groups the broadcasts into rounds of host-disjoint broadcasts. It only plans:
+ * rtp_reshard_build (below) makes the graph nodes that move the data. docs/resharding.md.
  */
 #define RTP_MESH_MAX_RANKS 256
 
@@ -1038,6 +1038,36 @@ struct rtp_reshard {
  */
 RTP_API int rtp_reshard_plan(const struct rtp_reshard_params *p, struct rtp_reshard **out);
 RTP_API void rtp_reshard_free(struct rtp_reshard *r); /* NULL is fine */
+
+/* ---- resharding: execution (rtp-reshard-exec.c) ------------------------------------ */
+
+/* The default chunk of a chained broadcast: 256 KiB, 2 ms on a 1 Gbit/s NIC. */
+#define RTP_RESHARD_CHUNK (256u << 10)
+
+/*
+ * Appends to g the nodes that carry out this rank's part of plan r over comm: each slice's
+ * broadcast is a chain from its sender through its receivers (sender -> r1 -> r2 ...,
+ * point-to-point for one receiver) in chunks of about chunk_bytes (0: RTP_RESHARD_CHUNK),
+ * each forwarded as soon as it arrives (rtp_send / rtp_sendrecv / rtp_recv nodes, so on
+ * device tensors ncclSend / ncclRecv); a receiver that holds a slice copies it. Every rank
+ * of the job that comm spans calls it with the same plan and chunk_bytes (ranks with
+ * nothing to do append nothing), in the same order as their other transfers on comm.
+ *
+ * src is this rank's block of the source layout, dst its block of the destination layout
+ * (contiguous, f32 or bf16 with the plan's element size; the shape of the layout's block,
+ * a grouped dimension's groups one after the other): src may be NULL on a rank that
+ * neither sends nor copies, dst on one that receives nothing. Nodes appended to g after
+ * these see dst complete and may overwrite src (src is copied before it is sent). If a
+ * rank dies or the job fails meanwhile, rtp_graph_compute returns the failure (naming the
+ * rank), and dst must not be used. Each chunk takes 2 to 3 nodes of g. RTP_EINVAL for a
+ * plan naming ranks that comm lacks or putting a rank in two broadcasts of one round (an
+ * edited plan), or a NULL tensor this rank needs; RTP_ESHAPE for tensors that do not fit
+ * the plan (messages in ctx too). docs/resharding.md.
+ */
+RTP_API int rtp_reshard_build(struct rtp_context *ctx, struct rtp_graph *g,
+                              struct rtp_comm *comm, const struct rtp_reshard *r,
+                              struct rtp_tensor *src, struct rtp_tensor *dst,
+                              size_t chunk_bytes);
 
 /* ---- checkpoints (rtp-ckpt.c) ------------------------------------------------------ */
 /*

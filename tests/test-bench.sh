@@ -2,7 +2,8 @@
 # bench-parallel runs every strategy on 2 local ranks, one at a time and interleaved, and
 # prints one well-formed JSON line per strategy (numbers are not checked: no timing here);
 # bench/targets.py summarises a round of them as the goals; bench-pipeline prints a line per
-# layout on 4 ranks (below). Usage: test-bench.sh BENCH_PARALLEL
+# layout on 4 ranks, bench-reshard a line per case and method on 4 ranks as 2 "hosts"
+# (below). Usage: test-bench.sh BENCH_PARALLEL
 set -euo pipefail
 bench=$1
 scratch=$(mktemp -d)
@@ -89,4 +90,32 @@ summary = [l for l in lines if l.get("summary")]
 assert len(summary) == 1 and summary[0]["pp2_rtp_vs_best_flat_tokens"] > 0, summary
 assert summary[0]["best_flat"] in ("rtp", "fsdp", "ddp"), summary
 print(f"bench-pipeline: {len(lines)} lines ok")
+PY
+
+# bench-reshard: 4 local ranks as 2 "hosts" of 2 under rtp-run, a 1 MiB tensor once per
+# case and method: a well-formed line each, every move bit-exact, the busiest NICs as the
+# plans say (naive sends 1-to-all's tensor once per receiver on the other host,
+# p2p-per-host once to that host).
+"$build/tools/rtp-run" -n 4 -- "$(dirname "$bench")/bench-reshard" --mib 1 --reps 1 \
+  --per-host 2 | sed 's/^\[0\] //' > "$scratch/reshard.jsonl"
+/usr/bin/python3 - "$scratch/reshard.jsonl" <<'PY'
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1])]
+runs = [l for l in lines if "method" in l]
+cases = ["1-to-all", "rows-to-rep", "rows-to-cols", "tiles-to-rows", "rep-to-rows",
+         "rows-to-rep2"]
+methods = ["naive", "p2p-per-host", "broadcast", "ours"]
+assert [l["case"] for l in runs] == [c for c in cases for _ in methods], runs
+assert [l["method"] for l in runs] == methods * len(cases), runs
+for l in runs:
+    assert l["exact"] is True and l["seconds"] > 0 and l["hosts"] == 2, l
+    assert (l["ratio_to_bound"] is None) == (l["lower_bound_s"] == 0), l
+by = {(l["case"], l["method"]): l for l in runs}
+mib = 1 << 20
+assert by[("1-to-all", "naive")]["nic_max_bytes"] == 2 * mib, by[("1-to-all", "naive")]
+assert by[("1-to-all", "p2p-per-host")]["nic_max_bytes"] == mib, by[("1-to-all", "p2p-per-host")]
+assert by[("1-to-all", "ours")]["nic_max_bytes"] == mib, by[("1-to-all", "ours")]
+summaries = [l for l in lines if "ours_vs_naive" in l]
+assert [l["case"] for l in summaries] == cases, summaries
+print(f"bench-reshard: {len(lines)} lines ok")
 PY
