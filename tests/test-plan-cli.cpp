@@ -56,7 +56,7 @@ std::string recommended(const std::string &out) {
 }
 
 // A model small enough to train in a second, large enough that its arena dominates.
-const std::string kModel = " --config tiny --d-model 256 --seq-len 64 --n-layer 2 --batch 2";
+const std::string kModel = " --config tiny --d-model 384 --seq-len 64 --n-layer 2 --batch 2";
 
 std::string plan(const std::string &flags) {
   return std::string(RTP_PLAN) + kModel + " --flops 1e10 --json " + flags;
@@ -128,7 +128,13 @@ TEST(PlanCli, TrainGptReportsWhatThePlanSaid) {
     double peak = field(last, "peak_rss"), predicted = field(want, "peak_rss");
     printf("%s: train-gpt's peak RSS %.1f MiB, rtp-plan's %.1f MiB (%+.1f%%)\n", s,
            peak / 1048576, predicted / 1048576, 100 * (predicted - peak) / peak);
+#if defined(__SANITIZE_ADDRESS__)
+    // ASan's allocator keeps what train-gpt frees (its quarantine) and adds its own: the
+    // RSS is not the program's. test-plan checks the ranks' RSS under ASan too.
+    (void)predicted;
+#else
     EXPECT_NEAR(predicted, peak, 0.1 * peak) << s;
+#endif
     std::remove(metrics.c_str());
   }
 }

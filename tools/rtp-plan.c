@@ -30,6 +30,7 @@
 
 #define EXIT_USAGE 2
 #define MAX_LAYOUTS 160
+#define NUM 32 /* a formatted number */
 
 struct opts {
   struct plan_model pm;
@@ -306,12 +307,13 @@ static int cmp_double(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
-/* FLOP/s of a one-process step of the model cut to two blocks, batch 1 and a context of
- * at most 2 GFLOP a step (half the sequence at a time), median of three after a warm-up. */
+/* FLOP/s of a one-process step of the model cut to two blocks and batch 1 (and the sequence
+ * halved while a step is over 4 GFLOP): the fastest of three after a warm-up, so that a
+ * machine busy with other work at the moment is not taken for a slow one. */
 static double calibrate(const struct opts *o, struct gpt_config *cal) {
   struct plan_model pm = {.cfg = o->pm.cfg, .batch = 1, .micro_batches = 1, .bf16 = o->pm.bf16};
   pm.cfg.n_layer = pm.cfg.n_layer < 2 ? pm.cfg.n_layer : 2;
-  while (pm.cfg.seq_len > 16 && gpt_step_flops(pm.cfg, 1) > 2e9) pm.cfg.seq_len /= 2;
+  while (pm.cfg.seq_len > 16 && gpt_step_flops(pm.cfg, 1) > 4e9) pm.cfg.seq_len /= 2;
   *cal = pm.cfg;
   struct plan_layout l = {RTP_STRATEGY_NONE, 1, 1};
   struct plan_rank r;
@@ -329,7 +331,7 @@ static double calibrate(const struct opts *o, struct gpt_config *cal) {
   rtp_threadpool_free(tp);
   if (rc) return 0;
   qsort(t + 1, 3, sizeof(double), cmp_double);
-  return gpt_step_flops(pm.cfg, 1) / t[2];
+  return gpt_step_flops(pm.cfg, 1) / t[1];
 }
 
 /* A step's FLOPs on the busiest rank, with recomputation's second forward of the blocks;
@@ -364,9 +366,19 @@ static void predict_time(const struct opts *o, struct row *r) {
 
 static const char *mib(double bytes, char *buf) {
   if (bytes >= 1024.0 * 1048576)
-    snprintf(buf, 16, "%.2fG", bytes / (1024.0 * 1048576));
+    snprintf(buf, NUM, "%.2fG", bytes / (1024.0 * 1048576));
   else
-    snprintf(buf, 16, "%.1fM", bytes / 1048576);
+    snprintf(buf, NUM, "%.1fM", bytes / 1048576);
+  return buf;
+}
+
+/* A link in the units it is sold in. */
+static const char *bits(double bytes_per_s, char *buf) {
+  double b = 8 * bytes_per_s;
+  if (b >= 1e9)
+    snprintf(buf, NUM, "%.3g Gbit/s", b / 1e9);
+  else
+    snprintf(buf, NUM, "%.3g Mbit/s", b / 1e6);
   return buf;
 }
 
@@ -392,17 +404,17 @@ static int recommend(const struct row *rows, int n, int ranks) {
 static void print_header(const struct opts *o, int ranks, const struct gpt_config *cal,
                          size_t baseline) {
   struct gpt_config c = o->pm.cfg;
-  char a[16], b[16], m[16];
+  char a[NUM], b[NUM], m[NUM];
   printf(
       "model: %.1fM parameters (L %d, d %d, H %d, T %d, V %d), batch %d per rank in %d "
       "micro-batch%s%s%s\n",
       gpt_n_params(c) / 1e6, c.n_layer, c.d_model, c.n_head, c.seq_len, c.vocab, o->pm.batch,
       o->pm.micro_batches, o->pm.micro_batches > 1 ? "es" : "",
       o->pm.recompute ? ", recompute" : "", o->pm.bf16 ? ", bf16" : "");
-  printf("job: %d rank%s (%d host%s x %d), memory %s per rank, link %s/s (on a host %s/s)\n",
-         ranks, ranks > 1 ? "s" : "", o->hosts, o->hosts > 1 ? "s" : "", o->per_host,
-         o->mem_per_rank > 0 ? mib(o->mem_per_rank, m) : "unlimited", mib(o->link, a),
-         mib(o->local_link, b));
+  printf("job: %d rank%s (%d host%s x %d), memory %s per rank, link %s (on a host %s)\n", ranks,
+         ranks > 1 ? "s" : "", o->hosts, o->hosts > 1 ? "s" : "", o->per_host,
+         o->mem_per_rank > 0 ? mib(o->mem_per_rank, m) : "unlimited", bits(o->link, a),
+         bits(o->local_link, b));
   if (cal)
     printf("compute: %.1f GFLOP/s per rank, measured on %d thread%s (L %d, T %d, batch 1)\n",
            o->flops / 1e9, o->threads, o->threads > 1 ? "s" : "", cal->n_layer, cal->seq_len);
@@ -417,7 +429,7 @@ static void print_header(const struct opts *o, int ranks, const struct gpt_confi
 }
 
 static void print_row(const struct row *r, bool best) {
-  char s[16], p[16], a[16], x[16], k[16], t[16];
+  char s[NUM], p[NUM], a[NUM], x[NUM], k[NUM], t[NUM];
   const struct rtp_mem_report *m = &r->mem;
   double rest =
       r->peak - (double)states(m) - m->bytes[RTP_ROLE_COMM] - m->bytes[RTP_ROLE_ACTIVATION];
@@ -457,7 +469,7 @@ static void print_verdict(const struct opts *o, const struct row *rows, int n, i
   }
   double least = rows[0].peak;
   for (int i = 1; i < n; i++) least = fmin(least, rows[i].peak);
-  char a[16];
+  char a[NUM];
   printf(
       "nothing fits: the smallest layout needs %s per rank (try --recompute, more ranks, "
       "or a smaller --batch)\n",
