@@ -200,8 +200,12 @@ static int parse_args(struct opts *o, int argc, char **argv) {
       help();
       exit(0);
     }
-    if (!strcmp(a, "--json") || !strcmp(a, "--recompute") || !strcmp(a, "--bf16")) {
-      *(a[2] == 'j' ? &o->json : a[2] == 'r' ? &o->pm.recompute : &o->pm.bf16) = true;
+    bool *on = !strcmp(a, "--json")        ? &o->json
+               : !strcmp(a, "--recompute") ? &o->pm.recompute
+               : !strcmp(a, "--bf16")      ? &o->pm.bf16
+                                           : NULL;
+    if (on) {
+      *on = true;
       continue;
     }
     if (i + 1 == argc) return usage("%s needs a value", a);
