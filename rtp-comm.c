@@ -677,6 +677,33 @@ int rtp_comm_init(const struct rtp_comm_params *pin, struct rtp_comm **out) {
   return RTP_OK;
 }
 
+int rtp__comm_dry_new(int world_size, int rank, struct rtp_comm **out) {
+  if (!out) return rtp__error(RTP_EINVAL, "rtp__comm_dry_new: NULL out");
+  *out = NULL;
+  struct rtp_comm_params p = rtp_comm_params_default();
+  p.world_size = world_size;
+  p.rank = rank;
+  snprintf(p.backend, sizeof(p.backend), "dry");
+  if (world_size < 1 || world_size > RTP_COMM_MAX_WORLD || rank < 0 || rank >= world_size)
+    return rtp__error(RTP_EINVAL, "rtp__comm_dry_new: rank %d of world size %d", rank,
+                      world_size);
+  struct rtp_comm_world *w = world_new(&p);
+  int *all = malloc(sizeof(int) * (size_t)world_size);
+  struct rtp_comm *c = NULL;
+  if (w && all) {
+    w->host = rtp__dry_transport();
+    for (int q = 0; q < world_size; q++) all[q] = q;
+    c = group_new(w, 0, all, world_size, rank);
+  }
+  free(all);
+  if (!c) {
+    if (w) world_destroy(w);
+    return rtp__error(RTP_ENOMEM, "rtp__comm_dry_new: out of memory");
+  }
+  *out = c;
+  return RTP_OK;
+}
+
 void rtp_comm_free(struct rtp_comm *c) {
   if (!c) return;
   if (c->device) c->device->i->free(c->device); /* first: it may still use the host part */

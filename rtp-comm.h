@@ -153,6 +153,14 @@ struct rtp_transport {
 /* The transports' constructors. Host transports join the job's world; the device one
  * (nccl) bootstraps through c's public operations and serves c's group. */
 struct rtp_transport *rtp__local_transport(void);
+struct rtp_transport *rtp__dry_transport(void);
+
+/* A communicator of world_size ranks in which this process is `rank` and no other rank
+ * exists: every operation completes at once, moving nothing (rtp-local.c's dry
+ * transport). For planning (tools/rtp-plan): rtp_parallel_new builds the exact graph of
+ * one rank of a job of any size, with no peers and no sockets; computing that graph
+ * would compute garbage. */
+int rtp__comm_dry_new(int world_size, int rank, struct rtp_comm **out);
 int rtp__tcp_new(struct rtp_comm_world *w, struct rtp_transport **out);
 #ifdef RTP_HAVE_NCCL
 int rtp__nccl_new(struct rtp_comm *c, int device, int timeout_ms, struct rtp_transport **out);

@@ -9,7 +9,7 @@ src=$(cd "$(dirname "$0")" && pwd)
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 cmake --install "$build" --prefix "$scratch/prefix" > /dev/null
-for f in include/rtp.h include/rtp.hpp include/rtp/gpt.h bin/rtp-run lib/librtp.a \
+for f in include/rtp.h include/rtp.hpp include/rtp/gpt.h bin/rtp-run bin/rtp-plan lib/librtp.a \
          lib/librtp-gpt.a lib/cmake/rtp/rtpConfig.cmake lib/pkgconfig/rtp.pc \
          lib/pkgconfig/rtp-gpt.pc; do
   [ -e "$scratch/prefix/$f" ] || { echo "missing after install: $f"; exit 1; }
@@ -28,6 +28,7 @@ cc -std=c11 $(pkg-config --cflags rtp-gpt) "$src/install-consumer/consumer-gpt.c
    -o "$scratch/pc-gpt" $(pkg-config --static --libs rtp-gpt)
 "$scratch/pc-gpt"
 "$scratch/prefix/bin/rtp-run" -n 1 -- true
+"$scratch/prefix/bin/rtp-plan" --config tiny --flops 1e10 > /dev/null
 # Without CUDA the package must not make its users link or load CUDA or NCCL. With it, the
 # consumers above linked and ran: rtp.pc and rtpConfig.cmake named what the library needs.
 if [ "$with_cuda" = OFF ]; then

@@ -1,0 +1,521 @@
+/*
+ * rtp-plan - which strategy and layout to train a model with, before running anything:
+ *
+ *   rtp-plan --config medium --n-layer 24 -n 4 --nnodes 2 --mem-per-rank 4G --link 1gbit
+ *
+ * For each layout of the job's ranks (one process; ddp, fsdp, rtp, and tp where the heads
+ * split; pipelines of S stages with rtp or fsdp inside each, for every S that divides the
+ * ranks) it prints what one rank holds (model states, the communication pool, activations,
+ * the rest), its predicted peak resident memory, the bytes it sends per step, and an
+ * estimated step time; it marks what does not fit --mem-per-rank and recommends the
+ * layout that trains the most tokens a second among those that fit.
+ *
+ * Memory is not estimated: every layout's rank is built dry by the library, exactly as
+ * train-gpt builds it (tools/plan-model.c), so the figures are its memory report
+ * (tests/test-plan.cpp checks them against ranks that train). The step time is an estimate:
+ * the rank's FLOPs over the rate a short one-process step reaches on this machine
+ * (--flops to give it), the bytes it sends over the link, overlapped as the strategy
+ * overlaps them. docs/planner.md explains each column.
+ */
+#include <ctype.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "plan-model.h"
+
+#define EXIT_USAGE 2
+#define MAX_LAYOUTS 160
+#define NUM 32 /* a formatted number */
+
+struct opts {
+  struct plan_model pm;
+  int per_host, hosts, threads;
+  double mem_per_rank, link, local_link, flops; /* bytes, bytes/s, bytes/s, FLOP/s */
+  bool json;
+};
+
+/* One layout's prediction, for its busiest stage. */
+struct row {
+  struct plan_layout l;
+  char name[48];
+  struct rtp_mem_report mem;
+  double peak, sent, compute_s, comm_s, step_s, tokens, tokens_per_s;
+  bool fits, overlap;
+};
+
+static int usage(const char *fmt, const char *arg) {
+  fprintf(stderr, "rtp-plan: ");
+  fprintf(stderr, fmt, arg);
+  fprintf(stderr, " (rtp-plan --help)\n");
+  return EXIT_USAGE;
+}
+
+static void help(void) {
+  printf(
+      "usage: rtp-plan [model flags] [-n RANKS] [--nnodes HOSTS] [--mem-per-rank SIZE]\n"
+      "                [--link SPEED] [--local-link SPEED] [--flops RATE] [--threads N] "
+      "[--json]\n\n"
+      "model flags, as train-gpt's: --config tiny|small|medium, --n-layer N, --d-model N,\n"
+      "  --n-head N, --seq-len T, --vocab N, --batch B (per data-parallel rank),\n"
+      "  --micro-batches M, --recompute, --bf16, --schedule gpipe|1f1b|eager-1f1b|zeropp\n"
+      "job: -n RANKS per host and --nnodes HOSTS, as rtp-run's (default 1 and 1)\n"
+      "  --mem-per-rank SIZE  memory of each rank: 2G, 512M, 1.5GiB or bytes (default: none)\n"
+      "  --link SPEED         each host's network, each way: 1gbit, 100mbit, 25gbit or "
+      "bytes/s\n"
+      "                       (default 1gbit)\n"
+      "  --local-link SPEED   between ranks on one host (default 20gbit)\n"
+      "  --flops RATE         FLOP/s of one rank (default: measured by a one-process step)\n"
+      "  --threads N          the calibration's threads (default: the cores / -n)\n"
+      "  --json               one JSON line per layout, then the recommendation\n");
+}
+
+/* "2G", "1.5GiB", "512M", "4096": binary units. */
+static int parse_size(const char *s, double *out) {
+  char *end;
+  double v = strtod(s, &end);
+  double unit = 1;
+  switch (toupper((unsigned char)*end)) {
+    case 'K':
+      unit = 1024.0, end++;
+      break;
+    case 'M':
+      unit = 1048576.0, end++;
+      break;
+    case 'G':
+      unit = 1073741824.0, end++;
+      break;
+    case 'T':
+      unit = 1099511627776.0, end++;
+      break;
+  }
+  if (*end == 'i' || *end == 'I') end++;
+  if (*end == 'B' || *end == 'b') end++;
+  if (end == s || *end || !(v > 0) || !isfinite(v)) return -1;
+  *out = v * unit;
+  return 0;
+}
+
+/* "1gbit", "100mbit", "125000000" (bytes/s): decimal units, as links are sold. */
+static int parse_rate(const char *s, double *out) {
+  char *end;
+  double v = strtod(s, &end);
+  static const struct {
+    const char *suffix;
+    double bytes;
+  } units[] = {{"", 1}, {"kbit", 1e3 / 8}, {"mbit", 1e6 / 8}, {"gbit", 1e9 / 8}};
+  if (end == s || !(v > 0) || !isfinite(v)) return -1;
+  for (size_t i = 0; i < sizeof(units) / sizeof(units[0]); i++)
+    if (!strcasecmp(end, units[i].suffix)) {
+      *out = v * units[i].bytes;
+      return 0;
+    }
+  return -1;
+}
+
+static int parse_number(const char *s, double *out) {
+  char *end;
+  double v = strtod(s, &end);
+  if (end == s || *end || !(v > 0) || !isfinite(v)) return -1;
+  *out = v;
+  return 0;
+}
+
+static int parse_int(const char *s, int lo, int hi, int *out) {
+  char *end;
+  long v = strtol(s, &end, 10);
+  if (end == s || *end || v < lo || v > hi) return -1;
+  *out = (int)v;
+  return 0;
+}
+
+static int set_config(struct opts *o, const char *v) {
+  if (!strcmp(v, "tiny"))
+    o->pm.cfg = (struct gpt_config){256, 32, 64, 2, 4}; /* train-gpt's */
+  else if (!strcmp(v, "small"))
+    o->pm.cfg = gpt_config_small();
+  else if (!strcmp(v, "medium"))
+    o->pm.cfg = gpt_config_medium();
+  else
+    return usage("--config must be tiny, small or medium, not '%s'", v);
+  return 0;
+}
+
+/* A flag that takes an integer: where it goes and its range. */
+static int *int_flag(struct opts *o, const char *a, int *lo, int *hi) {
+  static const struct {
+    const char *name;
+    int lo, hi;
+  } f[] = {{"--n-layer", 1, GPT_MAX_LAYERS}, {"--d-model", 1, GPT_MAX_SIZE},
+           {"--n-head", 1, GPT_MAX_SIZE},    {"--seq-len", 1, GPT_MAX_SIZE},
+           {"--vocab", 1, GPT_MAX_SIZE},     {"--batch", 1, 1 << 20},
+           {"--micro-batches", 1, 1 << 16},  {"-n", 1, 65536},
+           {"--nnodes", 1, 65536},           {"--threads", 1, 1024}};
+  int *dst[] = {&o->pm.cfg.n_layer,   &o->pm.cfg.d_model, &o->pm.cfg.n_head,
+                &o->pm.cfg.seq_len,   &o->pm.cfg.vocab,   &o->pm.batch,
+                &o->pm.micro_batches, &o->per_host,       &o->hosts,
+                &o->threads};
+  for (size_t i = 0; i < sizeof(f) / sizeof(f[0]); i++)
+    if (!strcmp(a, f[i].name)) {
+      *lo = f[i].lo, *hi = f[i].hi;
+      return dst[i];
+    }
+  return NULL;
+}
+
+/* A flag with a value other than an integer. */
+static int value_flag(struct opts *o, const char *a, const char *v) {
+  if (!strcmp(a, "--config")) return set_config(o, v);
+  if (!strcmp(a, "--schedule"))
+    return rtp_schedule_parse(v, &o->pm.schedule)
+               ? usage("--schedule must be gpipe, 1f1b, eager-1f1b or zeropp, not '%s'", v)
+               : 0;
+  if (!strcmp(a, "--mem-per-rank"))
+    return parse_size(v, &o->mem_per_rank) ? usage(
+                                                 "--mem-per-rank: '%s' is not a size "
+                                                 "(2G, 512M, 1.5GiB or bytes)",
+                                                 v)
+                                           : 0;
+  double *rate = !strcmp(a, "--link")         ? &o->link
+                 : !strcmp(a, "--local-link") ? &o->local_link
+                 : !strcmp(a, "--flops")      ? &o->flops
+                                              : NULL;
+  if (!rate) return usage("unknown option '%s'", a);
+  if (rate == &o->flops ? parse_number(v, rate) : parse_rate(v, rate))
+    return usage(rate == &o->flops
+                     ? "--flops: '%s' is not a rate (e.g. 5e10)"
+                     : "the link: '%s' is not a speed (1gbit, 100mbit or bytes/s)",
+                 v);
+  return 0;
+}
+
+static int parse_args(struct opts *o, int argc, char **argv) {
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+      help();
+      exit(0);
+    }
+    bool *on = !strcmp(a, "--json")        ? &o->json
+               : !strcmp(a, "--recompute") ? &o->pm.recompute
+               : !strcmp(a, "--bf16")      ? &o->pm.bf16
+                                           : NULL;
+    if (on) {
+      *on = true;
+      continue;
+    }
+    if (i + 1 == argc) return usage("%s needs a value", a);
+    const char *v = argv[++i];
+    int lo, hi, *dst = int_flag(o, a, &lo, &hi);
+    if (dst && parse_int(v, lo, hi, dst)) {
+      fprintf(stderr, "rtp-plan: %s must be an integer in %d..%d, not '%s' (rtp-plan --help)\n",
+              a, lo, hi, v);
+      return EXIT_USAGE;
+    }
+    if (!dst && value_flag(o, a, v)) return EXIT_USAGE;
+  }
+  if (o->pm.cfg.d_model % o->pm.cfg.n_head)
+    return usage("%s: --n-head must divide --d-model", "the model");
+  if (o->pm.batch % o->pm.micro_batches)
+    return usage("%s: --micro-batches must divide --batch", "the model");
+  return 0;
+}
+
+/* ---- the layouts ------------------------------------------------------------------ */
+
+static int add_layout(struct row *rows, int n, enum rtp_strategy s, int ranks, int stages) {
+  if (n == MAX_LAYOUTS) return n;
+  struct row *r = &rows[n];
+  memset(r, 0, sizeof(*r));
+  r->l = (struct plan_layout){s, ranks, stages};
+  int d = ranks / stages;
+  if (ranks == 1)
+    snprintf(r->name, sizeof(r->name), "one process");
+  else if (stages == 1)
+    snprintf(r->name, sizeof(r->name), "%s", rtp_strategy_name(s));
+  else if (d == 1)
+    snprintf(r->name, sizeof(r->name), "pp %d", stages);
+  else
+    snprintf(r->name, sizeof(r->name), "pp %d x %s %d", stages, rtp_strategy_name(s), d);
+  return n + 1;
+}
+
+/* Every layout train-gpt can run on `ranks` ranks (one process first, for comparison). */
+static int layouts(const struct opts *o, int ranks, struct row *rows) {
+  int n = add_layout(rows, 0, RTP_STRATEGY_NONE, 1, 1);
+  if (ranks == 1) return n;
+  n = add_layout(rows, n, RTP_STRATEGY_DDP, ranks, 1);
+  n = add_layout(rows, n, RTP_STRATEGY_FSDP, ranks, 1);
+  n = add_layout(rows, n, RTP_STRATEGY_RTP, ranks, 1);
+  if (o->pm.cfg.n_head % ranks == 0) n = add_layout(rows, n, RTP_STRATEGY_TP, ranks, 1);
+  for (int s = 2; s <= ranks && s <= o->pm.cfg.n_layer; s++) {
+    if (ranks % s) continue;
+    if (s == ranks) {
+      n = add_layout(rows, n, RTP_STRATEGY_NONE, ranks, s);
+      continue;
+    }
+    n = add_layout(rows, n, RTP_STRATEGY_RTP, ranks, s);
+    n = add_layout(rows, n, RTP_STRATEGY_FSDP, ranks, s);
+  }
+  return n;
+}
+
+/* ---- memory: each stage's first rank, built dry ------------------------------------- */
+
+static size_t proc_rss(void) {
+  FILE *f = fopen("/proc/self/status", "r");
+  char line[256];
+  size_t kb = 0;
+  while (f && fgets(line, sizeof(line), f))
+    if (!strncmp(line, "VmRSS:", 6)) kb = strtoull(line + 6, NULL, 10);
+  if (f) fclose(f);
+  return kb * 1024;
+}
+
+/* The busiest stage's memory and bytes; 0, or -1 with rtp_last_error. */
+static int predict_memory(const struct opts *o, struct row *r, size_t baseline) {
+  int per_stage = r->l.ranks / r->l.stages;
+  for (int s = 0; s < r->l.stages; s++) {
+    struct plan_rank pr;
+    int rc = plan_rank_build(&pr, &o->pm, &r->l, s * per_stage, true, NULL, NULL);
+    if (rc) {
+      plan_rank_free(&pr);
+      return -1;
+    }
+    struct rtp_mem_report m;
+    rtp_mem_report_get(pr.ctx, &m);
+    double peak = (double)(baseline + m.total + plan_rss_overhead(&pr));
+    if (peak > r->peak) r->peak = peak, r->mem = m;
+    double sent = plan_bytes_sent(&pr);
+    if (sent > r->sent) r->sent = sent;
+    plan_rank_free(&pr);
+  }
+  r->fits = o->mem_per_rank <= 0 || r->peak <= o->mem_per_rank;
+  return 0;
+}
+
+/* ---- time: FLOPs over the measured rate, bytes over the link -------------------------- */
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* FLOP/s of a one-process step of the model cut to two blocks and batch 1 (and the sequence
+ * halved while a step is over 4 GFLOP): the fastest of three after a warm-up, so that a
+ * machine busy with other work at the moment is not taken for a slow one. */
+static double calibrate(const struct opts *o, struct gpt_config *cal) {
+  struct plan_model pm = {.cfg = o->pm.cfg, .batch = 1, .micro_batches = 1, .bf16 = o->pm.bf16};
+  pm.cfg.n_layer = pm.cfg.n_layer < 2 ? pm.cfg.n_layer : 2;
+  while (pm.cfg.seq_len > 16 && gpt_step_flops(pm.cfg, 1) > 4e9) pm.cfg.seq_len /= 2;
+  *cal = pm.cfg;
+  struct plan_layout l = {RTP_STRATEGY_NONE, 1, 1};
+  struct plan_rank r;
+  struct rtp_threadpool *tp = rtp_threadpool_new(o->threads);
+  double t[4] = {0};
+  int rc = plan_rank_build(&r, &pm, &l, 0, false, NULL, NULL);
+  for (int i = 0; i < r.m.n_params && !rc; i++)
+    rtp_tensor_fill_f32(rtp_parallel_tensor(r.par, r.m.params[i]), 0.01f);
+  for (int s = 0; s < 4 && !rc; s++) {
+    double t0 = now_s();
+    rc = rtp_graph_compute(r.train, tp);
+    t[s] = now_s() - t0;
+  }
+  plan_rank_free(&r);
+  rtp_threadpool_free(tp);
+  if (rc) return 0;
+  qsort(t + 1, 3, sizeof(double), cmp_double);
+  return gpt_step_flops(pm.cfg, 1) / t[1];
+}
+
+/* A step's FLOPs on the busiest rank, with recomputation's second forward of the blocks;
+ * tp splits the blocks between the ranks, a pipeline between the stages (the head on the
+ * last one), which also idle (S - 1) / M of the step (1F1B's bubble). */
+static double rank_flops(const struct opts *o, const struct plan_layout *l) {
+  struct gpt_config c = o->pm.cfg;
+  double tokens = (double)c.seq_len * o->pm.batch;
+  double all = gpt_step_flops(c, o->pm.batch), head = 6.0 * c.vocab * c.d_model * tokens;
+  double blocks = (all - head) * (o->pm.recompute ? 4.0 / 3 : 1);
+  if (l->strategy == RTP_STRATEGY_TP) return blocks / l->ranks + head;
+  double m = o->pm.micro_batches;
+  return (blocks / l->stages + head) * (m + l->stages - 1) / m;
+}
+
+static void predict_time(const struct opts *o, struct row *r) {
+  struct gpt_config c = o->pm.cfg;
+  bool one_host = o->hosts == 1 || r->l.ranks == 1;
+  double bw = one_host || o->local_link < o->link ? o->local_link : o->link;
+  r->compute_s = rank_flops(o, &r->l) / o->flops;
+  r->comm_s = r->sent / bw;
+  /* tp's all-reduces wait for the activations they sum; the others' transfers run during
+   * the compute (ddp's buckets, fsdp's prefetched gathers, rtp's rotations, the stages). */
+  r->overlap = r->l.strategy != RTP_STRATEGY_TP;
+  r->step_s = r->overlap ? fmax(r->compute_s, r->comm_s) : r->compute_s + r->comm_s;
+  int data_ranks = r->l.strategy == RTP_STRATEGY_TP ? 1 : r->l.ranks / r->l.stages;
+  r->tokens = (double)c.seq_len * o->pm.batch * data_ranks;
+  r->tokens_per_s = r->tokens / r->step_s;
+}
+
+/* ---- output ------------------------------------------------------------------------- */
+
+static const char *mib(double bytes, char *buf) {
+  if (bytes >= 1024.0 * 1048576)
+    snprintf(buf, NUM, "%.2fG", bytes / (1024.0 * 1048576));
+  else
+    snprintf(buf, NUM, "%.1fM", bytes / 1048576);
+  return buf;
+}
+
+/* A link in the units it is sold in. */
+static const char *bits(double bytes_per_s, char *buf) {
+  double b = 8 * bytes_per_s;
+  if (b >= 1e9)
+    snprintf(buf, NUM, "%.3g Gbit/s", b / 1e9);
+  else
+    snprintf(buf, NUM, "%.3g Mbit/s", b / 1e6);
+  return buf;
+}
+
+static size_t states(const struct rtp_mem_report *m) {
+  return m->bytes[RTP_ROLE_PARAM] + m->bytes[RTP_ROLE_GRAD] + m->bytes[RTP_ROLE_OPTIM];
+}
+
+/* The fastest layout on the job's ranks that fits, ties (within 1%) to less memory. */
+static int recommend(const struct row *rows, int n, int ranks) {
+  int best = -1;
+  for (int i = 0; i < n; i++) {
+    if (!rows[i].fits || (rows[i].l.ranks != ranks && ranks > 1)) continue;
+    if (best < 0) {
+      best = i;
+      continue;
+    }
+    double a = rows[i].tokens_per_s, b = rows[best].tokens_per_s;
+    if (a > 1.01 * b || (a >= 0.99 * b && rows[i].peak < rows[best].peak)) best = i;
+  }
+  return best;
+}
+
+static void print_header(const struct opts *o, int ranks, const struct gpt_config *cal,
+                         size_t baseline) {
+  struct gpt_config c = o->pm.cfg;
+  char a[NUM], b[NUM], m[NUM];
+  printf(
+      "model: %.1fM parameters (L %d, d %d, H %d, T %d, V %d), batch %d per rank in %d "
+      "micro-batch%s%s%s\n",
+      gpt_n_params(c) / 1e6, c.n_layer, c.d_model, c.n_head, c.seq_len, c.vocab, o->pm.batch,
+      o->pm.micro_batches, o->pm.micro_batches > 1 ? "es" : "",
+      o->pm.recompute ? ", recompute" : "", o->pm.bf16 ? ", bf16" : "");
+  printf("job: %d rank%s (%d host%s x %d), memory %s per rank, link %s (on a host %s)\n", ranks,
+         ranks > 1 ? "s" : "", o->hosts, o->hosts > 1 ? "s" : "", o->per_host,
+         o->mem_per_rank > 0 ? mib(o->mem_per_rank, m) : "unlimited", bits(o->link, a),
+         bits(o->local_link, b));
+  if (cal)
+    printf("compute: %.1f GFLOP/s per rank, measured on %d thread%s (L %d, T %d, batch 1)\n",
+           o->flops / 1e9, o->threads, o->threads > 1 ? "s" : "", cal->n_layer, cal->seq_len);
+  else
+    printf("compute: %.1f GFLOP/s per rank (--flops)\n", o->flops / 1e9);
+  printf(
+      "peak = the rank's arena (states + pool + activations + the rest) + %s of process "
+      "and runtime\n\n",
+      mib((double)baseline + PLAN_RUNTIME_BYTES, a));
+  printf("%-18s %9s %9s %9s %9s %9s  %-4s %10s %9s %9s %9s %10s\n", "layout", "states", "pool",
+         "activ.", "rest", "peak", "fits", "sent/step", "compute", "comm", "step", "tokens/s");
+}
+
+static void print_row(const struct row *r, bool best) {
+  char s[NUM], p[NUM], a[NUM], x[NUM], k[NUM], t[NUM];
+  const struct rtp_mem_report *m = &r->mem;
+  double rest =
+      r->peak - (double)states(m) - m->bytes[RTP_ROLE_COMM] - m->bytes[RTP_ROLE_ACTIVATION];
+  printf("%-18s %9s %9s %9s %9s %9s  %-4s %10s %8.0fms %8.0fms %8.0fms%s %10.0f%s\n", r->name,
+         mib((double)states(m), s), mib((double)m->bytes[RTP_ROLE_COMM], p),
+         mib((double)m->bytes[RTP_ROLE_ACTIVATION], a), mib(rest, x), mib(r->peak, k),
+         r->fits ? "yes" : "NO", mib(r->sent, t), r->compute_s * 1e3, r->comm_s * 1e3,
+         r->step_s * 1e3, r->overlap ? " " : "+", r->tokens_per_s,
+         best ? "  <- recommended" : "");
+}
+
+static void print_json(const struct row *r, bool best) {
+  const struct rtp_mem_report *m = &r->mem;
+  printf(
+      "{\"layout\":\"%s\",\"strategy\":\"%s\",\"ranks\":%d,\"stages\":%d,\"params\":%zu,"
+      "\"grads\":%zu,\"optim\":%zu,\"model_states\":%zu,\"comm\":%zu,\"activations\":%zu,"
+      "\"work\":%zu,\"metadata\":%zu,\"arena_total\":%zu,\"peak_rss\":%.0f,\"fits\":%s,"
+      "\"bytes_sent_per_step\":%.0f,\"compute_s\":%.6f,\"comm_s\":%.6f,\"step_s\":%.6f,"
+      "\"overlap\":%s,\"tokens_per_step\":%.0f,\"tokens_per_s\":%.1f,\"recommended\":%s}\n",
+      r->name, rtp_strategy_name(r->l.strategy), r->l.ranks, r->l.stages,
+      m->bytes[RTP_ROLE_PARAM], m->bytes[RTP_ROLE_GRAD], m->bytes[RTP_ROLE_OPTIM], states(m),
+      m->bytes[RTP_ROLE_COMM], m->bytes[RTP_ROLE_ACTIVATION], m->work, m->metadata, m->total,
+      r->peak, r->fits ? "true" : "false", r->sent, r->compute_s, r->comm_s, r->step_s,
+      r->overlap ? "true" : "false", r->tokens, r->tokens_per_s, best ? "true" : "false");
+}
+
+static void print_verdict(const struct opts *o, const struct row *rows, int n, int best) {
+  if (o->json) {
+    printf("{\"recommended\":%s%s%s}\n", best < 0 ? "" : "\"",
+           best < 0 ? "null" : rows[best].name, best < 0 ? "" : "\"");
+    return;
+  }
+  printf("\n(+: tp's transfers wait for its compute; the others overlap them)\n");
+  if (best >= 0) {
+    printf("recommended: %s\n", rows[best].name);
+    return;
+  }
+  double least = rows[0].peak;
+  for (int i = 1; i < n; i++) least = fmin(least, rows[i].peak);
+  char a[NUM];
+  printf(
+      "nothing fits: the smallest layout needs %s per rank (try --recompute, more ranks, "
+      "or a smaller --batch)\n",
+      mib(least, a));
+}
+
+int main(int argc, char **argv) {
+  size_t baseline = proc_rss(); /* what a rank's process holds before it builds, about */
+  struct opts o = {.pm = {.batch = 8, .micro_batches = 1, .schedule = RTP_SCHEDULE_1F1B},
+                   .per_host = 1,
+                   .hosts = 1,
+                   .link = 1e9 / 8,
+                   .local_link = 20e9 / 8};
+  o.pm.cfg = gpt_config_small();
+  int rc = parse_args(&o, argc, argv);
+  if (rc) return rc;
+  int ranks = o.per_host * o.hosts;
+  if (o.threads == 0) {
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    o.threads = cores > o.per_host ? (int)(cores / o.per_host) : 1;
+  }
+  static struct row rows[MAX_LAYOUTS];
+  int n = layouts(&o, ranks, rows);
+  char why[256];
+  for (int i = 0; i < n; i++)
+    if (plan_check(&o.pm, &rows[i].l, why, sizeof(why))) return usage("%s", why);
+  for (int i = 0; i < n; i++)
+    if (predict_memory(&o, &rows[i], baseline)) {
+      fprintf(stderr, "rtp-plan: %s: %s\n", rows[i].name, rtp_last_error());
+      return 1;
+    }
+  struct gpt_config cal;
+  bool measured = o.flops <= 0;
+  if (measured && !(o.flops = calibrate(&o, &cal))) {
+    fprintf(stderr, "rtp-plan: the calibration step failed: %s\n", rtp_last_error());
+    return 1;
+  }
+  for (int i = 0; i < n; i++) predict_time(&o, &rows[i]);
+  int best = recommend(rows, n, ranks);
+  if (!o.json) print_header(&o, ranks, measured ? &cal : NULL, baseline);
+  for (int i = 0; i < n; i++)
+    o.json ? print_json(&rows[i], i == best) : print_row(&rows[i], i == best);
+  print_verdict(&o, rows, n, best);
+  return 0;
+}
