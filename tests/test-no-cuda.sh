@@ -36,6 +36,7 @@ dirs+=("${ld_path[@]}")
 while IFS= read -r f; do
   dirs+=("$(dirname "$f")" "$(dirname "$(readlink -f "$f")")")
 done < <(ldconfig -p | grep -E "$gpu|libcublas" | sed 's/.*=> //')
+mapfile -t dirs < <(printf '%s\n' "${dirs[@]}" | grep . | sort -u)
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 mkdir "$scratch/empty"
