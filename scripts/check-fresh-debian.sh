@@ -47,7 +47,14 @@ phase_done base
 mounts=()
 cleanup() {
   for ((i = ${#mounts[@]} - 1; i >= 0; i--)); do umount -l "${mounts[$i]}" 2> /dev/null || true; done
-  [ $keep = 1 ] || rm -rf "$root"
+  [ $keep = 1 ] || remove_root
+}
+remove_root() { # never through a mount that is left: /dev is the host's
+  if grep -q " $root[/ ]" /proc/mounts; then
+    echo "check-fresh-debian: mounts are left under $root; not deleting it"
+    return 1
+  fi
+  rm -rf --one-file-system "$root"
 }
 trap cleanup EXIT
 bind() { # bind SRC DST [ro]
@@ -57,9 +64,13 @@ bind() { # bind SRC DST [ro]
   if [ "${3:-}" = ro ]; then mount -o remount,bind,ro "$2"; fi
 }
 log "root: fresh copy of the base in $root"
-rm -rf "$root"
+remove_root
 cp -a "$base" "$root"
 rm -f "$root/.complete"
+# Its own mount, as a machine's root is: a mount namespace made inside (test-no-cuda) must
+# be able to make "/" private. Private here, so nothing mounted below reaches the host's.
+bind "$root" "$root"
+mount --make-private "$root"
 mount -t proc proc "$root/proc" && mounts+=("$root/proc")
 mount -t sysfs sys "$root/sys" && mounts+=("$root/sys")
 bind /dev "$root/dev"

@@ -25,7 +25,8 @@ done < <(find "$build" -type f -perm -u+x ! -name '*.so*' ! -path '*/CMakeFiles/
 [ $bad = 0 ] || exit 1
 
 if [ "$(id -u)" -ne 0 ] || ! unshare -m true 2> /dev/null; then
-  echo "skipped after the DT_NEEDED check: hiding the libraries needs a mount namespace (root)"
+  echo "skipped after the DT_NEEDED check: hiding the libraries needs a private mount" \
+    "namespace (root, and a '/' that is a mount point: not a bare chroot)"
   exit 77
 fi
 # 2. Where the loader could find them: the build's folders, the system's library folders
