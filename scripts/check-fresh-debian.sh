@@ -46,7 +46,10 @@ phase_done base
 # ---- root: a copy of the base, with the kernel's file systems, DNS and the toolkit ----------
 mounts=()
 cleanup() {
+  # Ours, then any the tests made (ip netns mounts /run/netns), the deepest first.
   for ((i = ${#mounts[@]} - 1; i >= 0; i--)); do umount -l "${mounts[$i]}" 2> /dev/null || true; done
+  awk -v r="$root/" 'index($2, r) == 1 { print $2 }' /proc/mounts | sort -r |
+    while read -r m; do umount -l "$m" || true; done
   [ $keep = 1 ] || remove_root
 }
 remove_root() { # never through a mount that is left: /dev is the host's
