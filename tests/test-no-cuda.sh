@@ -47,11 +47,14 @@ cat > "$scratch/hidden.sh" << 'INNER'
 set -e
 empty=$1
 shift
+hidden=" "
 while IFS= read -r d; do
   [ -d "$d" ] || continue
   d=$(readlink -f "$d")
+  case "$hidden" in *" $d "*) continue ;; esac
+  hidden="$hidden$d "
   case "$d" in
-    *cuda* | *nccl* | *nvidia*) mountpoint -q "$d" || mount --bind "$empty" "$d" ;;
+    *cuda* | *nccl* | *nvidia*) mount --bind "$empty" "$d" ;;
     *)
       for f in "$d"/libcuda.so* "$d"/libcudart.so* "$d"/libnccl.so* "$d"/libcublas*.so*; do
         if [ -f "$f" ] && [ ! -L "$f" ]; then mount --bind /dev/null "$f"; fi
