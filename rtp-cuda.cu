@@ -344,8 +344,8 @@ int cuda_open(cuda_backend *cu) {
   RTP_CUDA_TRY(cu, cudaMalloc(&cu->err, sizeof(int)));
   RTP_CUDA_TRY(cu, cudaMalloc(&cu->red, (kRedBlocks + 1) * sizeof(double)));
   if (!cublas_open())
-    return rtp__error(RTP_ENOSYS, "cuda device %d: cannot load cuBLAS: %s", cu->device,
-                      blas_why);
+    return rtp__error(RTP_ENOSYS, "cuda device %d: cannot load cuBLAS (libcublas.so.%d): %s",
+                      cu->device, CUBLAS_VER_MAJOR, blas_why);
   RTP_CUBLAS_TRY(cu, blas_api.create(&cu->blas));
   RTP_CUBLAS_TRY(cu, blas_api.set_stream(cu->blas, compute_stream(cu)));
   RTP_CUBLAS_TRY(cu, blas_api.set_workspace(cu->blas, cu->blas_ws, ws));
@@ -393,6 +393,9 @@ extern "C" int rtp__cuda_backend_new(int device, struct rtp_backend **out) {
   cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
+    char why[600];
+    if (rtp__cuda_driver_why(why, sizeof(why)))
+      return rtp__error(RTP_ENOSYS, "rtp_backend_cuda_new: no usable CUDA driver: %s", why);
     return rtp__error(RTP_ENOSYS,
                       "rtp_backend_cuda_new: no usable CUDA driver or device: %s (%s)%s",
                       cudaGetErrorString(e), cudaGetErrorName(e), cuda_hint(e));

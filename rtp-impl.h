@@ -53,6 +53,11 @@ void rtp__log(int level, const char *fmt, ...) RTP_PRINTF(2, 3);
 _Noreturn void rtp__abort(const char *file, int line, const char *what);
 #endif
 
+/* ---- rtp-cuda-driver.c (CUDA builds) ---- */
+/* 1, with "the NVIDIA driver's library libcuda.so.1 cannot be loaded: <why>" in buf, if the
+ * driver cannot be loaded; 0 if it can (then CUDA's own error says what is wrong). */
+int rtp__cuda_driver_why(char *buf, size_t n);
+
 /* ---- rtp.c: context, tensors, builders ---- */
 int rtp__ctx_error(struct rtp_context *ctx, int status, const char *fmt, ...) RTP_PRINTF(3, 4);
 void *rtp__ctx_alloc(struct rtp_context *ctx, size_t size, const char *what);

@@ -5,13 +5,14 @@
  * the host transport; this one moves device buffers, enqueued on a CUDA stream
  * (rtp_transport_i.post_stream). docs/transport.md, "NCCL", has the whole story.
  *
- * Joining. rtp_comm_init checks the NCCL library and picks the CUDA device before the TCP
- * rendezvous (rtp__nccl_prepare), so a rank without one reports its own reason; once TCP
- * is up (and for each group rtp_comm_split makes of it), rtp__nccl_new: rank 0 makes an
- * ncclUniqueId, it travels over TCP (broadcast, then a check that every rank holds the same
- * bytes), every rank joins with a non-blocking ncclCommInitRankConfig polled against timeout_ms
- * and the TCP communicator's status, and a TCP barrier ends it. A failure on one rank fails its
- * TCP communicator (rtp_comm_abort: ABORT to every peer), so no other rank waits for it.
+ * Joining. rtp_comm_init loads NCCL (rtp-nccl-lib.c: a CUDA build does not link it), checks
+ * it and picks the CUDA device before the TCP rendezvous (rtp__nccl_prepare), so a rank
+ * without them reports its own reason; once TCP is up (and for each group rtp_comm_split
+ * makes of it), rtp__nccl_new: rank 0 makes an ncclUniqueId, it travels over TCP
+ * (broadcast, then a check that every rank holds the same bytes), every rank joins with a
+ * non-blocking ncclCommInitRankConfig polled against timeout_ms and the TCP communicator's
+ * status, and a TCP barrier ends it. A failure on one rank fails its TCP communicator
+ * (rtp_comm_abort: ABORT to every peer), so no other rank waits for it.
  *
  * Never hanging. NCCL kernels wait for their peers without a deadline: a peer that died or
  * never posts the operation leaves them spinning for ever. A watcher thread per
@@ -47,7 +48,8 @@
 #include <time.h>
 
 #include <cuda_runtime.h>
-#include <nccl.h>
+
+#include "rtp-nccl-lib.h"
 
 #define NC_TRACK 64 /* posted operations whose completion the watcher follows */
 #define NC_MSG 512
@@ -128,10 +130,12 @@ int rtp__nccl_cuda_status(int cuda_error) {
 int rtp__nccl_error(int rank, int device, const char *call, int nccl_result,
                     const char *detail) {
   bool d = detail && detail[0];
+  const char *text = rtp__nccl_load() == RTP_OK
+                         ? rtp__nccl_fn.GetErrorString((ncclResult_t)nccl_result)
+                         : "NCCL error";
   return rtp__error(rtp__nccl_status(nccl_result),
-                    "NCCL rank %d (device %d): %s failed: %s%s%s%s", rank, device, call,
-                    ncclGetErrorString((ncclResult_t)nccl_result), d ? " (" : "",
-                    d ? detail : "", d ? ")" : "");
+                    "NCCL rank %d (device %d): %s failed: %s%s%s%s", rank, device, call, text,
+                    d ? " (" : "", d ? detail : "", d ? ")" : "");
 }
 
 int rtp__nccl_cuda_error(int rank, int device, const char *call, int cuda_error) {
@@ -145,9 +149,9 @@ static void abort_locked(struct rtp_nccl *n) {
   if (!n->comm) return;
   ncclComm_t comm = n->comm;
   n->comm = NULL;
-  ncclResult_t r = ncclCommAbort(comm); /* frees comm: never poll it afterwards */
+  ncclResult_t r = rtp__nccl_fn.CommAbort(comm); /* frees comm: never poll it afterwards */
   if (r != ncclSuccess && r != ncclInProgress)
-    RTP_LOG_WARN("NCCL rank %d: ncclCommAbort: %s", n->rank, ncclGetErrorString(r));
+    RTP_LOG_WARN("NCCL rank %d: ncclCommAbort: %s", n->rank, rtp__nccl_fn.GetErrorString(r));
 }
 
 /* Fails n for good with (status, msg), unless it failed already: the TCP communicator
@@ -164,7 +168,8 @@ static int fail_locked(struct rtp_nccl *n, int status, const char *msg) {
 }
 
 static int nccl_fail_locked(struct rtp_nccl *n, const char *call, ncclResult_t r) {
-  const char *last = n->comm ? ncclGetLastError(n->comm) : ncclGetLastError(NULL);
+  const char *last =
+      n->comm ? rtp__nccl_fn.GetLastError(n->comm) : rtp__nccl_fn.GetLastError(NULL);
   rtp__nccl_error(n->rank, n->device, call, r, last);
   return fail_locked(n, rtp__nccl_status(r), rtp_last_error());
 }
@@ -201,7 +206,7 @@ static int settle_locked(struct rtp_nccl *n, ncclResult_t r, const char *call) {
       return fail_locked(n, RTP_ETIMEDOUT, m);
     }
     nanosleep(&(struct timespec){0, 200000}, NULL);
-    ncclResult_t q = ncclCommGetAsyncError(n->comm, &r);
+    ncclResult_t q = rtp__nccl_fn.CommGetAsyncError(n->comm, &r);
     if (q != ncclSuccess) r = q;
   }
   return r == ncclSuccess ? RTP_OK : nccl_fail_locked(n, call, r);
@@ -242,7 +247,7 @@ static int progress_locked(struct rtp_nccl *n) {
 
 static void watch_locked(struct rtp_nccl *n) {
   if (n->failed || check_locked(n)) return;
-  ncclResult_t r = ncclSuccess, q = ncclCommGetAsyncError(n->comm, &r);
+  ncclResult_t r = ncclSuccess, q = rtp__nccl_fn.CommGetAsyncError(n->comm, &r);
   if (q != ncclSuccess) r = q;
   if (r != ncclSuccess && r != ncclInProgress) {
     nccl_fail_locked(n, "an asynchronous operation", r);
@@ -322,10 +327,16 @@ static int local_rank(int rank, int *out) {
 }
 
 int rtp__nccl_prepare(int rank, int device, int *out) {
+  int st = rtp__nccl_load();
+  if (st) {
+    char msg[NC_MSG];
+    snprintf(msg, sizeof(msg), "%s", rtp_last_error());
+    return rtp__error(st, "NCCL rank %d: %s", rank, msg);
+  }
   /* The library found at run time, which may be older than the headers. Non-blocking
    * communicators came in 2.14; aborting from another thread is reliable since 2.19. */
   int v = 0;
-  ncclGetVersion(&v);
+  rtp__nccl_fn.GetVersion(&v);
   int major = v >= 10000 ? v / 10000 : v / 1000,
       minor = v >= 10000 ? v / 100 % 100 : v / 100 % 10;
   if (v < 21400)
@@ -344,6 +355,10 @@ int rtp__nccl_prepare(int rank, int device, int *out) {
   cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
+    char why[NC_MSG];
+    if (rtp__cuda_driver_why(why, sizeof(why)))
+      return rtp__error(RTP_ENOSYS, "NCCL rank %d: no CUDA device for the nccl backend: %s",
+                        rank, why);
     return rtp__error(RTP_ENOSYS,
                       "NCCL rank %d: no CUDA device for the nccl backend (cudaGetDeviceCount: "
                       "%s (%s))",
@@ -352,7 +367,8 @@ int rtp__nccl_prepare(int rank, int device, int *out) {
   if (count <= 0)
     return rtp__error(RTP_ENOSYS, "NCCL rank %d: no CUDA device for the nccl backend", rank);
   if (device < 0) {
-    int lr, st = local_rank(rank, &lr);
+    int lr;
+    st = local_rank(rank, &lr);
     if (st) return st;
     device = lr % count;
   } else if (device >= count) {
@@ -385,16 +401,17 @@ static int join(struct rtp_nccl *n, int device) {
   ncclUniqueId id;
   memset(&id, 0, sizeof(id));
   if (n->rank == 0) {
-    ncclResult_t r = ncclGetUniqueId(&id);
+    ncclResult_t r = rtp__nccl_fn.GetUniqueId(&id);
     if (r)
-      return rtp__nccl_error(n->rank, n->device, "ncclGetUniqueId", r, ncclGetLastError(NULL));
+      return rtp__nccl_error(n->rank, n->device, "ncclGetUniqueId", r,
+                             rtp__nccl_fn.GetLastError(NULL));
   }
   if ((st = rtp__nccl_exchange_id(n->c, &id, sizeof(id))) < 0) return st;
   /* Non-blocking, so that a peer that never joins costs timeout_ms, not forever. */
   ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
   cfg.blocking = 0;
   ncclComm_t comm = NULL;
-  ncclResult_t r = ncclCommInitRankConfig(&comm, n->size, id, n->rank, &cfg);
+  ncclResult_t r = rtp__nccl_fn.CommInitRankConfig(&comm, n->size, id, n->rank, &cfg);
   pthread_mutex_lock(&n->mu);
   n->comm = r == ncclSuccess || r == ncclInProgress ? comm : NULL;
   st = settle_locked(n, r, "ncclCommInitRankConfig");
@@ -426,10 +443,12 @@ static void destroy(struct rtp_nccl *n) {
   bool dev = n->device >= 0 && cudaGetDevice(&old) == cudaSuccess;
   if (dev) cudaSetDevice(n->device);
   if (n->comm && !n->failed) { /* flush, then free; a peer that is gone costs timeout_ms */
-    if (settle_locked(n, ncclCommFinalize(n->comm), "ncclCommFinalize") == RTP_OK) {
-      ncclResult_t r = ncclCommDestroy(n->comm);
+    if (settle_locked(n, rtp__nccl_fn.CommFinalize(n->comm), "ncclCommFinalize") == RTP_OK) {
+      ncclResult_t r = rtp__nccl_fn.CommDestroy(n->comm);
       n->comm = NULL;
-      if (r) RTP_LOG_WARN("NCCL rank %d: ncclCommDestroy: %s", n->rank, ncclGetErrorString(r));
+      if (r)
+        RTP_LOG_WARN("NCCL rank %d: ncclCommDestroy: %s", n->rank,
+                     rtp__nccl_fn.GetErrorString(r));
     }
   }
   abort_locked(n);
@@ -540,13 +559,13 @@ static int post_p2p(struct rtp_nccl *n, const struct rtp_comm_op *op, cudaStream
     return e ? cuda_fail_locked(n, "cudaMemcpyAsync", e) : RTP_OK;
   }
   /* Both sides of every pair agree on the size, so both skip an empty message. */
-  ncclResult_t r = ncclGroupStart(), r1 = ncclSuccess;
+  ncclResult_t r = rtp__nccl_fn.GroupStart(), r1 = ncclSuccess;
   if (r != ncclSuccess) return nccl_fail_locked(n, "ncclGroupStart", r);
   if (op->dst >= 0 && op->sbytes)
-    r1 = ncclSend(op->sbuf, op->sbytes, ncclInt8, op->dst, n->comm, s);
+    r1 = rtp__nccl_fn.Send(op->sbuf, op->sbytes, ncclInt8, op->dst, n->comm, s);
   if ((r1 == ncclSuccess || r1 == ncclInProgress) && op->src >= 0 && op->rbytes)
-    r1 = ncclRecv(op->buf, op->rbytes, ncclInt8, op->src, n->comm, s);
-  r = ncclGroupEnd(); /* closes the group whatever happened inside */
+    r1 = rtp__nccl_fn.Recv(op->buf, op->rbytes, ncclInt8, op->src, n->comm, s);
+  r = rtp__nccl_fn.GroupEnd(); /* closes the group whatever happened inside */
   if (r1 != ncclSuccess && r1 != ncclInProgress)
     return nccl_fail_locked(n, "ncclSend/ncclRecv", r1);
   return settle_locked(n, r, "ncclGroupEnd (ncclSend, ncclRecv)");
@@ -554,7 +573,8 @@ static int post_p2p(struct rtp_nccl *n, const struct rtp_comm_op *op, cudaStream
 
 static int post_allreduce(struct rtp_nccl *n, const struct rtp_comm_op *op, cudaStream_t s) {
   if (!op->count) return RTP_OK;
-  ncclResult_t r = ncclAllReduce(op->buf, op->buf, op->count, ncclFloat32, ncclSum, n->comm, s);
+  ncclResult_t r =
+      rtp__nccl_fn.AllReduce(op->buf, op->buf, op->count, ncclFloat32, ncclSum, n->comm, s);
   return settle_locked(n, r, "ncclAllReduce");
 }
 
@@ -570,20 +590,20 @@ static int post_allgather(struct rtp_nccl *n, const struct rtp_comm_op *op, cuda
   if (count % (size_t)n->size == 0) {
     size_t blk = count / (size_t)n->size * esize;
     call = "ncclAllGather";
-    r = ncclAllGather(buf + (size_t)n->rank * blk, buf, blk, ncclInt8, n->comm, s);
+    r = rtp__nccl_fn.AllGather(buf + (size_t)n->rank * blk, buf, blk, ncclInt8, n->comm, s);
   } else {
     call = "ncclGroupEnd (ncclBroadcast per block)";
-    r = ncclGroupStart();
+    r = rtp__nccl_fn.GroupStart();
     if (r != ncclSuccess) return nccl_fail_locked(n, "ncclGroupStart", r);
     ncclResult_t r1 = ncclSuccess;
     for (int q = 0; q < n->size && (r1 == ncclSuccess || r1 == ncclInProgress); q++) {
       size_t first, len;
       rtp_comm_block(count, n->size, q, &first, &len);
       if (len)
-        r1 = ncclBroadcast(buf + first * esize, buf + first * esize, len * esize, ncclInt8, q,
-                           n->comm, s);
+        r1 = rtp__nccl_fn.Broadcast(buf + first * esize, buf + first * esize, len * esize,
+                                    ncclInt8, q, n->comm, s);
     }
-    r = ncclGroupEnd();
+    r = rtp__nccl_fn.GroupEnd();
     if (r1 != ncclSuccess && r1 != ncclInProgress)
       return nccl_fail_locked(n, "ncclBroadcast", r1);
   }

@@ -19,7 +19,8 @@ int rtp__nccl_exchange_id(struct rtp_comm *c, void *id, size_t n);
 /* RTP_OK if every rank holds the same n bytes at p (an all-gather of a 64-bit hash of each
  * rank's bytes), else RTP_EPEER on every rank, naming the ranks that differ from rank 0. */
 int rtp__nccl_check_same(struct rtp_comm *c, const void *p, size_t n);
-/* What a rank checks before the rendezvous: an NCCL library new enough (RTP_ENOSYS), and a
+/* What a rank checks before the rendezvous: NCCL loaded (rtp__nccl_load) and new enough
+ * (RTP_ENOSYS, naming the library or its version), and a
  * CUDA device: resolves device (-1: the local rank, from RTP_LOCAL_RANK else rank, modulo
  * the number of devices), checks that it exists and makes it the calling thread's current
  * device. RTP_ENOSYS naming CUDA's reason where there is no usable device or driver. */

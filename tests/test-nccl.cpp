@@ -32,7 +32,8 @@ extern "C" {
 #include "rtp-nccl.h"
 #ifdef RTP_HAVE_NCCL
 #include <cuda_runtime.h>
-#include <nccl.h>
+
+#include "rtp-nccl-lib.h"  // NCCL's functions, loaded by the library as it does for itself
 #endif
 #ifdef RTP_TEST_FAKE_NCCL
 #include "fake-hooks.h"
@@ -227,8 +228,9 @@ TEST(Nccl, IdExchange) {
           ncclUniqueId u, want;
           memset(&u, rank + 1, sizeof(u));
           if (rank == 0) {
-            ncclResult_t r = ncclGetUniqueId(&u);
-            CHECK(r == ncclSuccess, "ncclGetUniqueId: %s", ncclGetErrorString(r));
+            CHECK_OK(rtp__nccl_load());
+            ncclResult_t r = rtp__nccl_fn.GetUniqueId(&u);
+            CHECK(r == ncclSuccess, "ncclGetUniqueId: %s", rtp__nccl_fn.GetErrorString(r));
           }
           want = u;
           CHECK_OK(rtp__nccl_exchange_id(c, &u, sizeof(u)));
@@ -261,6 +263,7 @@ TEST(Nccl, IdExchange) {
 }
 
 TEST(Nccl, ErrorMapping) {
+  if (rtp__nccl_load() != RTP_OK) GTEST_SKIP() << rtp_last_error();
   struct {
     int r, st;
   } nccl[] = {{ncclSuccess, RTP_OK},
@@ -276,7 +279,7 @@ TEST(Nccl, ErrorMapping) {
   for (auto &k : nccl) {
     EXPECT_EQ(rtp__nccl_status(k.r), k.st) << "ncclResult_t " << k.r;
     if (k.r == ncclSuccess) continue;
-    std::string text = ncclGetErrorString((ncclResult_t)k.r);
+    std::string text = rtp__nccl_fn.GetErrorString((ncclResult_t)k.r);
     EXPECT_EQ(rtp__nccl_error(3, 1, "ncclAllReduce", k.r, "NET/Socket: peer 10.0.0.2 closed"),
               k.st);
     EXPECT_EQ(std::string(rtp_last_error()), "NCCL rank 3 (device 1): ncclAllReduce failed: " +

@@ -115,6 +115,8 @@ static void help(void) {
          "                               (default 60000)\n"
          "  RTP_DEVICE                   nccl: this rank's CUDA device (default: the local\n"
          "                               rank modulo the device count)\n"
+         "  RTP_NCCL_LIBRARY             nccl: the NCCL library to load, a path or a file\n"
+         "                               name (default: libnccl.so.2, else the build's)\n"
          "  RTP_SOCKET_BUFFER=BYTES      fixed socket buffers (default: kernel autotuning)\n"
          "  RTP_DIRECT_COPY=0            ranks on one host send through the loopback\n"
          "                               instead of writing into each other's memory\n"

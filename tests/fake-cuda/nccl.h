@@ -13,6 +13,8 @@
 extern "C" {
 #endif
 
+#define NCCL_MAJOR 2 /* the soname's: libnccl.so.2 */
+
 typedef struct fake_nccl_comm *ncclComm_t;
 
 #define NCCL_UNIQUE_ID_BYTES 128
