@@ -11,8 +11,8 @@ if ! /usr/bin/python3 -c "import matplotlib" 2> /dev/null; then
   echo "skipped: matplotlib is not installed (scripts/deps.sh installs python3-matplotlib)"
   exit 77
 fi
-"$train_gpt" --config tiny --steps 12 --batch 2 --metrics "$scratch/a.jsonl" > /dev/null
-"$train_gpt" --config tiny --steps 12 --batch 2 --seed 7 --metrics "$scratch/b.jsonl" > /dev/null
+"$train_gpt" --config tiny --steps 12 --batch 2 --eval-windows 16 --metrics "$scratch/a.jsonl" > /dev/null
+"$train_gpt" --config tiny --steps 12 --batch 2 --eval-windows 16 --seed 7 --metrics "$scratch/b.jsonl" > /dev/null
 "$root/scripts/plot" "$scratch/loss.png" "$scratch/a.jsonl" "$scratch/b.jsonl"
 [ "$(head -c 8 "$scratch/loss.png" | od -An -tx1 | tr -d ' \n')" = "89504e470d0a1a0a" ] ||
   { echo "not a PNG"; exit 1; }
