@@ -107,6 +107,23 @@ TEST(PlanCli, RecommendationFollowsTheMemory) {
   EXPECT_NE(table.out.find("nothing fits"), std::string::npos) << table.out;
 }
 
+// --tie-embeddings drops lm_head: the model states of one process shrink by its
+// parameter, gradient and two Adam moments (vocab x d floats each), and no pipeline is
+// offered, as train-gpt refuses one.
+TEST(PlanCli, TiedEmbeddingsDropTheHead) {
+  Ran untied = run(plan("-n 2")), tied = run(plan("-n 2 --tie-embeddings"));
+  ASSERT_EQ(untied.code, 0) << untied.out;
+  ASSERT_EQ(tied.code, 0) << tied.out;
+  auto states = [](const std::string &line) {
+    return field(line, "params") + field(line, "grads") + field(line, "optim");
+  };
+  const double head = 256.0 * 384 * sizeof(float);  // kModel's vocab x d_model
+  EXPECT_EQ(states(layout(untied.out, "one process")) - states(layout(tied.out, "one process")),
+            4 * head);
+  EXPECT_NE(layout(untied.out, "pp 2"), "") << untied.out;
+  EXPECT_EQ(layout(tied.out, "pp 2"), "") << tied.out;
+}
+
 // The same model trained by train-gpt on 2 ranks: every role's bytes as rtp-plan said,
 // and its peak resident memory within 10% of the prediction.
 TEST(PlanCli, TrainGptReportsWhatThePlanSaid) {

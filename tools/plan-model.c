@@ -55,6 +55,8 @@ int plan_check(const struct plan_model *pm, const struct plan_layout *l, char *w
              c.n_layer);
   } else if ((l->strategy == RTP_STRATEGY_NONE) != (l->ranks == l->stages)) {
     snprintf(why, n, "%s with %d ranks per stage", s, l->ranks / l->stages);
+  } else if (c.tie_embeddings && l->stages > 1) {
+    snprintf(why, n, "tied embeddings do not run in pipeline stages");
   } else if (l->strategy == RTP_STRATEGY_TP && l->stages > 1) {
     snprintf(why, n, "tp does not run inside pipeline stages");
   } else if (l->strategy == RTP_STRATEGY_TP && c.n_head % l->ranks) {

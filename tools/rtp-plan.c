@@ -62,7 +62,8 @@ static void help(void) {
       "[--json]\n\n"
       "model flags, as train-gpt's: --config tiny|small|medium, --n-layer N, --d-model N,\n"
       "  --n-head N, --seq-len T, --vocab N, --batch B (per data-parallel rank),\n"
-      "  --micro-batches M, --recompute, --bf16, --schedule gpipe|1f1b|eager-1f1b|zeropp\n"
+      "  --micro-batches M, --recompute, --bf16, --tie-embeddings,\n"
+      "  --schedule gpipe|1f1b|eager-1f1b|zeropp\n"
       "job: -n RANKS per host and --nnodes HOSTS, as rtp-run's (default 1 and 1)\n"
       "  --mem-per-rank SIZE  memory of each rank: 2G, 512M, 1.5GiB or bytes (default: none)\n"
       "  --link SPEED         each host's network, each way: 1gbit, 100mbit, 25gbit or "
@@ -200,10 +201,11 @@ static int parse_args(struct opts *o, int argc, char **argv) {
       help();
       exit(0);
     }
-    bool *on = !strcmp(a, "--json")        ? &o->json
-               : !strcmp(a, "--recompute") ? &o->pm.recompute
-               : !strcmp(a, "--bf16")      ? &o->pm.bf16
-                                           : NULL;
+    bool *on = !strcmp(a, "--json")             ? &o->json
+               : !strcmp(a, "--recompute")      ? &o->pm.recompute
+               : !strcmp(a, "--bf16")           ? &o->pm.bf16
+               : !strcmp(a, "--tie-embeddings") ? &o->pm.cfg.tie_embeddings
+                                                : NULL;
     if (on) {
       *on = true;
       continue;
@@ -252,7 +254,8 @@ static int layouts(const struct opts *o, int ranks, struct row *rows) {
   n = add_layout(rows, n, RTP_STRATEGY_FSDP, ranks, 1);
   n = add_layout(rows, n, RTP_STRATEGY_RTP, ranks, 1);
   if (o->pm.cfg.n_head % ranks == 0) n = add_layout(rows, n, RTP_STRATEGY_TP, ranks, 1);
-  for (int s = 2; s <= ranks && s <= o->pm.cfg.n_layer; s++) {
+  /* train-gpt refuses pipelines of a tied model (the two uses sit on different stages) */
+  for (int s = 2; s <= ranks && s <= o->pm.cfg.n_layer && !o->pm.cfg.tie_embeddings; s++) {
     if (ranks % s) continue;
     if (s == ranks) {
       n = add_layout(rows, n, RTP_STRATEGY_NONE, ranks, s);
