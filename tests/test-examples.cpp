@@ -747,7 +747,8 @@ TEST(TrainGptRanks, TpLossesMatchOneProcessWithTheSameBatch) {
 
 // Pipelines: 4 ranks as 2 stages x 2 ranks with batch 2 train on the global batch of one
 // process with batch 4, whatever runs inside the stages, the schedule, the micro-batches
-// and recomputation; one process with micro-batches and recomputation does too.
+// and recomputation; one process with micro-batches and recomputation does too, and so
+// does tp with recomputation (its ranks all train on the batch of 4).
 TEST(TrainGptPipeline, LossesMatchOneProcess) {
   struct Case {
     int ranks;
@@ -760,6 +761,7 @@ TEST(TrainGptPipeline, LossesMatchOneProcess) {
       {4, " --pp 2 --batch 2 --strategy rtp --micro-batches 2 --schedule zeropp --recompute"},
       {2, " --pp 2 --batch 4 --micro-batches 4"},
       {1, " --batch 4 --micro-batches 2 --recompute"},
+      {2, " --batch 4 --strategy tp --recompute"},
   };
   for (const Case &c : cases) {
     std::string m = tmp_dir() + "pp.jsonl";
