@@ -61,18 +61,18 @@ extern "C" {
 
 /* ---- status ------------------------------------------------------------------ */
 
-#define RTP_STATUS_MAP(XX)                          \
-  XX(OK, 0, "success")                              \
-  XX(ENOMEM, -1, "out of memory (arena or system)") \
-  XX(EINVAL, -2, "invalid argument")                \
-  XX(ESHAPE, -3, "shape or type mismatch")          \
-  XX(EIO, -4, "input/output error")                 \
-  XX(EFORMAT, -5, "malformed file or frame")        \
-  XX(ECOMM, -6, "communication failure")            \
-  XX(ETIMEDOUT, -7, "timed out")                    \
-  XX(EPEER, -8, "peer failed or disagreed")         \
-  XX(EAUTH, -9, "authentication failed")            \
-  XX(ENOSYS, -10, "not supported by this build")    \
+#define RTP_STATUS_MAP(XX)                                                       \
+  XX(OK, 0, "success")                                                           \
+  XX(ENOMEM, -1, "out of memory (arena or system)")                              \
+  XX(EINVAL, -2, "invalid argument")                                             \
+  XX(ESHAPE, -3, "shape or type mismatch")                                       \
+  XX(EIO, -4, "input/output error")                                              \
+  XX(EFORMAT, -5, "malformed file or frame")                                     \
+  XX(ECOMM, -6, "communication failure")                                         \
+  XX(ETIMEDOUT, -7, "timed out")                                                 \
+  XX(EPEER, -8, "peer failed or disagreed")                                      \
+  XX(EAUTH, -9, "authentication failed")                                         \
+  XX(ENOSYS, -10, "not available (not built, or a library it needs is missing)") \
   XX(ESTATE, -11, "operation not valid in this state")
 
 enum rtp_status {
