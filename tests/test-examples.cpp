@@ -706,6 +706,28 @@ TEST(TrainGptRanks, FloodedJobTrainsToTheSameLosses) {
   expect_one_process_losses(m, "2 flooded ranks (rtp)");
 }
 
+// Each strategy on 2 ranks with flags and extra (batch 2 each; tp's ranks share one batch,
+// of 4) trains to want's losses (1e-5 relative), both ranks logging the same; the metrics go
+// to tmp_dir() + name + "-<strategy>.jsonl".
+void expect_two_ranks_give(const std::string &flags, std::vector<std::string> extra,
+                           const std::vector<double> &want, const std::string &name,
+                           std::initializer_list<const char *> strategies = {"rtp", "fsdp",
+                                                                             "ddp", "tp"}) {
+  for (const std::string st : strategies) {
+    std::string m = tmp_dir() + name + "-" + st + ".jsonl";
+    std::string batch = st == "tp" ? " --batch 4" : " --batch 2";
+    std::vector<std::string> args = extra;
+    args.insert(args.end(), {"--metrics", m});
+    Result r = run(on_ranks(2, flags + batch + " --strategy " + st, args));
+    ASSERT_EQ(r.code, 0) << st << ": " << r.err;
+    std::vector<double> got = metric(m, "loss");
+    ASSERT_EQ(got.size(), want.size()) << st;
+    EXPECT_EQ(metric(m + ".rank1", "loss"), got) << st;
+    for (size_t i = 0; i < want.size(); i++)
+      EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << st << ", step " << i + 1;
+  }
+}
+
 // A cosine schedule with warm-up, AdamW's decay (off the biases and LayerNorm weights on
 // every rank's share) and clipping train on 2 ranks as in one process, under every
 // strategy.
@@ -717,16 +739,7 @@ TEST(TrainGptRanks, ScheduleDecayAndClipMatchOneProcess) {
   ASSERT_EQ(run(train_gpt(flags + " --batch 4", {"--metrics", one})).code, 0);
   std::vector<double> want = metric(one, "loss");
   ASSERT_EQ(want.size(), 10u);
-  for (const std::string st : {"rtp", "fsdp", "ddp", "tp"}) {
-    std::string m = tmp_dir() + "wd-" + st + ".jsonl";
-    std::string batch = st == "tp" ? " --batch 4" : " --batch 2";
-    Result r = run(on_ranks(2, flags + batch + " --strategy " + st, {"--metrics", m}));
-    ASSERT_EQ(r.code, 0) << st << ": " << r.err;
-    std::vector<double> got = metric(m, "loss");
-    ASSERT_EQ(got.size(), want.size()) << st;
-    for (size_t i = 0; i < want.size(); i++)
-      EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << st << ", step " << i + 1;
-  }
+  expect_two_ranks_give(flags, {}, want, "wd");
 }
 
 TEST(TrainGptRanks, RtpLossesMatchOneProcess) {
@@ -1866,18 +1879,7 @@ TEST(TrainGptTokens, LlmcAndUint16TrainLikeOneProcessOnTwoRanks) {
   EXPECT_GT(want[0], 0.9 * std::log(kTokenVocab)) << "about log(300) from the start";
   EXPECT_LT(want.back(), want[0]);
   EXPECT_EQ(metric(u16, "loss"), want);
-  for (const std::string st : {"rtp", "tp"}) {
-    std::string m = tmp_dir() + "tok-" + st + ".jsonl";
-    std::string batch = st == "tp" ? " --batch 4" : " --batch 2";
-    Result two = run(on_ranks(2, kTokenFlags + batch + " --strategy " + st,
-                              {"--data", llmc, "--metrics", m}));
-    ASSERT_EQ(two.code, 0) << st << ": " << two.err;
-    std::vector<double> got = metric(m, "loss");
-    ASSERT_EQ(got.size(), want.size()) << st;
-    EXPECT_EQ(metric(m + ".rank1", "loss"), got) << st;
-    for (size_t i = 0; i < want.size(); i++)
-      EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << st << ", step " << i + 1;
-  }
+  expect_two_ranks_give(kTokenFlags, {"--data", llmc}, want, "tok", {"rtp", "tp"});
 }
 
 // llm.c's header has no vocabulary: a GPT-2 file's is its tokenizer's, 50257, in the
@@ -2056,16 +2058,7 @@ TEST(TrainGptRanks, TiedEmbeddingsMatchOneProcess) {
   std::vector<double> want = metric(one, "loss");
   ASSERT_EQ(want.size(), 10u);
   EXPECT_GT(std::fabs(want[9] - one_process_losses()[9]), 1e-3) << "tying changed nothing";
-  for (const std::string st : {"rtp", "fsdp", "ddp", "tp"}) {
-    std::string m = tmp_dir() + "tied-" + st + ".jsonl";
-    std::string batch = st == "tp" ? " --batch 4" : " --batch 2";
-    Result r = run(on_ranks(2, flags + batch + " --strategy " + st, {"--metrics", m}));
-    ASSERT_EQ(r.code, 0) << st << ": " << r.err;
-    std::vector<double> got = metric(m, "loss");
-    ASSERT_EQ(got.size(), want.size()) << st;
-    for (size_t i = 0; i < want.size(); i++)
-      EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << st << ", step " << i + 1;
-  }
+  expect_two_ranks_give(flags, {}, want, "tied");
   Result pp = run(on_ranks(2, flags + " --pp 2 --batch 4"));
   EXPECT_EQ(pp.code, 2) << pp.err;
   EXPECT_NE(pp.err.find("tied embeddings (--tie-embeddings, or a GPT-2 --init) with --pp 2"),
