@@ -1010,21 +1010,6 @@ TEST(RtpBf16, OtherStrategiesRefuse) {
     }
 }
 
-}  // namespace
-
-namespace {
-
-size_t proc_bytes(const char *key) {
-  FILE *f = fopen("/proc/self/status", "r");
-  char line[256];
-  size_t kb = 0;
-  while (f && fgets(line, sizeof(line), f))
-    if (strncmp(line, key, strlen(key)) == 0)
-      kb = strtoull(line + strlen(key) + 1, nullptr, 10);
-  if (f) fclose(f);
-  return kb * 1024;
-}
-
 size_t model_states(const rtp_mem_report &r) {
   return r.bytes[RTP_ROLE_PARAM] + r.bytes[RTP_ROLE_GRAD] + r.bytes[RTP_ROLE_OPTIM];
 }
@@ -1059,7 +1044,7 @@ int rtp_rank_memory(gpt_config cfg, int batch, int rank, int world, int port, in
                     rtp_type comm_type = RTP_TYPE_F32) {
   Rank rk;
   if (int rc = rk.join(rank, world, port, 40)) return rc;
-  *baseline = proc_bytes("VmRSS:");
+  *baseline = rtptest::proc_bytes("VmRSS:");
   if (int rc = rk.build(RTP_STRATEGY_RTP, cfg, batch, 41, comm_type)) return rc;
   rtp_parallel *par = rk.par;
   const gpt &m = rk.m;
@@ -1075,7 +1060,7 @@ int rtp_rank_memory(gpt_config cfg, int batch, int rank, int world, int port, in
     if (rtp_graph_compute(rtp_parallel_graph(par), nullptr) || rtp_optimizer_step(opt, nullptr))
       return 44;
   rtp_mem_report_get(rk.ctx, rep);
-  *peak = proc_bytes("VmHWM:");
+  *peak = rtptest::proc_bytes("VmHWM:");
   rk.leave();
   return 0;
 }

@@ -14,17 +14,6 @@
 
 namespace {
 
-size_t proc_bytes(const char *key) {
-  FILE *f = fopen("/proc/self/status", "r");
-  char line[256];
-  size_t kb = 0;
-  while (f && fgets(line, sizeof(line), f))
-    if (strncmp(line, key, strlen(key)) == 0)
-      kb = strtoull(line + strlen(key) + 1, nullptr, 10);
-  if (f) fclose(f);
-  return kb * 1024;
-}
-
 // VmHWM restarts at the current RSS (a forked rank inherits its parent's otherwise).
 void reset_peak() {
   FILE *f = fopen("/proc/self/clear_refs", "w");
@@ -96,7 +85,7 @@ int rank_check(const plan_model &pm, const plan_layout &l, int rank, int port) {
   rtp_comm *world, *group, *pipe;
   if (int rc = join(l, rank, port, &world, &group, &pipe)) return rc;
   rtp_threadpool *tp = rtp_threadpool_new(kThreads);
-  size_t base = proc_bytes("VmRSS:");
+  size_t base = rtptest::proc_bytes("VmRSS:");
   reset_peak();
   plan_rank real, dry;
   CHECK_OK(plan_rank_build(&real, &pm, &l, rank, false, group, pipe));
@@ -105,7 +94,7 @@ int rank_check(const plan_model &pm, const plan_layout &l, int rank, int port) {
     CHECK_OK(rtp_graph_compute(real.train, tp));
     CHECK_OK(rtp_optimizer_step(real.opt, tp));
   }
-  size_t peak = proc_bytes("VmHWM:");
+  size_t peak = rtptest::proc_bytes("VmHWM:");
   rtp_mem_report got, want;
   rtp_mem_report_get(real.ctx, &got);
   CHECK_OK(plan_rank_build(&dry, &pm, &l, rank, true, nullptr, nullptr));

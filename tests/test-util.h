@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <cstring>
 #include <functional>
@@ -131,6 +132,18 @@ inline double now_s() {
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+// A /proc/self/status figure in bytes: "VmRSS:" (resident now), "VmHWM:" (the peak).
+inline size_t proc_bytes(const char *key) {
+  FILE *f = fopen("/proc/self/status", "r");
+  char line[256];
+  size_t kb = 0;
+  while (f && fgets(line, sizeof(line), f))
+    if (strncmp(line, key, strlen(key)) == 0)
+      kb = strtoull(line + strlen(key) + 1, nullptr, 10);
+  if (f) fclose(f);
+  return kb * 1024;
 }
 
 inline bool contains(const std::string &s, const std::string &what) {
