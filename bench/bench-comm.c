@@ -113,19 +113,6 @@ fail:
   return 1;
 }
 
-static int free_port(void) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in a;
-  memset(&a, 0, sizeof(a));
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t n = sizeof(a);
-  bind(fd, (struct sockaddr *)&a, sizeof(a));
-  getsockname(fd, (struct sockaddr *)&a, &n);
-  close(fd);
-  return ntohs(a.sin_port);
-}
-
 int main(int argc, char **argv) {
   int worlds[16] = {2, 3, 4}, nworlds = 3;
   int sizes[16] = {1, 4, 16, 64}, nsizes = 4;
@@ -158,7 +145,7 @@ int main(int argc, char **argv) {
   }
   int rc = 0;
   for (int w = 0; w < nworlds; w++) {
-    int n = worlds[w], port = free_port();
+    int n = worlds[w], port = bench_free_port();
     char token[RTP_COMM_MAX_TOKEN];
     bench_token(token, sizeof(token));
     fflush(stdout);

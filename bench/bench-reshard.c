@@ -370,19 +370,6 @@ static int bench_rank(const struct rtp_comm_params *p, const struct opts *o) {
   return rc;
 }
 
-static int free_port(void) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in a;
-  memset(&a, 0, sizeof(a));
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t n = sizeof(a);
-  bind(fd, (struct sockaddr *)&a, sizeof(a));
-  getsockname(fd, (struct sockaddr *)&a, &n);
-  close(fd);
-  return ntohs(a.sin_port);
-}
-
 int main(int argc, char **argv) {
   struct opts o = {64, 3, 0, 125e6, NULL};
   int fork_n = 0;
@@ -423,7 +410,7 @@ int main(int argc, char **argv) {
     return bench_rank(&p, &o);
   }
   if (o.per_host < 1) o.per_host = 1;
-  int port = free_port(), rc = 0;
+  int port = bench_free_port(), rc = 0;
   char token[RTP_COMM_MAX_TOKEN];
   bench_token(token, sizeof(token));
   fflush(stdout);
