@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include "bench-util.h"
+#include "tools/free-port.h"
 #include "rtp.h"
 
 static double now_s(void) {
@@ -145,7 +146,7 @@ int main(int argc, char **argv) {
   }
   int rc = 0;
   for (int w = 0; w < nworlds; w++) {
-    int n = worlds[w], port = bench_free_port();
+    int n = worlds[w], port = free_port();
     char token[RTP_COMM_MAX_TOKEN];
     bench_token(token, sizeof(token));
     fflush(stdout);

@@ -23,6 +23,7 @@
  *
  *   bench-parallel [--model tiny|small|medium] [--ranks N] [--batch B] [--threads T]
  *                  [--steps S] [--strategies "ddp rtp"] [--master-port P] [--net LABEL]
+ *                  (--master-port: the first strategy's; default: a free port each)
  *                  [--comm-type f32|bf16]   (bf16: rtp rotates bf16 copies; others stay f32)
  *                  [--compute-type f32|bf16] (bf16: every product, one process included,
  *                                             rounds its operands to bf16)
@@ -30,6 +31,7 @@
  *                                             takes their steps in turn; for ratios on a
  *                                             machine whose speed drifts; no peak memory)
  */
+#define _GNU_SOURCE
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -39,6 +41,7 @@
 #include <unistd.h>
 
 #include "bench-util.h"
+#include "tools/free-port.h"
 #include "gpt.h"
 #include "rtp-impl.h"
 #include "rtp.h"
@@ -283,7 +286,8 @@ static void run_interleaved(const struct opts *o, struct rtp_comm *comm) {
 /* Forks the ranks of one strategy (with --interleave, of all); rank 0 prints. Returns 0
  * if every rank succeeded. */
 static int run_strategy(const struct opts *o, enum rtp_strategy s, double compute_s) {
-  int port = o->port + (int)s * 7 + (int)(getpid() % 97) * 13;
+  int port = o->port ? o->port + (int)s : free_port();
+  if (!port) die("no free port for rank 0");
   pid_t pids[RTP_MAX_WORLD];
   char token[RTP_COMM_MAX_TOKEN];
   bench_token(token, sizeof(token));
@@ -427,7 +431,6 @@ int main(int argc, char **argv) {
                    .batch = 8,
                    .threads = 1,
                    .steps = 5,
-                   .port = 29600,
                    .strategies = "ddp rtp",
                    .comm_type = RTP_TYPE_F32,
                    .compute_type = RTP_TYPE_F32};

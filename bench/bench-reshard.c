@@ -44,6 +44,7 @@
 #include <unistd.h>
 
 #include "bench-util.h"
+#include "tools/free-port.h"
 #include "rtp.h"
 
 struct opts {
@@ -410,7 +411,7 @@ int main(int argc, char **argv) {
     return bench_rank(&p, &o);
   }
   if (o.per_host < 1) o.per_host = 1;
-  int port = bench_free_port(), rc = 0;
+  int port = free_port(), rc = 0;
   char token[RTP_COMM_MAX_TOKEN];
   bench_token(token, sizeof(token));
   fflush(stdout);

@@ -1,5 +1,5 @@
 /* bench-util.h - what the benchmarks share: a clock, the process's memory from /proc, the
- * model presets, a median, a job token, a port for forked ranks. */
+ * model presets, a median, a job token. */
 #ifndef RTP_BENCH_UTIL_H
 #define RTP_BENCH_UTIL_H
 
@@ -25,20 +25,6 @@ static inline void bench_token(char *out, size_t n) {
   }
   fclose(f);
   for (size_t i = 0; i < sizeof(b); i++) snprintf(out + 2 * i, 3, "%02x", b[i]);
-}
-
-/* A loopback port the kernel just handed out, for rank 0 of ranks forked from this process. */
-static inline int bench_free_port(void) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in a;
-  memset(&a, 0, sizeof(a));
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t n = sizeof(a);
-  bind(fd, (struct sockaddr *)&a, sizeof(a));
-  getsockname(fd, (struct sockaddr *)&a, &n);
-  close(fd);
-  return ntohs(a.sin_port);
 }
 
 static inline double bench_now_s(void) {

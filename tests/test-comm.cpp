@@ -229,6 +229,21 @@ void run_world(int n) {
 
 }  // namespace
 
+// Two tests that ctest runs side by side once chose the same port for rank 0. A port
+// free_port hands out stays reserved until its process exits: another process (a forked
+// child opens its own reservations) cannot have it, and gets another.
+TEST(Comm, FreePortIsReservedAgainstOtherProcesses) {
+  int port = free_port();
+  ASSERT_GT(port, 0);
+  auto res = run_procs(1, [&](int) {
+    if (free_port_reserve(port)) return 1;
+    for (int i = 0; i < 50; i++)
+      if (free_port() == port) return 2;
+    return 0;
+  });
+  EXPECT_EQ(res[0].code, 0) << "1: the child reserved the parent's port; 2: was handed it";
+}
+
 TEST(Comm, Block) {
   size_t f, l;
   rtp_comm_block(10, 3, 0, &f, &l);

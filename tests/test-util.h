@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "rtp.h"
+#include "tools/free-port.h"
 
 // Set by LeakSanitizer (ASan builds): forked ranks end with _exit, which skips the
 // end-of-process leak check, so they run it themselves.
@@ -59,26 +60,7 @@ inline float f32_at(const rtp_tensor *t, int64_t i) {
   return rtp_tensor_get_f32(t, i, &v) == RTP_OK ? v : std::nanf("");
 }
 
-// A TCP port that was free a moment ago (the kernel's choice for port 0).
-// A free port for a test's rank 0, below Linux's ephemeral range (32768 on): the ports
-// the kernel hands out for outgoing connections (thousands a second in the flood tests,
-// which ctest may run beside this one) must not take it between this choice and the bind.
-// Random, so that tests run together rarely pick the same.
-inline int free_port() {
-  std::random_device random;  // not a seed: forked ranks would all draw the same ports
-  for (int i = 0; i < 1000; i++) {
-    int port = 20000 + (int)(random() % 12000);
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_ANY);
-    a.sin_port = htons((uint16_t)port);
-    bool ok = fd >= 0 && bind(fd, (sockaddr *)&a, sizeof(a)) == 0;
-    if (fd >= 0) close(fd);
-    if (ok) return port;
-  }
-  return 0;
-}
+using ::free_port;  // tools/free-port.h: a free port, reserved among the tests
 
 // A stranger's flood of 127.0.0.1:port until done() says stop: 600 connections kept open
 // (nonblocking connects, reopened as the listener drops them), the first 30 trickling a

@@ -33,6 +33,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "free-port.h"
+
 #define MAX_LINE 65536
 #define GRACE_MS 5000
 /* The library's bounds (rtp-comm.h's RTP_COMM_MAX_WORLD, RTP_TIMEOUT_MS's range), checked
@@ -149,43 +151,6 @@ static double now_ms(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
-}
-
-static bool port_free(int port) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in a;
-  memset(&a, 0, sizeof(a));
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_ANY);
-  a.sin_port = htons((uint16_t)port);
-  bool ok = fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof(a)) == 0;
-  if (fd >= 0) close(fd);
-  return ok;
-}
-
-/* A free port for rank 0, below Linux's ephemeral range (32768 on): a port the kernel hands
- * out for outgoing connections may be taken by one between this choice and rank 0's
- * bind. Random, so that jobs started together rarely pick the same; the kernel's choice
- * if none of 64 tries is free. */
-static int free_port(void) {
-  unsigned seed = (unsigned)getpid() ^ (unsigned)(now_ms() * 1e3);
-  for (int i = 0; i < 64; i++) {
-    int port = 20000 + (int)(rand_r(&seed) % 12000);
-    if (port_free(port)) return port;
-  }
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in a;
-  memset(&a, 0, sizeof(a));
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_ANY);
-  socklen_t n = sizeof(a);
-  if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof(a)) < 0 ||
-      getsockname(fd, (struct sockaddr *)&a, &n) < 0) {
-    perror("rtp-run: picking a port");
-    exit(1);
-  }
-  close(fd);
-  return ntohs(a.sin_port);
 }
 
 static void make_token(char *out, size_t n) {
@@ -350,7 +315,12 @@ int main(int argc, char **argv) {
     fprintf(stderr, "rtp-run: --nnodes > 1 needs --master HOST:PORT (rank 0's host)\n");
     return 2;
   } else {
-    snprintf(port, sizeof(port), "%d", free_port());
+    int p = free_port();
+    if (!p) {
+      fprintf(stderr, "rtp-run: no free port in 20000-31999; give one with --master\n");
+      return 2;
+    }
+    snprintf(port, sizeof(port), "%d", p);
   }
   const char *env_token = getenv("RTP_TOKEN");
   if (env_token && *env_token) {
