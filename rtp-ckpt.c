@@ -307,16 +307,6 @@ static int ck_check_params(const struct rtp_ckpt_params *p) {
   return RTP_OK;
 }
 
-/* The Adam states of the rank tensor t, or NULL if opt does not update it. */
-static void ck_find_state(const struct rtp_optimizer *opt, const struct rtp_tensor *t,
-                          struct rtp_tensor **m, struct rtp_tensor **v) {
-  *m = *v = NULL;
-  struct rtp_tensor *q;
-  for (int k = 0; k < rtp_optimizer_count(opt); k++)
-    if (!rtp_optimizer_state(opt, k, &q, m, v) && q == t) return;
-  *m = *v = NULL;
-}
-
 /* The tensors of this rank's file, named after the one-device ones. */
 struct ck_out {
   struct rtp_context *ctx; /* their headers; under tp also the row blocks rebuilt */
@@ -337,7 +327,7 @@ static void ck_out_free(struct ck_out *o) {
 /* Parameter i's tensor on this rank and its Adam states (NULL if opt does not update it). */
 static void ck_states(const struct rtp_ckpt_params *p, int i, struct rtp_tensor *st[3]) {
   st[0] = rtp_parallel_tensor(p->par, p->params[i]);
-  ck_find_state(p->opt, st[0], &st[1], &st[2]);
+  rtp__optimizer_find(p->opt, st[0], &st[1], &st[2]);
 }
 
 /* Whether this rank holds parameter i in pieces that tp's save rebuilds (not whole). */
@@ -1336,7 +1326,7 @@ static int ck_load_tensors(const struct rtp_ckpt_params *p, struct ck_files *f) 
     /* A block of rows is read in place; anything else (tp) through the whole tensor. */
     bool rows = rtp_parallel_block(p->par, g, &first, &len, &dim) == RTP_OK &&
                 dim == rtp_tensor_n_dims(g) - 1;
-    ck_find_state(p->opt, t, &st[1], &st[2]);
+    rtp__optimizer_find(p->opt, t, &st[1], &st[2]);
     for (int j = 0; j < 3 && st[j] && !rc; j++) {
       char name[RTP_MAX_NAME + 8];
       snprintf(name, sizeof(name), "%s%s", j ? (j == 1 ? "adam.m." : "adam.v.") : "", g->name);

@@ -183,6 +183,9 @@ struct rtp_tensor *rtp__get_rows_back_block(struct rtp_context *ctx, struct rtp_
                                             const struct rtp_tensor *like, int64_t first);
 
 /* ---- rtp-opt.c ---- */
+/* The Adam states of param (a rank tensor opt updates); NULL, NULL if opt does not. */
+void rtp__optimizer_find(const struct rtp_optimizer *opt, const struct rtp_tensor *param,
+                         struct rtp_tensor **m, struct rtp_tensor **v);
 void rtp__optimizer_set_comm(struct rtp_optimizer *opt, struct rtp_comm *comm);
 /* A second group whose ranks hold other shares (a pipeline's stages): the norm sums over
  * it after the first. */

@@ -294,6 +294,17 @@ int rtp_optimizer_state(const struct rtp_optimizer *opt, int i, struct rtp_tenso
   return RTP_OK;
 }
 
+void rtp__optimizer_find(const struct rtp_optimizer *opt, const struct rtp_tensor *param,
+                         struct rtp_tensor **m, struct rtp_tensor **v) {
+  *m = *v = NULL;
+  for (int i = 0; opt && i < opt->n; i++)
+    if (opt->params[i] == param) {
+      *m = opt->m[i];
+      *v = opt->v[i];
+      return;
+    }
+}
+
 int rtp_optimizer_set_steps(struct rtp_optimizer *opt, int64_t steps) {
   if (!opt || steps < 0)
     return rtp__error(RTP_EINVAL,

@@ -1069,6 +1069,35 @@ RTP_API int rtp_reshard_build(struct rtp_context *ctx, struct rtp_graph *g,
                               struct rtp_tensor *src, struct rtp_tensor *dst,
                               size_t chunk_bytes);
 
+/* ---- resharding a training state (rtp-parallel-reshard.c) ------------------------ */
+
+struct rtp_parallel_reshard_params {
+  struct rtp_comm *job;                 /* spans every rank of both plans */
+  const struct rtp_parallel *from;      /* this rank's plan now; NULL if it is not in it */
+  const struct rtp_optimizer *from_opt; /* its Adam states (NULL: only parameters move) */
+  struct rtp_parallel *to;              /* the plan to train on next; NULL if not in it */
+  struct rtp_optimizer *to_opt;         /* filled with from_opt's states and step count */
+  /* hosts[k]: job rank k's host (0 .. RTP_MESH_MAX_RANKS - 1), whose NIC it shares; NULL:
+   * the ranks whose host names (gethostname) agree share a host */
+  const int *hosts;
+  size_t chunk_bytes; /* of the chained broadcasts (0: RTP_RESHARD_CHUNK) */
+};
+
+/*
+ * Moves a training state live, without a checkpoint: every parameter's values and Adam
+ * states (m, v), and the optimizer's step count, from plan `from` on its ranks to plan
+ * `to` on its own (N ranks to M; rtp, fsdp, tp, ddp or none, pipelined or not), bit for
+ * bit, each parameter by the cross-mesh planner and its broadcasts (rtp_reshard_plan,
+ * rtp_reshard_build). Collective over job: every rank of job calls it, a rank in neither
+ * plan too (it only takes part in the exchange of what each rank is in each plan). Both
+ * plans must be built from the same model (parameter names, shapes, tp marks) and be
+ * planned; a rank may be in both. Afterwards `to` trains as it would have from a
+ * checkpoint of `from`. Checks fail on every rank together: RTP_EINVAL for models that
+ * differ, plans whose ranks disagree, or an optimizer on `to` with none on `from`; a rank
+ * that dies meanwhile fails it as any transfer does. docs/resharding.md.
+ */
+RTP_API int rtp_parallel_reshard(const struct rtp_parallel_reshard_params *p);
+
 /* ---- checkpoints (rtp-ckpt.c) ------------------------------------------------------ */
 /*
  * A sharded checkpoint of a parallel plan's parameters and their Adam states, one
