@@ -84,7 +84,7 @@ int join(rtp_comm *job, const Layout &l, int rank, Groups *gr) {
   return 0;
 }
 
-int build(const Layout &l, int rank, const Groups &gr, Plan *p) {
+int build(const Layout &l, int rank, const Groups &gr, Plan *p, gpt_config cfg = kRanksCfg) {
   p->rank = rank;
   int per = l.ranks / l.stages;
   bool whole = l.strategy == RTP_STRATEGY_TP || per == 1;  // every rank on the whole batch
@@ -92,13 +92,13 @@ int build(const Layout &l, int rank, const Groups &gr, Plan *p) {
   p->dp = whole ? 1 : per;
   p->dp_rank = whole ? 0 : rank % per;
   p->batch = kGlobal / (p->dp * p->micro);
-  p->meta = rtptest::gpt_forward(kRanksCfg, p->batch, &p->m, &p->fwd);
+  p->meta = rtptest::gpt_forward(cfg, p->batch, &p->m, &p->fwd);
   CHECK(p->meta, "model: %s", rtp_last_error());
-  for (int i = 0; i < kRanksCfg.n_layer; i++)  // the blocks a pipeline cuts at
+  for (int i = 0; i < cfg.n_layer; i++)  // the blocks a pipeline cuts at
     for (rtp_tensor **t = &p->m.blocks[i].ln_1_w; t <= &p->m.blocks[i].mlp_proj_b; t++)
       CHECK_OK(rtp_tensor_set_fsdp_unit(*t, i + 1));
-  rtp_init_params ip = {gpt_arena_size(kRanksCfg, kGlobal) * 2 + (16 << 20), nullptr, false,
-                        nullptr, 0};
+  rtp_init_params ip = {gpt_arena_size(cfg, kGlobal) * 2 + (16 << 20), nullptr, false, nullptr,
+                        0};
   p->ctx = rtp_context_new(ip);
   rtp_parallel_params pp{};
   pp.strategy = per > 1 ? l.strategy : RTP_STRATEGY_NONE;
@@ -292,4 +292,54 @@ TEST(ParallelReshard, PipelineOfFsdpToOneProcess) {
 
 TEST(ParallelReshard, OneProcessToThreeRtpRanks) {
   check({"one", RTP_STRATEGY_NONE, 1, 1}, {"rtp 3", RTP_STRATEGY_RTP, 3, 1});
+}
+
+// Refusals reach every rank of the job, each with the same words, and nothing hangs:
+// rank 0's new plan has one layer fewer than its old one (rank 0 refuses, the others
+// say that it did), then an optimizer on the new plan with none on the old one.
+TEST(ParallelReshard, RefusalsFailEveryRank) {
+  int port = rtptest::free_port();
+  auto res = rtptest::run_procs(
+      kWorld,
+      [&](int rank) {
+        rtp_comm_params cp = rtptest::params(rank, kWorld, port);
+        rtp_comm *job = nullptr;
+        CHECK_OK(rtp_comm_init(&cp, &job));
+        Layout a{"rtp 2", RTP_STRATEGY_RTP, 2, 1}, b{"one", RTP_STRATEGY_NONE, 1, 1};
+        Groups ga, gb;
+        if (int rc = join(job, a, rank, &ga)) return rc;
+        if (int rc = join(job, b, rank, &gb)) return rc;
+        gpt_config shallow = kRanksCfg;
+        shallow.n_layer = 1;
+        Plan pa, pb, pc;
+        if (rank < 2)
+          if (int rc = build(a, rank, ga, &pa)) return rc;
+        if (rank == 0)
+          if (int rc = build(b, rank, gb, &pb, shallow)) return rc;
+        rtp_parallel_reshard_params rp{};
+        rp.job = job;
+        rp.from = pa.par;
+        rp.from_opt = pa.opt;
+        rp.to = pb.par;
+        rp.to_opt = pb.opt;
+        int st = rtp_parallel_reshard(&rp);
+        std::string msg = rtp_last_error();
+        const char *want = rank == 0 ? "built from different models" : "rank 0 refused";
+        CHECK(st == RTP_EINVAL && msg.find(want) != std::string::npos, "status %d: %s", st,
+              msg.c_str());
+        if (rank == 0)
+          if (int rc = build(b, rank, gb, &pc)) return rc;
+        rp.from_opt = nullptr;
+        rp.to = pc.par;
+        rp.to_opt = pc.opt;
+        st = rtp_parallel_reshard(&rp);
+        msg = rtp_last_error();
+        CHECK(st == RTP_EINVAL && msg.find("no Adam states to move") != std::string::npos,
+              "status %d: %s", st, msg.c_str());
+        CHECK_OK(rtp_comm_barrier(job, nullptr));
+        rtp_comm_free(job);
+        return 0;
+      },
+      60);
+  for (int r = 0; r < kWorld; r++) EXPECT_EQ(res[r].code, 0) << "rank " << r;
 }
