@@ -582,9 +582,30 @@ static int ck_commit(const struct rtp_ckpt_params *p, const char *stepdir, int64
   return rc;
 }
 
+/* Whether a complete stepdir of step `step` was left by a save killed between its
+ * COMPLETE marker and moving latest: neither latest nor best names it, and it is newer
+ * than latest (or there is no latest). A run resumed from latest saves that step again,
+ * and would otherwise stop there for good. */
+static bool ck_is_orphan(const char *dir, const char *stepdir, int64_t step) {
+  char named[CK_PATH];
+  int64_t named_step, latest_step = -1;
+  for (int i = 0; i < 2; i++) {
+    const char *name = i ? "best" : "latest";
+    if (ck_read_pointer(dir, name, named, &named_step)) {
+      /* a pointer that exists but does not parse may name anything */
+      if (ck_path(named, dir, name) || access(named, F_OK) == 0) return false;
+      continue;
+    }
+    if (strcmp(named, stepdir) == 0) return false;
+    if (!i) latest_step = named_step;
+  }
+  return step > latest_step;
+}
+
 /* Rank 0 makes the step directory, clearing what an interrupted save of this step left (a
- * complete one is never touched), and the save's id, which ties the files to the index. */
-static int ck_prepare_dir(const struct rtp_ckpt_params *p, const char *stepdir,
+ * complete one only if it is an orphan), and the save's id, which ties the files to the
+ * index. */
+static int ck_prepare_dir(const struct rtp_ckpt_params *p, const char *stepdir, int64_t step,
                           char id[CK_ID_LEN + 1]) {
   unsigned char bits[CK_ID_LEN / 2];
   if (RAND_bytes(bits, sizeof(bits)) != 1)
@@ -592,14 +613,15 @@ static int ck_prepare_dir(const struct rtp_ckpt_params *p, const char *stepdir,
   for (size_t i = 0; i < sizeof(bits); i++) snprintf(id + 2 * i, 3, "%02x", bits[i]);
   if (mkdir(p->dir, 0777) && errno != EEXIST)
     return rtp__error(RTP_EIO, "%s: %s", p->dir, strerror(errno));
-  if (ck_is_complete(stepdir))
-    return rtp__error(RTP_ESTATE, "%s already holds a complete checkpoint", stepdir);
+  if (ck_is_complete(stepdir) && !ck_is_orphan(p->dir, stepdir, step))
+    return rtp__error(RTP_ESTATE,
+                      "%s already holds a complete checkpoint, which latest or best names or "
+                      "which is older than latest",
+                      stepdir);
   ck_remove_dir(stepdir);
   if (mkdir(stepdir, 0777)) return rtp__error(RTP_EIO, "%s: %s", stepdir, strerror(errno));
   return RTP_OK;
 }
-
-static int ck_read_pointer(const char *dir, const char *name, char *stepdir, int64_t *step);
 
 /* After a failed save, rank 0 removes the step directory it made (every rank is done
  * writing), unless latest or best names it (moved, then a failure): what a full disk
@@ -686,7 +708,7 @@ int rtp_ckpt_save(const struct rtp_ckpt_params *p, int64_t step) {
     rc = ck_any_failed(p, ck_tp_fill(p, rank, world, blocks, &out), "to gather its blocks");
   char id[CK_ID_LEN + 1] = "";
   if (!rc)
-    rc = ck_agree(p, rank == 0 ? ck_prepare_dir(p, stepdir, id) : RTP_OK,
+    rc = ck_agree(p, rank == 0 ? ck_prepare_dir(p, stepdir, step, id) : RTP_OK,
                   "to create the directory");
   if (!rc && p->comm) rc = rtp_comm_broadcast(p->comm, id, sizeof(id), 0, NULL);
   struct ck_rank_rec *recs = rc ? NULL : calloc((size_t)world, sizeof(*recs));

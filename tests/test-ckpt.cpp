@@ -358,6 +358,30 @@ TEST(Ckpt, KeepsTheNewestTwoAndSurvivesAFailedSave) {
   EXPECT_EQ(save_one(dir, 3), 11);
 }
 
+// A save killed after its COMPLETE marker but before latest moved leaves a complete step
+// that latest does not name; the run resumed from latest saves that step again, which
+// must replace it (not stop the run for good). A complete step that latest names, or an
+// older one, is still never overwritten.
+TEST(Ckpt, AStepCompletedButNotLatestIsSavedAgain) {
+  std::string dir = tmp_dir("orphan");
+  for (int step : {1, 2}) ASSERT_EQ(save_one(dir, step), 0) << rtp_last_error();
+  std::ofstream(dir + "/latest") << "step-00000001\n";
+  ASSERT_EQ(save_one(dir, 2), 0) << rtp_last_error();
+  std::ifstream latest(dir + "/latest");
+  std::string name;
+  latest >> name;
+  EXPECT_EQ(name, "step-00000002");
+  EXPECT_EQ(load_one(dir), 0);
+  EXPECT_EQ(save_one(dir, 2), 11);
+  EXPECT_NE(std::string(rtp_last_error()).find("latest or best names"), std::string::npos)
+      << rtp_last_error();
+  EXPECT_EQ(save_one(dir, 1), 11);
+  std::ofstream(dir + "/latest") << "garbage\n";  // names nothing one can tell
+  EXPECT_EQ(save_one(dir, 3), 0) << "a new step";
+  std::ofstream(dir + "/latest") << "garbage\n";
+  EXPECT_EQ(save_one(dir, 3), 11) << "a complete step, with latest unreadable";
+}
+
 // A save whose write fails on one rank (rank 1's files may not grow past 64 bytes: EFBIG)
 // fails on both, each naming the cause, and rank 0 removes the step directory, its own
 // file included: latest stays on the previous checkpoint, which loads.
