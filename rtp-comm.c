@@ -417,6 +417,29 @@ int rtp_comm_world_rank(const struct rtp_comm *c, int rank) {
   return c && rank >= 0 && rank < c->size ? c->members[rank] : -1;
 }
 
+int rtp_comm_hosts(const struct rtp_comm *c, int *hosts) {
+  if (!c || !hosts) return rtp__error(RTP_EINVAL, "rtp_comm_hosts: NULL communicator or hosts");
+  enum { KEY = 80 };
+  char(*keys)[KEY] = calloc((size_t)c->size, KEY);
+  if (!keys) return rtp__error(RTP_ENOMEM, "rtp_comm_hosts: out of memory");
+  struct rtp_transport *t = c->w->host;
+  for (int i = 0; i < c->size; i++) {
+    if (t->i->host)
+      t->i->host(t, c->members[i], keys[i], KEY);
+    else
+      snprintf(keys[i], KEY, "rank %d", c->members[i]);
+  }
+  int n = 0;
+  for (int i = 0; i < c->size; i++) {
+    hosts[i] = -1;
+    for (int q = 0; q < i && hosts[i] < 0; q++)
+      if (strcmp(keys[q], keys[i]) == 0) hosts[i] = hosts[q];
+    if (hosts[i] < 0) hosts[i] = n++;
+  }
+  free(keys);
+  return RTP_OK;
+}
+
 /* ---- parameters ---------------------------------------------------------------------- */
 
 struct rtp_comm_params rtp_comm_params_default(void) {

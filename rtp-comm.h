@@ -138,6 +138,9 @@ struct rtp_transport_i {
   /* The group `id` of members (world ranks, by group rank) exists from now on: frames
    * of it are accepted from its members. (optional) */
   int (*group_add)(struct rtp_transport *t, uint64_t id, const int *members, int n);
+  /* The address by which world rank `rank` joined (its host's: ranks that share one
+   * share a host), from the rendezvous. (optional: then every rank is its own host) */
+  void (*host)(struct rtp_transport *t, int rank, char *out, size_t n);
   /* The job failed from outside this transport (the front end recorded it): tell the
    * peers and fail what is pending. (optional) */
   void (*fail)(struct rtp_transport *t);

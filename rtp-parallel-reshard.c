@@ -15,16 +15,14 @@
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 /* What a rank is in one plan (a side), as it tells the others. */
 enum { S_IN, S_STRATEGY, S_STAGE, S_STAGES, S_GRANK, S_GSIZE, S_OPT, S_FIELDS };
-/* A rank's record: both sides, its host, its model, its step count, its verdict. */
+/* A rank's record: both sides, its model, its step count, its verdict. */
 enum {
   R_FROM = 0,
   R_TO = S_FIELDS,
-  R_HOST = 2 * S_FIELDS,
-  R_MODEL,
+  R_MODEL = 2 * S_FIELDS,
   R_NPARAMS,
   R_STEPS_LO,
   R_STEPS_HI,
@@ -97,19 +95,11 @@ static void side_record(const struct side *s, int32_t *out) {
   out[S_OPT] = s->opt != NULL;
 }
 
-/* ranks with the same host name share a host (a NIC) */
-static uint32_t host_hash(void) {
-  char name[256] = {0};
-  if (gethostname(name, sizeof(name) - 1) != 0) return 0;
-  return fnv(2166136261u, name, strlen(name));
-}
-
 /* This rank's record; a local check that fails sets R_BAD (its message in rtp_last_error). */
 static void local_record(const struct side *from, const struct side *to, int32_t *r) {
   memset(r, 0, R_FIELDS * sizeof(*r));
   side_record(from, r + R_FROM);
   side_record(to, r + R_TO);
-  r[R_HOST] = (int32_t)host_hash();
   const struct side *any = from->par ? from : to;
   r[R_MODEL] = (int32_t)side_model(any);
   r[R_NPARAMS] = any->n_params;
@@ -208,23 +198,15 @@ static int check_meshes(const struct job *j) {
   return RTP_OK;
 }
 
+/* The caller's hosts, else the rendezvous's (rtp_comm_hosts). */
 static int set_hosts(struct job *j, const int *hosts) {
+  if (!hosts) return rtp_comm_hosts(j->comm, j->hosts);
   for (int r = 0; r < j->size; r++) {
-    if (hosts) {
-      if (hosts[r] < 0 || hosts[r] >= RTP_MESH_MAX_RANKS)
-        return rtp__error(RTP_EINVAL,
-                          "rtp_parallel_reshard: host %d of rank %d is not in "
-                          "0 .. %d",
-                          hosts[r], r, RTP_MESH_MAX_RANKS - 1);
-      j->hosts[r] = hosts[r];
-      continue;
-    }
-    j->hosts[r] = r; /* the first rank with its host name numbers the host */
-    for (int q = 0; q < r; q++)
-      if (j->rec[(size_t)q * R_FIELDS + R_HOST] == j->rec[(size_t)r * R_FIELDS + R_HOST]) {
-        j->hosts[r] = j->hosts[q];
-        break;
-      }
+    if (hosts[r] < 0 || hosts[r] >= RTP_MESH_MAX_RANKS)
+      return rtp__error(RTP_EINVAL,
+                        "rtp_parallel_reshard: host %d of rank %d is not in 0 .. %d", hosts[r],
+                        r, RTP_MESH_MAX_RANKS - 1);
+    j->hosts[r] = hosts[r];
   }
   return RTP_OK;
 }

@@ -436,18 +436,21 @@ static void link_up(struct rc_link *l) {
   check_ready(c);
 }
 
+/* Rank 0's table of every rank's address: this rank connects to the ranks below it, and
+ * keeps every address (rtp_comm_hosts). */
 static void on_peers(struct tcp *c, const uint8_t *p) {
-  for (int q = 1; q < c->rank; q++) {
+  for (int q = 1; q < c->size; q++) {
     const uint8_t *rec = p + (size_t)q * RC_ADDR_REC;
-    char ip[RC_ADDR_REC];
-    memcpy(ip, rec + 4, RC_ADDR_REC - 4);
-    ip[RC_ADDR_REC - 5] = 0;
+    struct rc_peer *peer = &c->peers[q];
+    memcpy(peer->addr, rec + 4, RC_ADDR_REC - 4);
+    peer->addr[RC_ADDR_REC - 5] = 0;
+    peer->port = (int)rtp__tcp_get32(rec);
     struct sockaddr_storage sa;
-    if (rtp__tcp_parse_ip(ip, (int)rtp__tcp_get32(rec), &sa) < 0) {
+    if (rtp__tcp_parse_ip(peer->addr, peer->port, &sa) < 0) {
       rtp__tcp_comm_fail(c, RTP_EFORMAT, "rank 0 sent a bad address for rank %d", q);
       return;
     }
-    connect_to(c, q, &sa);
+    if (q < c->rank) connect_to(c, q, &sa);
   }
 }
 

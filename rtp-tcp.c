@@ -743,9 +743,20 @@ static void tcp_free(struct rtp_transport *t) {
   free(t);
 }
 
+/* Rank 0 listens at the master address; the others registered theirs. Written by the
+ * comm thread before the rendezvous completes, read after. */
+static void tcp_host(struct rtp_transport *t, int rank, char *out, size_t n) {
+  struct tcp *c = t->impl;
+  if (rank == 0)
+    rtp__tcp_sa_ip(&c->master, out, n);
+  else
+    snprintf(out, n, "%s", c->peers[rank].addr);
+}
+
 static const struct rtp_transport_i tcp_i = {.name = "tcp",
                                              .submit = tcp_submit,
                                              .group_add = tcp_group_add,
+                                             .host = tcp_host,
                                              .fail = tcp_fail,
                                              .free = tcp_free};
 

@@ -625,6 +625,11 @@ RTP_API int rtp_comm_mesh_2d(struct rtp_comm *c, int rows, int cols, struct rtp_
                              struct rtp_comm **col);
 /* The rank in the job (the world communicator) of c's rank `rank`; -1 out of range. */
 RTP_API int rtp_comm_world_rank(const struct rtp_comm *c, int rank);
+/* hosts[i] (c's size of them): the host of c's rank i, numbered 0, 1, ... in order of
+ * first appearance, from the address each rank joined the job by (tcp: ranks that joined
+ * by one IP address share a host, and its NIC); one process is host 0. For the resharding
+ * planner's meshes (rtp_mesh_init_1d). */
+RTP_API int rtp_comm_hosts(const struct rtp_comm *c, int *hosts);
 /* RTP_OK, or the status that failed the communicator (message in *msg if msg). */
 RTP_API int rtp_comm_status(struct rtp_comm *c, const char **msg);
 /* Fails c's job from any thread, for good, with status (< 0) and msg, as a failure the
@@ -1078,7 +1083,7 @@ struct rtp_parallel_reshard_params {
   struct rtp_parallel *to;              /* the plan to train on next; NULL if not in it */
   struct rtp_optimizer *to_opt;         /* filled with from_opt's states and step count */
   /* hosts[k]: job rank k's host (0 .. RTP_MESH_MAX_RANKS - 1), whose NIC it shares; NULL:
-   * the ranks whose host names (gethostname) agree share a host */
+   * rtp_comm_hosts(job) */
   const int *hosts;
   size_t chunk_bytes; /* of the chained broadcasts (0: RTP_RESHARD_CHUNK) */
 };

@@ -64,6 +64,10 @@ TEST(NetnsWorker, Job) {
   rtp_comm *c;
   ASSERT_EQ(rtp_comm_init(&p, &c), RTP_OK) << rtp_last_error();
   int rank = rtp_comm_rank(c), n = rtp_comm_size(c);
+  int hosts[3] = {-1, -1, -1};
+  ASSERT_EQ(rtp_comm_hosts(c, hosts), RTP_OK) << rtp_last_error();
+  EXPECT_TRUE(hosts[0] == 0 && hosts[1] == 1 && hosts[2] == 2)
+      << "three namespaces, three hosts";
   const size_t count = (8u << 20) / 4 + 5;
   std::vector<float> a(count), b(count);
   for (size_t i = 0; i < count; i++) a[i] = (float)(rank + (int)(i % 7));

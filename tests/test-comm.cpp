@@ -365,6 +365,34 @@ std::vector<std::string> own_listeners() {
   return out;
 }
 
+// Hosts come from the addresses the ranks joined by: ranks 0 and 1 on 127.0.0.1, ranks 2
+// and 3 bound to 127.0.0.2 (another "host" of the loopback), rank 4 to 127.0.0.3. Every
+// rank numbers them alike, in order of first appearance, and a group renumbers its own.
+TEST(Comm, HostsFromTheRendezvous) {
+  int port = free_port();
+  auto res = run_procs(5, [&](int rank) {
+    rtp_comm_params p = params(rank, 5, port, 10000);
+    const char *bind[5] = {"", "127.0.0.1", "127.0.0.2", "127.0.0.2", "127.0.0.3"};
+    snprintf(p.bind, sizeof(p.bind), "%s", bind[rank]);
+    rtp_comm *c, *odd = nullptr;
+    CHECK_OK(rtp_comm_init(&p, &c));
+    int hosts[5] = {-1, -1, -1, -1, -1};
+    CHECK_OK(rtp_comm_hosts(c, hosts));
+    CHECK(hosts[0] == 0 && hosts[1] == 0 && hosts[2] == 1 && hosts[3] == 1 && hosts[4] == 2,
+          "hosts %d %d %d %d %d", hosts[0], hosts[1], hosts[2], hosts[3], hosts[4]);
+    CHECK_OK(rtp_comm_split(c, rank % 2 ? 0 : RTP_COMM_UNDEFINED, 0, &odd));
+    if (odd) {  // world ranks 1 and 3
+      CHECK_OK(rtp_comm_hosts(odd, hosts));
+      CHECK(hosts[0] == 0 && hosts[1] == 1, "the group's hosts %d %d", hosts[0], hosts[1]);
+      rtp_comm_free(odd);
+    }
+    CHECK_OK(rtp_comm_barrier(c, nullptr));
+    rtp_comm_free(c);
+    return 0;
+  });
+  for (int r = 0; r < 5; r++) EXPECT_EQ(res[r].code, 0) << "rank " << r;
+}
+
 // A job whose master is 127.0.0.1 listens on the loopback only, rank 0 and the others
 // alike (no RTP_BIND_ADDR): nothing of it is reachable from another host.
 TEST(Comm, ListensWhereTheJobLives) {
