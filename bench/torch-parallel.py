@@ -11,6 +11,12 @@ the benchmarks and this script can be compared in one run.
                                     [--steps 5] [--strategies ddp,fsdp,pp2-fsdp]
                                     [--micro-batches 4]
 
+bench/capacity runs it on a model of its own shape (--d-model, --n-head, --seq-len,
+--n-layer override --model's), with --recompute (each block's forward replayed in
+backward: torch.utils.checkpoint) and --cgroup DIR (rank r joins the memory cgroup
+DIR/r<r> before it builds anything, so the cap holds it); its line then has every rank's
+peak resident memory (peak_rss_ranks) for DDP and FSDP too.
+
 Runs only where torch is installed (Debian's python3-torch; pipelines need torch >= 2.4
 from PyPI, in a venv); exits 77 without torch, and a pipeline line says why it cannot run.
 """
@@ -92,7 +98,7 @@ def pipeline_main(rank, args, S, T, out):
     mesh = init_device_mesh("cpu", (S, D), mesh_dim_names=("pp", "dp"))
     s = rank // D
     torch.manual_seed(0)
-    stage = pipeline_stage(GPT(vocab=256, **CONFIGS[args.model]), s, S)
+    stage = pipeline_stage(GPT(vocab=256, **config(args)), s, S)
     if D > 1:
         for block in stage.h:
             fully_shard(block, mesh=mesh["dp"])
@@ -116,19 +122,50 @@ def pipeline_main(rank, args, S, T, out):
         opt.step()
         if step > 0:
             times.append(time.perf_counter() - t0)
-    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])
-    peaks = [torch.zeros(1) for _ in range(args.ranks)]
-    dist.all_gather(peaks, peak)
     times.sort()
-    return times[len(times) // 2], [int(p.item()) for p in peaks], D
+    return times[len(times) // 2], every_peak(args.ranks), D
+
+
+class Recompute(nn.Module):
+    """A block whose forward is replayed in backward, as train-gpt's --recompute."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def config(args):
+    c = dict(CONFIGS[args.model])
+    for k in ("seq_len", "d_model", "n_layer", "n_head"):
+        if getattr(args, k) is not None:
+            c[k] = getattr(args, k)
+    return c
+
+
+def join_cgroup(args, rank):
+    if args.cgroup:
+        with open(os.path.join(args.cgroup, f"r{rank}", "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+
+
+def every_peak(ranks):
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])
+    peaks = [torch.zeros(1) for _ in range(ranks)]
+    dist.all_gather(peaks, peak)
+    return [int(p.item()) for p in peaks]
 
 
 def rank_main(rank, args, strategy, port, out):
+    join_cgroup(args, rank)
     torch.set_num_threads(args.threads)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
-    T = CONFIGS[args.model]["seq_len"]
+    T = config(args)["seq_len"]
     if strategy.startswith("pp"):
         S = int(strategy[2:].split("-")[0])
         try:
@@ -149,7 +186,9 @@ def rank_main(rank, args, strategy, port, out):
         dist.destroy_process_group()
         return
     torch.manual_seed(0)
-    model = GPT(vocab=256, **CONFIGS[args.model])
+    model = GPT(vocab=256, **config(args))
+    if args.recompute:
+        model.transformer.h = nn.ModuleList(Recompute(b) for b in model.transformer.h)
     if strategy == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
     else:
@@ -171,13 +210,14 @@ def rank_main(rank, args, strategy, port, out):
         if step > 0:  # step 0 warms up
             times.append(time.perf_counter() - t0)
     times.sort()
+    peaks = every_peak(args.ranks)
     if rank == 0:
         step_s = times[len(times) // 2]
         out.put(dict(bench="torch-parallel", model=args.model, strategy=strategy,
                      ranks=args.ranks, batch=args.batch, threads=args.threads,
                      step_ms=round(step_s * 1e3, 1),
                      tokens_per_s=round(args.ranks * args.batch * T / step_s),
-                     peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                     peak_rss=peaks[0], peak_rss_max=max(peaks), peak_rss_ranks=peaks,
                      torch=torch.__version__))
     dist.destroy_process_group()
 
@@ -192,6 +232,10 @@ def main():
     ap.add_argument("--strategies", default="ddp,fsdp")
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--master-port", type=int, default=29700)
+    for k in ("seq-len", "d-model", "n-layer", "n-head"):
+        ap.add_argument("--" + k, type=int, default=None)
+    ap.add_argument("--recompute", action="store_true")
+    ap.add_argument("--cgroup", default=None, help="rank r joins the cgroup DIR/r<r>")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     for i, strategy in enumerate(args.strategies.split(",")):
@@ -201,17 +245,23 @@ def main():
         for p in procs:
             p.start()
         result = None
-        while result is None and any(p.is_alive() for p in procs):
+        # a rank that died (killed by a memory cap) leaves the others waiting in gloo
+        while result is None and any(p.is_alive() for p in procs) and \
+                not any(p.exitcode not in (None, 0) for p in procs):
             try:
                 result = out.get(timeout=1)
             except Exception:
                 pass
         for p in procs:
+            if result is None:
+                p.kill()
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
         if result is None:
-            result = dict(bench="torch-parallel", strategy=strategy, error="a rank failed")
+            codes = [p.exitcode for p in procs]
+            result = dict(bench="torch-parallel", strategy=strategy,
+                          error=f"a rank failed (exit codes {codes})")
         print(json.dumps(result), flush=True)
 
 
