@@ -173,12 +173,17 @@ void rtp__comm_node_describe(const struct rtp_tensor *t, char *buf, size_t n) {
   }
 }
 
+/* What the transport's own plan of the operation sends (rtp-coll.c), so that every kind
+ * counts as it travels: a reduce-scatter carries half an all-reduce's bytes, a broadcast
+ * its whole buffer from every rank but the last of the chain. */
 double rtp__comm_node_bytes(const struct rtp_tensor *t) {
   struct rtp_comm_op op;
   struct rtp_comm *comm = rtp__comm_node_op(t, &op);
-  int n = rtp_comm_size(comm), r = rtp_comm_rank(comm);
-  double total = (double)(op.kind == RTP_COMM_K_P2P ? op.sbytes : op.count * op.esize);
-  if (op.kind == RTP_COMM_K_P2P) return op.dst >= 0 && op.dst != r ? total : 0;
-  if (op.kind == RTP_COMM_K_ALLGATHER) return (double)(n - 1) / n * total; /* ring */
-  return 2.0 * (n - 1) / n * total;                                        /* ring all-reduce */
+  op.rank = rtp_comm_rank(comm);
+  op.size = rtp_comm_size(comm);
+  if (op.kind == RTP_COMM_K_P2P && (op.dst < 0 || op.dst == op.rank)) return 0;
+  if (op.kind != RTP_COMM_K_P2P && op.size == 1) return 0;
+  struct rtp_coll_plan plan;
+  rtp__coll_plan(&op, 1u << 20, 1u << 20, &plan);
+  return (double)plan.total[0];
 }
