@@ -36,40 +36,23 @@ bench="$build/bench/bench-parallel"
 here=$(cd "$(dirname "$0")" && pwd)
 # A prefix of our own (<= 10 characters), so that other runs' namespaces are left alone.
 export RTP_NETNS_PREFIX=${RTP_NETNS_PREFIX:-rtpp$(($$ % 100000))}
-prefix=$RTP_NETNS_PREFIX
-net=${RTP_NETNS_NET:-231}
-tmp=$(mktemp -d)
-pids=()
+export RTP_NETNS_NET=${RTP_NETNS_NET:-231}
+job=
 
 # shellcheck disable=SC2317  # called by the trap
 cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
+  [[ -n "$job" ]] && kill "$job" 2>/dev/null && wait "$job" 2>/dev/null
   "$here/netns-ethernet.sh" down "$n" >/dev/null 2>&1 || true
-  rm -rf "$tmp"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 "$here/netns-ethernet.sh" up "$n" "$rate" >/dev/null
 
-token=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
 args=(--model small --batch 8 --threads 1 --steps 3 --strategies "ddp fsdp rtp" "$@"
   --net "$rate")
-for ((i = n - 1; i >= 0; i--)); do
-  ip netns exec "${prefix}$i" env RTP_RANK="$i" RTP_WORLD_SIZE="$n" \
-    RTP_MASTER_ADDR="10.${net}.0.1" RTP_MASTER_PORT=29500 RTP_TOKEN="$token" \
-    timeout "${RTP_BENCH_TIMEOUT:-900}" "$bench" "${args[@]}" >"$tmp/out$i" 2>"$tmp/err$i" &
-  pids+=($!)
-done
+"$here/netns-job.sh" "$n" 1 timeout "${RTP_BENCH_TIMEOUT:-900}" "$bench" "${args[@]}" &
+job=$!
 rc=0
-for ((k = 0; k < n; k++)); do
-  i=$((n - 1 - k))
-  if ! wait "${pids[$k]}"; then
-    rc=1
-    echo "$0: rank $i failed:" >&2
-    sed 's/^/  /' "$tmp/err$i" >&2
-  fi
-done
-pids=()
-grep '^{' "$tmp/out0" || true
+wait "$job" || rc=1
+job=
 exit $rc

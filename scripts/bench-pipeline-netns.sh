@@ -34,20 +34,15 @@ bench="$build/bench/bench-pipeline"
 
 here=$(cd "$(dirname "$0")" && pwd)
 export RTP_NETNS_PREFIX=${RTP_NETNS_PREFIX:-rtpq$(($$ % 100000))}
-prefix=$RTP_NETNS_PREFIX
-net=${RTP_NETNS_NET:-232}
-export RTP_NETNS_NET=$net
+export RTP_NETNS_NET=${RTP_NETNS_NET:-232}
 hosts=2
 per_host=2
-tmp=$(mktemp -d)
-pids=()
+job=
 
 # shellcheck disable=SC2317  # called by the trap
 cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
+  [[ -n "$job" ]] && kill "$job" 2>/dev/null && wait "$job" 2>/dev/null
   "$here/netns-ethernet.sh" down "$hosts" >/dev/null 2>&1 || true
-  rm -rf "$tmp"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
@@ -55,30 +50,13 @@ trap 'exit 130' INT TERM
 rc=0
 for rate in "${rates[@]}"; do
   "$here/netns-ethernet.sh" up "$hosts" "$rate" >/dev/null
-  token=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
   args=(--model medium --global-batch 16 --micro-batches 4 --steps 2 --threads 1 "$@"
     --net "$rate")
-  pids=()
-  world=$((hosts * per_host))
-  for ((r = world - 1; r >= 0; r--)); do
-    h=$((r / per_host))
-    ip netns exec "${prefix}$h" env RTP_RANK="$r" RTP_WORLD_SIZE="$world" \
-      RTP_LOCAL_RANK=$((r % per_host)) RTP_LOCAL_WORLD_SIZE="$per_host" \
-      RTP_MASTER_ADDR="10.${net}.0.1" RTP_MASTER_PORT=29500 RTP_TOKEN="$token" \
-      RTP_BENCH_NIC=eth0 timeout "${RTP_BENCH_TIMEOUT:-3600}" "$bench" "${args[@]}" \
-      >"$tmp/out$r" 2>"$tmp/err$r" &
-    pids+=($!)
-  done
-  for ((k = 0; k < world; k++)); do
-    r=$((world - 1 - k))
-    if ! wait "${pids[$k]}"; then
-      rc=1
-      echo "$0: $rate: rank $r failed:" >&2
-      sed 's/^/  /' "$tmp/err$r" >&2
-    fi
-  done
-  pids=()
-  grep '^{' "$tmp/out0" || true
+  "$here/netns-job.sh" "$hosts" "$per_host" env RTP_BENCH_NIC=eth0 \
+    timeout "${RTP_BENCH_TIMEOUT:-3600}" "$bench" "${args[@]}" &
+  job=$!
+  wait "$job" || rc=1
+  job=
   "$here/netns-ethernet.sh" down "$hosts" >/dev/null
 done
 exit $rc

@@ -36,15 +36,13 @@ bench="$build/bench/bench-reshard"
 [[ -x "$bench" ]] || { echo "$0: $bench not found (build the bench-reshard target)" >&2; exit 2; }
 
 here=$(cd "$(dirname "$0")" && pwd)
+out=$(mktemp)
 export RTP_NETNS_PREFIX=${RTP_NETNS_PREFIX:-rtpr$(($$ % 100000))}
-prefix=$RTP_NETNS_PREFIX
-net=${RTP_NETNS_NET:-233}
-export RTP_NETNS_NET=$net
+export RTP_NETNS_NET=${RTP_NETNS_NET:-233}
 rate=${RTP_BENCH_RATE:-1gbit}
 per_host=2
-tmp=$(mktemp -d)
-pids=()
 up=0
+job=
 
 # bytes per second of a tc rate (netns-ethernet.sh's units)
 rate_bytes() {
@@ -59,10 +57,9 @@ bw=$(rate_bytes "$rate")
 
 # shellcheck disable=SC2317  # called by the trap
 cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
+  [[ -n "$job" ]] && kill "$job" 2>/dev/null && wait "$job" 2>/dev/null
   [[ $up -gt 0 ]] && "$here/netns-ethernet.sh" down "$up" >/dev/null 2>&1
-  rm -rf "$tmp"
+  rm -f "$out"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
@@ -71,28 +68,12 @@ rc=0
 for hosts in "${counts[@]}"; do
   "$here/netns-ethernet.sh" up "$hosts" "$rate" >/dev/null
   up=$hosts
-  token=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
-  world=$((hosts * per_host))
-  pids=()
-  for ((r = world - 1; r >= 0; r--)); do
-    h=$((r / per_host))
-    ip netns exec "${prefix}$h" env RTP_RANK="$r" RTP_WORLD_SIZE="$world" \
-      RTP_LOCAL_RANK=$((r % per_host)) RTP_LOCAL_WORLD_SIZE="$per_host" \
-      RTP_MASTER_ADDR="10.${net}.0.1" RTP_MASTER_PORT=29500 RTP_TOKEN="$token" \
-      timeout "${RTP_BENCH_TIMEOUT:-1800}" "$bench" --bandwidth "$bw" "$@" \
-      >"$tmp/out$r" 2>"$tmp/err$r" &
-    pids+=($!)
-  done
-  for ((k = 0; k < world; k++)); do
-    r=$((world - 1 - k))
-    if ! wait "${pids[$k]}"; then
-      rc=1
-      echo "$0: $hosts hosts: rank $r failed:" >&2
-      sed 's/^/  /' "$tmp/err$r" >&2
-    fi
-  done
-  pids=()
-  grep '^{' "$tmp/out0" | sed "s/^{/{\"net\":\"$rate\",/" || true
+  "$here/netns-job.sh" "$hosts" "$per_host" timeout "${RTP_BENCH_TIMEOUT:-1800}" "$bench" \
+    --bandwidth "$bw" "$@" >"$out" &
+  job=$!
+  wait "$job" || rc=1
+  job=
+  sed "s/^{/{\"net\":\"$rate\",/" "$out"
   "$here/netns-ethernet.sh" down "$hosts" >/dev/null
   up=0
 done
