@@ -95,7 +95,10 @@ static int node_index(const struct rtp_tensor *t) {
 /* The index of the last node that reads each node, through any chain of views (a view's
  * data is its base's); outputs, and the bases of output views, live to the end. A
  * transfer is waited for only where its result is first read (or at the end), so what
- * it reads must stay in place until then. first_read is scratch of n ints. */
+ * it reads must stay in place until then. Where that first reader is another transfer
+ * (a forwarded hop), nothing has waited for the first yet: on a device, the first compute
+ * wait that orders it is the one for the second (the comm stream is in order), so the
+ * first's source lives until the second's first reader. first_read is scratch of n ints. */
 static void compute_last_use(const struct rtp_graph *g, int *last, int *first_read) {
   int n = g->n_nodes;
   for (int i = 0; i < n; i++) last[i] = i, first_read[i] = n;
@@ -113,6 +116,11 @@ static void compute_last_use(const struct rtp_graph *g, int *last, int *first_re
       int j = node_index(base_of(t));
       if (j >= 0) last[j] = n;
     }
+  }
+  for (int i = n - 1; i >= 0; i--) { /* later transfers first: chains resolve at once */
+    int f = first_read[i];
+    if (g->nodes[i]->op == RTP_OP_COMM && f < n && g->nodes[f]->op == RTP_OP_COMM)
+      first_read[i] = first_read[f];
   }
   for (int i = 0; i < n; i++) {
     const struct rtp_tensor *t = g->nodes[i];

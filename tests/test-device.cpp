@@ -305,6 +305,62 @@ TEST(Streams, ControlWithoutEventsResultsDiffer) {
 
 // ---- the GPT reference model under each strategy ---------------------------------------
 
+// A transfer whose result only another transfer reads (hop1, read by hop2 alone) is waited
+// for by no compute node: on a device, the first compute wait that orders it is that of
+// hop2's reader. Its source (the planned x) must stay in place until then; a node placed
+// after hop2 (later, reading neither) that took x's memory once x's last reader was posted
+// overwrote x before hop1 sent it when compute ran first.
+int forwarded(int rank, int world, int port, rtp_backend *b, std::vector<float> *out) {
+  rtp_comm_params cp = rtptest::params(rank, world, port);
+  rtp_comm *comm = nullptr;
+  if (rtp_comm_init(&cp, &comm)) return 10;
+  rtp_init_params ip = {8 << 20, nullptr, false, b, b ? 8u << 20 : 0};
+  rtp_context *ctx = rtp_context_new(ip);
+  if (!ctx) return 11;
+  const int n = 37;
+  rtp_tensor *mine = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, n);
+  rtp_tensor *slot[2] = {rtp_tensor_new_1d(ctx, RTP_TYPE_F32, n),
+                         rtp_tensor_new_1d(ctx, RTP_TYPE_F32, n)};
+  int left = (rank + world - 1) % world, right = (rank + 1) % world;
+  rtp_tensor *x = rtp_gelu(ctx, mine);
+  rtp_tensor *hop1 = rtp_sendrecv(ctx, comm, x, left, slot[0], right, nullptr);
+  rtp_tensor *hop2 = rtp_sendrecv(ctx, comm, hop1, left, slot[1], right, hop1);
+  rtp_tensor *late = rtp_scale(ctx, mine, 3.0f);  // x's size, placed after hop2
+  rtp_tensor *res = rtp_add(ctx, rtp_scale(ctx, hop2, 2.0f), late);
+  rtp_tensor_set_output(res);
+  rtp_graph *g = rtp_graph_new(ctx, 64);
+  if (rtp_graph_build(g, hop2) || rtp_graph_build(g, late) || rtp_graph_build(g, res) ||
+      rtp_graph_plan(ctx, g))
+    return 12;
+  std::vector<float> v(n);
+  for (int i = 0; i < n; i++) v[i] = 0.01f * (float)(100 * rank + i);
+  if (rtp_tensor_set(mine, v.data(), 0, n * sizeof(float))) return 13;
+  if (rtp_graph_compute(g, nullptr)) {
+    fprintf(stderr, "rank %d: %s\n", rank, rtp_last_error());
+    return 14;
+  }
+  if (rtp_tensor_get(res, v.data(), 0, n * sizeof(float))) return 15;
+  out->insert(out->end(), v.begin(), v.end());
+  rtp_context_free(ctx);
+  rtp_comm_free(comm);
+  return 0;
+}
+
+TEST(Streams, AForwardedTransferKeepsItsSourceUntilItIsWaitedFor) {
+  for (int world : {2, 3}) {
+    int p1 = rtptest::free_port(), p2 = rtptest::free_port();
+    auto res = rtptest::run_procs(world, [&](int rank) {
+      std::vector<float> want, got;
+      int rc = forwarded(rank, world, p1, nullptr, &want);
+      SimDevice dev(Order::kComputeFirst);
+      if (!rc) rc = forwarded(rank, world, p2, dev.get(), &got);
+      return rc ? rc : want == got ? 0 : 1;
+    });
+    for (int r = 0; r < world; r++)
+      EXPECT_EQ(res[r].code, 0) << "world " << world << " rank " << r;
+  }
+}
+
 int train_agrees(int rank, int world, int port_cpu, int port_dev, rtp_strategy strategy) {
   std::vector<float> l0, p0, l1, p1;
   int rc = rtptest::train_gpt_rank(rtptest::params(rank, world, port_cpu), strategy, nullptr,
