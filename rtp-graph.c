@@ -317,16 +317,26 @@ static struct rtp_tensor *accumulate_grad(struct backward *bw, struct rtp_tensor
   return p->grad = g;
 }
 
-/* rtp__graph_set_accumulate: the first contribution to p's gradient, too, is added, into
- * persistent memory of its own that the caller zeroes (a leaf: no node writes it but the
- * adds), so the graph's computes add up until the caller zeroes it again. */
-static struct rtp_tensor *accumulate_first(struct backward *bw, struct rtp_tensor *p) {
-  struct rtp_tensor *acc = rtp_tensor_new(bw->ctx, RTP_TYPE_F32, RTP_MAX_DIMS, p->ne);
-  if (!acc || (!acc->data && !rtp__tensor_alloc(bw->ctx, acc, RTP_ROLE_GRAD))) return NULL;
-  acc->role = RTP_ROLE_GRAD; /* rtp_tensor_new's memory, where the context gives it */
-  if (rtp_tensor_set_zero(acc)) return NULL;
-  rtp_tensor_set_name(acc, "grad.%.58s", p->name);
-  return accumulate_grad(bw, p, acc);
+/* rtp__graph_set_accumulate: the first contribution to each parameter's gradient, too, is
+ * added, into persistent memory of its own that the caller zeroes (a leaf: no node writes
+ * it but the adds), so the graph's computes add up until the caller zeroes it again. The
+ * headers come first and then the memory of all of them, so that the gradients lie side
+ * by side, as claimed ones do (ddp's buckets span neighbours only). */
+static int accumulate_leaves(struct backward *bw, struct rtp_tensor **old) {
+  struct rtp_graph *g = &bw->go->g;
+  struct rtp_tensor **acc = calloc((size_t)g->n_leafs + 1, sizeof(*acc));
+  if (!acc) return rtp__ctx_error(bw->ctx, RTP_ENOMEM, "backward: out of memory");
+  for (int i = g->n_leafs - 1; i >= 0; i--) {
+    struct rtp_tensor *p = g->leafs[i];
+    if (!(p->flags & RTP_FLAG_PARAM) || !p->grad || old[i]) continue;
+    acc[i] = rtp__new_node(bw->ctx, RTP_OP_NONE, RTP_TYPE_F32, p->ne, NULL, NULL);
+    if (!acc[i]) break;
+    rtp_tensor_set_name(acc[i], "grad.%.58s", p->name);
+  }
+  for (int i = g->n_leafs - 1; i >= 0 && !rtp_context_error(bw->ctx, NULL); i--)
+    if (acc[i] && rtp__tensor_alloc(bw->ctx, acc[i], RTP_ROLE_GRAD)) old[i] = acc[i];
+  free(acc);
+  return rtp_context_error(bw->ctx, NULL);
 }
 
 void rtp__graph_set_accumulate(struct rtp_graph *g) {
@@ -370,15 +380,14 @@ static int backward_from(struct rtp_context *ctx, struct graph_obj *go, const ch
       backward_node(&bw, t);
     rc = rtp_context_error(ctx, NULL);
   }
+  if (!rc && go->accumulate) rc = accumulate_leaves(&bw, old);
   /* The last parameters used are the first whose gradients are ready. */
   for (int i = n_leafs - 1; i >= 0 && !rc; i--) {
     struct rtp_tensor *p = g->leafs[i];
     if (!(p->flags & RTP_FLAG_PARAM)) continue;
     if (!p->grad) /* no contribution from this loss */
       p->grad = old[i];
-    else if (!(old[i]           ? accumulate_grad(&bw, p, old[i])
-               : go->accumulate ? accumulate_first(&bw, p)
-                                : claim_grad(&bw, p)))
+    else if (!(old[i] ? accumulate_grad(&bw, p, old[i]) : claim_grad(&bw, p)))
       rc = rtp_context_error(ctx, NULL);
   }
   free(old);
