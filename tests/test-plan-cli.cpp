@@ -126,31 +126,60 @@ TEST(PlanCli, TiedEmbeddingsDropTheHead) {
 
 // The same model trained by train-gpt on 2 ranks: every role's bytes as rtp-plan said,
 // and its peak resident memory within 10% of the prediction.
+// --grad-accum K: K computes a step, so K times the tokens and the compute, and K times the
+// bytes of the strategies that reduce every compute (rtp, fsdp, tp), where ddp's
+// all-reduces run once a step, after the last compute.
+TEST(PlanCli, GradAccumMultipliesTheComputes) {
+  Ran one = run(plan("-n 2")), two = run(plan("-n 2 --grad-accum 2"));
+  ASSERT_EQ(one.code, 0) << one.out;
+  ASSERT_EQ(two.code, 0) << two.out;
+  for (const char *s : {"rtp", "fsdp", "tp", "ddp"}) {
+    std::string a = layout(one.out, s), b = layout(two.out, s);
+    EXPECT_EQ(field(b, "tokens_per_step"), 2 * field(a, "tokens_per_step")) << s;
+    EXPECT_NEAR(field(b, "compute_s"), 2 * field(a, "compute_s"), 2e-6) << s;  // 6 decimals
+    double bytes = field(a, "bytes_sent_per_step"),
+           accumulated = field(b, "bytes_sent_per_step");
+    if (std::string(s) == "ddp")
+      EXPECT_NEAR(accumulated, bytes, 64) << "ddp all-reduces once a step";
+    else
+      EXPECT_EQ(accumulated, 2 * bytes) << s;
+  }
+}
+
+// What train-gpt's --metrics say of its memory is what rtp-plan said, and its peak RSS is
+// within 10% of the prediction, with and without --grad-accum.
 TEST(PlanCli, TrainGptReportsWhatThePlanSaid) {
-  Ran p = run(plan("-n 2"));
+  Ran p = run(plan("-n 2")), pk = run(plan("-n 2 --grad-accum 2"));
   ASSERT_EQ(p.code, 0) << p.out;
-  for (const char *s : {"rtp", "ddp", "fsdp"}) {
+  ASSERT_EQ(pk.code, 0) << pk.out;
+  struct Case {
+    const char *strategy;
+    int accum;
+  } cases[] = {{"rtp", 1}, {"ddp", 1}, {"fsdp", 1}, {"ddp", 2}, {"rtp", 2}};
+  for (const Case &c : cases) {
+    const char *s = c.strategy;
     std::string metrics = std::string(RTP_BUILD_DIR) + "/test-plan-cli-" + s + ".jsonl";
     std::remove(metrics.c_str());
     Ran t =
         run(std::string(RTP_RUN) + " -n 2 -- " + TRAIN_GPT + kModel + " --strategy " + s +
+            " --grad-accum " + std::to_string(c.accum) +
             " --steps 2 --threads 1 --eval-windows 2 --eval-problems 0 --metrics " + metrics);
     ASSERT_EQ(t.code, 0) << t.out;
     std::ifstream f(metrics);
     std::string line, last;
     while (std::getline(f, line)) last = line;
-    std::string want = layout(p.out, s);
+    std::string want = layout(c.accum > 1 ? pk.out : p.out, s);
     for (const char *k : {"params", "grads", "optim", "activations", "comm"})
-      EXPECT_EQ(field(last, k), field(want, k)) << s << " " << k;
+      EXPECT_EQ(field(last, k), field(want, k)) << s << " x" << c.accum << " " << k;
     double peak = field(last, "peak_rss"), predicted = field(want, "peak_rss");
-    printf("%s: train-gpt's peak RSS %.1f MiB, rtp-plan's %.1f MiB (%+.1f%%)\n", s,
+    printf("%s x%d: train-gpt's peak RSS %.1f MiB, rtp-plan's %.1f MiB (%+.1f%%)\n", s, c.accum,
            peak / 1048576, predicted / 1048576, 100 * (predicted - peak) / peak);
 #if defined(__SANITIZE_ADDRESS__)
     // ASan's allocator keeps what train-gpt frees (its quarantine) and adds its own: the
     // RSS is not the program's. test-plan checks the ranks' RSS under ASan too.
     (void)predicted;
 #else
-    EXPECT_NEAR(predicted, peak, 0.1 * peak) << s;
+    EXPECT_NEAR(predicted, peak, 0.1 * peak) << s << " x" << c.accum;
 #endif
     std::remove(metrics.c_str());
   }

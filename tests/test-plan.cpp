@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
 
 #include "plan-model.h"
@@ -90,8 +91,11 @@ int rank_check(const plan_model &pm, const plan_layout &l, int rank, int port) {
   plan_rank real, dry;
   CHECK_OK(plan_rank_build(&real, &pm, &l, rank, false, group, pipe));
   fill(real, pm.micro_batches);
-  for (int s = 0; s < 2; s++) {
-    CHECK_OK(rtp_graph_compute(real.train, tp));
+  for (int s = 0; s < 2; s++) {  // train-gpt's step, --grad-accum's computes included
+    CHECK_OK(rtp_parallel_zero_grads(real.par));
+    for (int k = 0; k < std::max(1, pm.accumulate); k++)
+      CHECK_OK(rtp_graph_compute(real.train, tp));
+    CHECK_OK(rtp_parallel_sync(real.par, tp));
     CHECK_OK(rtp_optimizer_step(real.opt, tp));
   }
   size_t peak = rtptest::proc_bytes("VmHWM:");
@@ -118,9 +122,10 @@ int rank_check(const plan_model &pm, const plan_layout &l, int rank, int port) {
   return code;
 }
 
-void check_layout(const plan_layout &l, bool recompute = false) {
+void check_layout(const plan_layout &l, bool recompute = false, int accumulate = 1) {
   plan_model pm = test_model();
   pm.recompute = recompute;
+  pm.accumulate = accumulate;
   if (l.stages > 1) pm.micro_batches = 2;
   int port = rtptest::free_port();
   auto res = rtptest::run_procs(
@@ -145,6 +150,11 @@ TEST(PlanMemory, Rtp) {
 TEST(PlanMemory, Tp) {
   check_layout({RTP_STRATEGY_TP, 2, 1});
 }
+// --grad-accum 2: ddp's all-reduces leave the graph for the sync graph, planned too.
+TEST(PlanMemory, DdpAccumulate) {
+  check_layout({RTP_STRATEGY_DDP, 2, 1}, false, 2);
+}
+
 TEST(PlanMemory, RtpRecompute) {
   check_layout({RTP_STRATEGY_RTP, 2, 1}, true);
 }

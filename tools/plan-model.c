@@ -11,6 +11,7 @@
 
 #include "rtp-backend.h"
 #include "rtp-comm.h"
+#include "rtp-strategy.h"
 
 static int64_t graph_size(struct gpt_config c) {
   return 512 + 256 * (int64_t)c.n_layer;
@@ -191,6 +192,7 @@ static struct rtp_parallel_params parallel_params(const struct plan_model *pm,
                                       .comm_type = bf16_rotation ? RTP_TYPE_BF16 : RTP_TYPE_F32,
                                       .compute_type = pm->bf16 ? RTP_TYPE_BF16 : RTP_TYPE_F32,
                                       .micro_batches = pm->micro_batches,
+                                      .accumulate = pm->accumulate,
                                       .pipe_comm = pipe,
                                       .schedule = pm->schedule,
                                       .unit = unit_size(pm, l->stages),
@@ -216,6 +218,10 @@ int plan_rank_build(struct plan_rank *r, const struct plan_model *pm,
   if (!r->par) return rtp_context_error(r->ctx, NULL);
   r->train = rtp_parallel_graph(r->par);
   if ((rc = rtp_graph_plan(r->ctx, r->train))) return rc;
+  /* train-gpt's first rtp_parallel_sync plans it, after the training graph */
+  r->accumulate = pm->accumulate > 1 ? pm->accumulate : 1;
+  r->sync = r->par->sync;
+  if (r->sync && (rc = rtp_graph_plan(r->ctx, r->sync))) return rc;
   r->eval = rtp_parallel_forward_graph(r->par, r->m.logits);
   if (!r->eval) return RTP_EINVAL;
   if ((rc = rtp_graph_plan(r->ctx, r->eval))) return rc;
@@ -232,32 +238,19 @@ void plan_rank_free(struct plan_rank *r) {
   memset(r, 0, sizeof(*r));
 }
 
-/* What this rank sends of one transfer, as the transport's ring and chain algorithms
- * move it (docs/transport.md). */
-static double node_bytes_sent(const struct rtp_tensor *t) {
-  struct rtp_comm_op op;
-  struct rtp_comm *comm = rtp__comm_node_op(t, &op);
-  double n = rtp_comm_size(comm), total = (double)(op.count * op.esize);
-  switch (op.kind) {
-    case RTP_COMM_K_P2P:
-      return op.dst >= 0 && op.dst != rtp_comm_rank(comm) ? (double)op.sbytes : 0;
-    case RTP_COMM_K_ALLREDUCE:
-      return 2 * (n - 1) / n * total;
-    case RTP_COMM_K_REDUCE_SCATTER:
-    case RTP_COMM_K_ALLGATHER:
-      return (n - 1) / n * total;
-    case RTP_COMM_K_BROADCAST:
-      return n > 1 ? (double)op.count : 0;
-    default:
-      return 0;
-  }
+static double graph_bytes_sent(const struct rtp_graph *g) {
+  double b = 0;
+  for (int i = 0; g && i < g->n_nodes; i++)
+    if (g->nodes[i]->op == RTP_OP_COMM) b += rtp__comm_node_bytes(g->nodes[i]);
+  return b;
 }
 
 double plan_bytes_sent(const struct plan_rank *r) {
-  double b = 0;
-  for (int i = 0; i < r->train->n_nodes; i++)
-    if (r->train->nodes[i]->op == RTP_OP_COMM) b += node_bytes_sent(r->train->nodes[i]);
-  return b;
+  return r->accumulate * graph_bytes_sent(r->train) + graph_bytes_sent(r->sync);
+}
+
+double plan_sync_bytes(const struct plan_rank *r) {
+  return graph_bytes_sent(r->sync);
 }
 
 /* PLAN_RUNTIME_BYTES was measured by tests/test-plan.cpp (x86-64, OpenBLAS 0.3.21): the

@@ -20,6 +20,7 @@ struct plan_model {
   struct gpt_config cfg;
   int batch;         /* B sequences per data-parallel rank and step */
   int micro_batches; /* M, dividing B */
+  int accumulate;    /* K computes per optimizer step (--grad-accum; 0 or 1: one) */
   bool recompute, bf16;
   enum rtp_schedule schedule;
 };
@@ -39,7 +40,9 @@ struct plan_rank {
   struct gpt m;
   struct rtp_parallel *par;
   struct rtp_graph *train, *eval;
+  struct rtp_graph *sync; /* accumulate > 1: the once-a-step reductions (ddp's), or NULL */
   struct rtp_optimizer *opt;
+  int accumulate;
 };
 
 /* Checks the flags and the layout as train-gpt does; 0, or RTP_EINVAL with the reason in
@@ -54,8 +57,11 @@ int plan_rank_build(struct plan_rank *r, const struct plan_model *pm,
 void plan_rank_free(struct plan_rank *r);
 
 /* Bytes this rank sends per step: its graph's transfers (ring collectives as the
- * transport runs them); the optimizer's scalar all-reduce of the gradient norm aside. */
+ * transport runs them) once per compute, and the reductions left for once a step
+ * (accumulate > 1); the optimizer's scalar all-reduce of the gradient norm aside. */
 double plan_bytes_sent(const struct plan_rank *r);
+/* Of those, the once-a-step reductions (0 without accumulate). */
+double plan_sync_bytes(const struct plan_rank *r);
 
 /* The resident memory a rank holds beyond its context's report and what the process held
  * before building: the one-device model's headers (the meta context, exact) and the

@@ -44,7 +44,7 @@ struct row {
   struct plan_layout l;
   char name[48];
   struct rtp_mem_report mem;
-  double peak, sent, compute_s, comm_s, step_s, tokens, tokens_per_s;
+  double peak, sent, sync_sent, compute_s, comm_s, step_s, tokens, tokens_per_s;
   bool fits, overlap;
 };
 
@@ -62,7 +62,7 @@ static void help(void) {
       "[--json]\n\n"
       "model flags, as train-gpt's: --config tiny|small|medium, --n-layer N, --d-model N,\n"
       "  --n-head N, --seq-len T, --vocab N, --batch B (per data-parallel rank),\n"
-      "  --micro-batches M, --recompute, --bf16, --tie-embeddings,\n"
+      "  --micro-batches M, --grad-accum K, --recompute, --bf16, --tie-embeddings,\n"
       "  --schedule gpipe|1f1b|eager-1f1b|zeropp\n"
       "job: -n RANKS per host and --nnodes HOSTS, as rtp-run's (default 1 and 1)\n"
       "  --mem-per-rank SIZE  memory of each rank: 2G, 512M, 1.5GiB or bytes (default: none)\n"
@@ -151,15 +151,21 @@ static int *int_flag(struct opts *o, const char *a, int *lo, int *hi) {
   static const struct {
     const char *name;
     int lo, hi;
-  } f[] = {{"--n-layer", 1, GPT_MAX_LAYERS}, {"--d-model", 1, GPT_MAX_SIZE},
-           {"--n-head", 1, GPT_MAX_SIZE},    {"--seq-len", 1, GPT_MAX_SIZE},
-           {"--vocab", 1, GPT_MAX_SIZE},     {"--batch", 1, 1 << 20},
-           {"--micro-batches", 1, 1 << 16},  {"-n", 1, 65536},
-           {"--nnodes", 1, 65536},           {"--threads", 1, 1024}};
-  int *dst[] = {&o->pm.cfg.n_layer,   &o->pm.cfg.d_model, &o->pm.cfg.n_head,
-                &o->pm.cfg.seq_len,   &o->pm.cfg.vocab,   &o->pm.batch,
-                &o->pm.micro_batches, &o->per_host,       &o->hosts,
-                &o->threads};
+  } f[] = {{"--n-layer", 1, GPT_MAX_LAYERS},
+           {"--d-model", 1, GPT_MAX_SIZE},
+           {"--n-head", 1, GPT_MAX_SIZE},
+           {"--seq-len", 1, GPT_MAX_SIZE},
+           {"--vocab", 1, GPT_MAX_SIZE},
+           {"--batch", 1, 1 << 20},
+           {"--micro-batches", 1, 1 << 16},
+           {"--grad-accum", 1, 1 << 20},
+           {"-n", 1, 65536},
+           {"--nnodes", 1, 65536},
+           {"--threads", 1, 1024}};
+  int *dst[] = {
+      &o->pm.cfg.n_layer, &o->pm.cfg.d_model, &o->pm.cfg.n_head,    &o->pm.cfg.seq_len,
+      &o->pm.cfg.vocab,   &o->pm.batch,       &o->pm.micro_batches, &o->pm.accumulate,
+      &o->per_host,       &o->hosts,          &o->threads};
   for (size_t i = 0; i < sizeof(f) / sizeof(f[0]); i++)
     if (!strcmp(a, f[i].name)) {
       *lo = f[i].lo, *hi = f[i].hi;
@@ -294,7 +300,7 @@ static int predict_memory(const struct opts *o, struct row *r, size_t baseline) 
     double peak = (double)(baseline + m.total + plan_rss_overhead(&pr));
     if (peak > r->peak) r->peak = peak, r->mem = m;
     double sent = plan_bytes_sent(&pr);
-    if (sent > r->sent) r->sent = sent;
+    if (sent > r->sent) r->sent = sent, r->sync_sent = plan_sync_bytes(&pr);
     plan_rank_free(&pr);
   }
   r->fits = o->mem_per_rank <= 0 || r->peak <= o->mem_per_rank;
@@ -358,14 +364,18 @@ static void predict_time(const struct opts *o, struct row *r) {
   struct gpt_config c = o->pm.cfg;
   bool one_host = o->hosts == 1 || r->l.ranks == 1;
   double bw = one_host || o->local_link < o->link ? o->local_link : o->link;
-  r->compute_s = rank_flops(o, &r->l) / o->flops;
+  int k = o->pm.accumulate > 1 ? o->pm.accumulate : 1;
+  r->compute_s = k * rank_flops(o, &r->l) / o->flops;
   r->comm_s = r->sent / bw;
   /* tp's all-reduces wait for the activations they sum; the others' transfers run during
-   * the compute (ddp's buckets, fsdp's prefetched gathers, rtp's rotations, the stages). */
+   * the compute (ddp's buckets, fsdp's prefetched gathers, rtp's rotations, the stages),
+   * except the reductions that --grad-accum leaves for after the step's last compute. */
   r->overlap = r->l.strategy != RTP_STRATEGY_TP;
-  r->step_s = r->overlap ? fmax(r->compute_s, r->comm_s) : r->compute_s + r->comm_s;
+  double sync_s = r->sync_sent / bw;
+  r->step_s =
+      r->overlap ? fmax(r->compute_s, r->comm_s - sync_s) + sync_s : r->compute_s + r->comm_s;
   int data_ranks = r->l.strategy == RTP_STRATEGY_TP ? 1 : r->l.ranks / r->l.stages;
-  r->tokens = (double)c.seq_len * o->pm.batch * data_ranks;
+  r->tokens = (double)c.seq_len * o->pm.batch * data_ranks * k;
   r->tokens_per_s = r->tokens / r->step_s;
 }
 
@@ -414,10 +424,11 @@ static void print_header(const struct opts *o, int ranks, const struct gpt_confi
   char a[NUM], b[NUM], m[NUM];
   printf(
       "model: %.1fM parameters (L %d, d %d, H %d, T %d, V %d), batch %d per rank in %d "
-      "micro-batch%s%s%s\n",
+      "micro-batch%s, x %d accumulated%s%s\n",
       gpt_n_params(c) / 1e6, c.n_layer, c.d_model, c.n_head, c.seq_len, c.vocab, o->pm.batch,
       o->pm.micro_batches, o->pm.micro_batches > 1 ? "es" : "",
-      o->pm.recompute ? ", recompute" : "", o->pm.bf16 ? ", bf16" : "");
+      o->pm.accumulate > 1 ? o->pm.accumulate : 1, o->pm.recompute ? ", recompute" : "",
+      o->pm.bf16 ? ", bf16" : "");
   printf("job: %d rank%s (%d host%s x %d), memory %s per rank, link %s (on a host %s)\n", ranks,
          ranks > 1 ? "s" : "", o->hosts, o->hosts > 1 ? "s" : "", o->per_host,
          o->mem_per_rank > 0 ? mib(o->mem_per_rank, m) : "unlimited", bits(o->link, a),
@@ -485,11 +496,12 @@ static void print_verdict(const struct opts *o, const struct row *rows, int n, i
 
 int main(int argc, char **argv) {
   size_t baseline = proc_rss(); /* what a rank's process holds before it builds, about */
-  struct opts o = {.pm = {.batch = 8, .micro_batches = 1, .schedule = RTP_SCHEDULE_1F1B},
-                   .per_host = 1,
-                   .hosts = 1,
-                   .link = 1e9 / 8,
-                   .local_link = 20e9 / 8};
+  struct opts o = {
+      .pm = {.batch = 8, .micro_batches = 1, .accumulate = 1, .schedule = RTP_SCHEDULE_1F1B},
+      .per_host = 1,
+      .hosts = 1,
+      .link = 1e9 / 8,
+      .local_link = 20e9 / 8};
   o.pm.cfg = gpt_config_small();
   int rc = parse_args(&o, argc, argv);
   if (rc) return rc;
