@@ -421,14 +421,15 @@ static int recommend(const struct row *rows, int n, int ranks) {
 static void print_header(const struct opts *o, int ranks, const struct gpt_config *cal,
                          size_t baseline) {
   struct gpt_config c = o->pm.cfg;
-  char a[NUM], b[NUM], m[NUM];
+  char a[NUM], b[NUM], m[NUM], accum[48] = "";
+  if (o->pm.accumulate > 1)
+    snprintf(accum, sizeof(accum), ", x %d accumulated", o->pm.accumulate);
   printf(
       "model: %.1fM parameters (L %d, d %d, H %d, T %d, V %d), batch %d per rank in %d "
-      "micro-batch%s, x %d accumulated%s%s\n",
+      "micro-batch%s%s%s%s\n",
       gpt_n_params(c) / 1e6, c.n_layer, c.d_model, c.n_head, c.seq_len, c.vocab, o->pm.batch,
-      o->pm.micro_batches, o->pm.micro_batches > 1 ? "es" : "",
-      o->pm.accumulate > 1 ? o->pm.accumulate : 1, o->pm.recompute ? ", recompute" : "",
-      o->pm.bf16 ? ", bf16" : "");
+      o->pm.micro_batches, o->pm.micro_batches > 1 ? "es" : "", accum,
+      o->pm.recompute ? ", recompute" : "", o->pm.bf16 ? ", bf16" : "");
   printf("job: %d rank%s (%d host%s x %d), memory %s per rank, link %s (on a host %s)\n", ranks,
          ranks > 1 ? "s" : "", o->hosts, o->hosts > 1 ? "s" : "", o->per_host,
          o->mem_per_rank > 0 ? mib(o->mem_per_rank, m) : "unlimited", bits(o->link, a),
