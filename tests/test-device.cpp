@@ -218,20 +218,39 @@ struct SimDevice {
 
 // ---- a graph of chained rotations, compute between them, and an all-reduce -----------
 
+// A rank of a ring of `world` ranks: its context (tensor data on b, NULL: the CPU), a
+// vector of kN values and two slots to receive into, and its neighbours.
+struct Ring {
+  static const int kN = 37;
+  rtp_comm *comm = nullptr;
+  rtp_context *ctx = nullptr;
+  rtp_tensor *mine = nullptr, *slot[2] = {nullptr, nullptr};
+  int left = 0, right = 0;
+
+  int open(int rank, int world, int port, rtp_backend *b) {
+    rtp_comm_params cp = rtptest::params(rank, world, port);
+    if (rtp_comm_init(&cp, &comm)) return 10;
+    rtp_init_params ip = {8 << 20, nullptr, false, b, b ? 8u << 20 : 0};
+    if (!(ctx = rtp_context_new(ip))) return 11;
+    mine = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, kN);
+    for (rtp_tensor *&t : slot) t = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, kN);
+    left = (rank + world - 1) % world;
+    right = (rank + 1) % world;
+    return 0;
+  }
+  ~Ring() {
+    rtp_context_free(ctx);
+    rtp_comm_free(comm);
+  }
+};
+
 // Each rank rotates a vector two hops down the ring, computing on the way, and sums a
 // result over ranks; returns the 37 outputs of 3 runs (0 on success, else a code).
 int rotations(int rank, int world, int port, rtp_backend *b, std::vector<float> *out) {
-  rtp_comm_params cp = rtptest::params(rank, world, port);
-  rtp_comm *comm = nullptr;
-  if (rtp_comm_init(&cp, &comm)) return 10;
-  rtp_init_params ip = {8 << 20, nullptr, false, b, b ? 8u << 20 : 0};
-  rtp_context *ctx = rtp_context_new(ip);
-  if (!ctx) return 11;
-  const int n = 37;
-  rtp_tensor *mine = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, n);
-  rtp_tensor *slot[2] = {rtp_tensor_new_1d(ctx, RTP_TYPE_F32, n),
-                         rtp_tensor_new_1d(ctx, RTP_TYPE_F32, n)};
-  int left = (rank + world - 1) % world, right = (rank + 1) % world;
+  Ring ring;
+  if (int rc = ring.open(rank, world, port, b)) return rc;
+  auto &[comm, ctx, mine, slot, left, right] = ring;
+  const int n = Ring::kN;
   rtp_tensor *hop1 =
       rtp_sendrecv(ctx, comm, rtp_gelu(ctx, mine), left, slot[0], right, nullptr);
   rtp_tensor *busy = rtp_gelu(ctx, rtp_scale(ctx, mine, 0.5f));
@@ -254,8 +273,6 @@ int rotations(int rank, int world, int port, rtp_backend *b, std::vector<float> 
     if (rtp_tensor_get(res, y.data(), 0, n * sizeof(float))) return 15;
     out->insert(out->end(), y.begin(), y.end());
   }
-  rtp_context_free(ctx);
-  rtp_comm_free(comm);
   return 0;
 }
 
@@ -303,25 +320,16 @@ TEST(Streams, ControlWithoutEventsResultsDiffer) {
   expect_rotations(Order::kComputeFirst, true, 1);
 }
 
-// ---- the GPT reference model under each strategy ---------------------------------------
-
 // A transfer whose result only another transfer reads (hop1, read by hop2 alone) is waited
 // for by no compute node: on a device, the first compute wait that orders it is that of
 // hop2's reader. Its source (the planned x) must stay in place until then; a node placed
 // after hop2 (later, reading neither) that took x's memory once x's last reader was posted
 // overwrote x before hop1 sent it when compute ran first.
 int forwarded(int rank, int world, int port, rtp_backend *b, std::vector<float> *out) {
-  rtp_comm_params cp = rtptest::params(rank, world, port);
-  rtp_comm *comm = nullptr;
-  if (rtp_comm_init(&cp, &comm)) return 10;
-  rtp_init_params ip = {8 << 20, nullptr, false, b, b ? 8u << 20 : 0};
-  rtp_context *ctx = rtp_context_new(ip);
-  if (!ctx) return 11;
-  const int n = 37;
-  rtp_tensor *mine = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, n);
-  rtp_tensor *slot[2] = {rtp_tensor_new_1d(ctx, RTP_TYPE_F32, n),
-                         rtp_tensor_new_1d(ctx, RTP_TYPE_F32, n)};
-  int left = (rank + world - 1) % world, right = (rank + 1) % world;
+  Ring ring;
+  if (int rc = ring.open(rank, world, port, b)) return rc;
+  auto &[comm, ctx, mine, slot, left, right] = ring;
+  const int n = Ring::kN;
   rtp_tensor *x = rtp_gelu(ctx, mine);
   rtp_tensor *hop1 = rtp_sendrecv(ctx, comm, x, left, slot[0], right, nullptr);
   rtp_tensor *hop2 = rtp_sendrecv(ctx, comm, hop1, left, slot[1], right, hop1);
@@ -341,8 +349,6 @@ int forwarded(int rank, int world, int port, rtp_backend *b, std::vector<float> 
   }
   if (rtp_tensor_get(res, v.data(), 0, n * sizeof(float))) return 15;
   out->insert(out->end(), v.begin(), v.end());
-  rtp_context_free(ctx);
-  rtp_comm_free(comm);
   return 0;
 }
 
@@ -360,6 +366,8 @@ TEST(Streams, AForwardedTransferKeepsItsSourceUntilItIsWaitedFor) {
       EXPECT_EQ(res[r].code, 0) << "world " << world << " rank " << r;
   }
 }
+
+// ---- the GPT reference model under each strategy ---------------------------------------
 
 int train_agrees(int rank, int world, int port_cpu, int port_dev, rtp_strategy strategy) {
   std::vector<float> l0, p0, l1, p1;
