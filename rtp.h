@@ -102,36 +102,39 @@ enum rtp_type {
   RTP_TYPE_COUNT,
 };
 
-#define RTP_OP_MAP(XX)                                             \
-  XX(NONE, "none")                                                 \
-  XX(DUP, "dup")                 /* contiguous copy of any view */ \
-  XX(ADD, "add")                 /* a + b, b broadcast */          \
-  XX(SUB, "sub")                 /* a - b, b broadcast */          \
-  XX(MUL, "mul")                 /* a * b, b broadcast */          \
-  XX(SCALE, "scale")             /* a * s */                       \
-  XX(SUM, "sum")                 /* sum of all elements */         \
-  XX(REPEAT, "repeat")           /* broadcast a to b's shape */    \
-  XX(REPEAT_BACK, "repeat_back") /* sum a down to b's shape */     \
-  XX(MUL_MAT, "mul_mat")         /* b . a^T per batch */           \
-  XX(NORM, "norm")               /* (x - mean) / std over ne[0] */ \
-  XX(NORM_BACK, "norm_back")                                       \
-  XX(GELU, "gelu") /* tanh approximation */                        \
-  XX(GELU_BACK, "gelu_back")                                       \
-  XX(SOFT_MAX, "soft_max") /* scaled, optionally causal */         \
-  XX(SOFT_MAX_BACK, "soft_max_back")                               \
-  XX(GET_ROWS, "get_rows")           /* embedding lookup */        \
-  XX(GET_ROWS_BACK, "get_rows_back") /* scatter-add of rows */     \
-  XX(CROSS_ENTROPY, "cross_entropy") /* mean loss from logits */   \
-  XX(CROSS_ENTROPY_BACK, "cross_entropy_back")                     \
-  XX(ACC, "acc") /* a with b added into a view */                  \
-  XX(CONCAT, "concat")                                             \
-  XX(RESHAPE, "reshape")                                           \
-  XX(VIEW, "view")                                                 \
-  XX(PERMUTE, "permute")                                           \
-  XX(TRANSPOSE, "transpose")                                       \
-  XX(CAST, "cast")   /* f32 <-> bf16, contiguous result */         \
-  XX(COMM, "comm")   /* posted to a communicator */                \
-  XX(ROT, "rot")     /* an op on a rotated parameter */            \
+#define RTP_OP_MAP(XX)                                                \
+  XX(NONE, "none")                                                    \
+  XX(DUP, "dup")                 /* contiguous copy of any view */    \
+  XX(ADD, "add")                 /* a + b, b broadcast */             \
+  XX(SUB, "sub")                 /* a - b, b broadcast */             \
+  XX(MUL, "mul")                 /* a * b, b broadcast */             \
+  XX(SCALE, "scale")             /* a * s */                          \
+  XX(SUM, "sum")                 /* sum of all elements */            \
+  XX(REPEAT, "repeat")           /* broadcast a to b's shape */       \
+  XX(REPEAT_BACK, "repeat_back") /* sum a down to b's shape */        \
+  XX(MUL_MAT, "mul_mat")         /* b . a^T per batch */              \
+  XX(NORM, "norm")               /* (x - mean) / std over ne[0] */    \
+  XX(NORM_BACK, "norm_back")                                          \
+  XX(GELU, "gelu") /* tanh approximation */                           \
+  XX(GELU_BACK, "gelu_back")                                          \
+  XX(SOFT_MAX, "soft_max") /* scaled, optionally causal */            \
+  XX(SOFT_MAX_BACK, "soft_max_back")                                  \
+  XX(ATTENTION, "attention") /* fused causal, rtp_attention_causal */ \
+  XX(ATTENTION_DELTA, "attention_delta")                              \
+  XX(ATTENTION_BACK, "attention_back")                                \
+  XX(GET_ROWS, "get_rows")           /* embedding lookup */           \
+  XX(GET_ROWS_BACK, "get_rows_back") /* scatter-add of rows */        \
+  XX(CROSS_ENTROPY, "cross_entropy") /* mean loss from logits */      \
+  XX(CROSS_ENTROPY_BACK, "cross_entropy_back")                        \
+  XX(ACC, "acc") /* a with b added into a view */                     \
+  XX(CONCAT, "concat")                                                \
+  XX(RESHAPE, "reshape")                                              \
+  XX(VIEW, "view")                                                    \
+  XX(PERMUTE, "permute")                                              \
+  XX(TRANSPOSE, "transpose")                                          \
+  XX(CAST, "cast")   /* f32 <-> bf16, contiguous result */            \
+  XX(COMM, "comm")   /* posted to a communicator */                   \
+  XX(ROT, "rot")     /* an op on a rotated parameter */               \
   XX(EMPTY, "empty") /* memory that later nodes write into */
 
 enum rtp_op {
@@ -318,6 +321,20 @@ RTP_API struct rtp_tensor *rtp_gelu(struct rtp_context *ctx, struct rtp_tensor *
 /* softmax(a * scale) over ne[0]; causal masks column j > i + (ne[0] - ne[1]) of row i. */
 RTP_API struct rtp_tensor *rtp_soft_max(struct rtp_context *ctx, struct rtp_tensor *a,
                                         float scale, bool causal);
+/*
+ * Causal multi-head self-attention in one fused op (flash-attention style, docs/attention.md):
+ * qkv = {3 d, T, B} f32 (rows packed, any row and sequence strides) holds per token the
+ * queries, keys and values of n_head heads of hd = d / n_head each, as GPT-2's c_attn
+ * computes them: q of head h at [h hd, (h + 1) hd), k at d + h hd, v at 2 d + h hd. The
+ * result {d, T, B} is per token the heads' outputs side by side, each
+ * softmax(scale q k^T, causal) v over the tokens of its sequence, computed over blocks of
+ * keys with an online softmax: no T x T matrix is ever stored, and key blocks wholly above
+ * the diagonal are skipped. Backward recomputes the probabilities from each row's
+ * log-sum-exp, which forward keeps (2 floats per row and head). Its gradient is qkv's,
+ * whole. The CPU only: RTP_ENOSYS in a context with a device backend.
+ */
+RTP_API struct rtp_tensor *rtp_attention_causal(struct rtp_context *ctx, struct rtp_tensor *qkv,
+                                                int n_head, float scale);
 /* Rows of a ({D, V}) picked by the I32 indices in idx ({n}, any shape): {D, n...}. */
 RTP_API struct rtp_tensor *rtp_get_rows(struct rtp_context *ctx, struct rtp_tensor *a,
                                         struct rtp_tensor *idx);
