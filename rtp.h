@@ -102,39 +102,39 @@ enum rtp_type {
   RTP_TYPE_COUNT,
 };
 
-#define RTP_OP_MAP(XX)                                                \
-  XX(NONE, "none")                                                    \
-  XX(DUP, "dup")                 /* contiguous copy of any view */    \
-  XX(ADD, "add")                 /* a + b, b broadcast */             \
-  XX(SUB, "sub")                 /* a - b, b broadcast */             \
-  XX(MUL, "mul")                 /* a * b, b broadcast */             \
-  XX(SCALE, "scale")             /* a * s */                          \
-  XX(SUM, "sum")                 /* sum of all elements */            \
-  XX(REPEAT, "repeat")           /* broadcast a to b's shape */       \
-  XX(REPEAT_BACK, "repeat_back") /* sum a down to b's shape */        \
-  XX(MUL_MAT, "mul_mat")         /* b . a^T per batch */              \
-  XX(NORM, "norm")               /* (x - mean) / std over ne[0] */    \
-  XX(NORM_BACK, "norm_back")                                          \
-  XX(GELU, "gelu") /* tanh approximation */                           \
-  XX(GELU_BACK, "gelu_back")                                          \
-  XX(SOFT_MAX, "soft_max") /* scaled, optionally causal */            \
-  XX(SOFT_MAX_BACK, "soft_max_back")                                  \
-  XX(ATTENTION, "attention") /* fused causal, rtp_attention_causal */ \
-  XX(ATTENTION_DELTA, "attention_delta")                              \
-  XX(ATTENTION_BACK, "attention_back")                                \
-  XX(GET_ROWS, "get_rows")           /* embedding lookup */           \
-  XX(GET_ROWS_BACK, "get_rows_back") /* scatter-add of rows */        \
-  XX(CROSS_ENTROPY, "cross_entropy") /* mean loss from logits */      \
-  XX(CROSS_ENTROPY_BACK, "cross_entropy_back")                        \
-  XX(ACC, "acc") /* a with b added into a view */                     \
-  XX(CONCAT, "concat")                                                \
-  XX(RESHAPE, "reshape")                                              \
-  XX(VIEW, "view")                                                    \
-  XX(PERMUTE, "permute")                                              \
-  XX(TRANSPOSE, "transpose")                                          \
-  XX(CAST, "cast")   /* f32 <-> bf16, contiguous result */            \
-  XX(COMM, "comm")   /* posted to a communicator */                   \
-  XX(ROT, "rot")     /* an op on a rotated parameter */               \
+#define RTP_OP_MAP(XX)                                             \
+  XX(NONE, "none")                                                 \
+  XX(DUP, "dup")                 /* contiguous copy of any view */ \
+  XX(ADD, "add")                 /* a + b, b broadcast */          \
+  XX(SUB, "sub")                 /* a - b, b broadcast */          \
+  XX(MUL, "mul")                 /* a * b, b broadcast */          \
+  XX(SCALE, "scale")             /* a * s */                       \
+  XX(SUM, "sum")                 /* sum of all elements */         \
+  XX(REPEAT, "repeat")           /* broadcast a to b's shape */    \
+  XX(REPEAT_BACK, "repeat_back") /* sum a down to b's shape */     \
+  XX(MUL_MAT, "mul_mat")         /* b . a^T per batch */           \
+  XX(NORM, "norm")               /* (x - mean) / std over ne[0] */ \
+  XX(NORM_BACK, "norm_back")                                       \
+  XX(GELU, "gelu") /* tanh approximation */                        \
+  XX(GELU_BACK, "gelu_back")                                       \
+  XX(SOFT_MAX, "soft_max") /* scaled, optionally causal */         \
+  XX(SOFT_MAX_BACK, "soft_max_back")                               \
+  XX(ATTENTION, "attention") /* fused, causal */                   \
+  XX(ATTENTION_DELTA, "attention_delta")                           \
+  XX(ATTENTION_BACK, "attention_back")                             \
+  XX(GET_ROWS, "get_rows")           /* embedding lookup */        \
+  XX(GET_ROWS_BACK, "get_rows_back") /* scatter-add of rows */     \
+  XX(CROSS_ENTROPY, "cross_entropy") /* mean loss from logits */   \
+  XX(CROSS_ENTROPY_BACK, "cross_entropy_back")                     \
+  XX(ACC, "acc") /* a with b added into a view */                  \
+  XX(CONCAT, "concat")                                             \
+  XX(RESHAPE, "reshape")                                           \
+  XX(VIEW, "view")                                                 \
+  XX(PERMUTE, "permute")                                           \
+  XX(TRANSPOSE, "transpose")                                       \
+  XX(CAST, "cast")   /* f32 <-> bf16, contiguous result */         \
+  XX(COMM, "comm")   /* posted to a communicator */                \
+  XX(ROT, "rot")     /* an op on a rotated parameter */            \
   XX(EMPTY, "empty") /* memory that later nodes write into */
 
 enum rtp_op {
