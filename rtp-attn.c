@@ -12,7 +12,7 @@ struct rtp_tensor *rtp_attention_causal(struct rtp_context *ctx, struct rtp_tens
                                         int n_head, float scale) {
   if (!rtp__inputs_ok(ctx, "attention", qkv, NULL, false)) return NULL;
   struct rtp_backend *be = rtp__ctx_backend(ctx);
-  if (be) {
+  if (be && be->i->has_kernel && !be->i->has_kernel(be, RTP_OP_ATTENTION)) {
     rtp__ctx_error(ctx, RTP_ENOSYS,
                    "attention: the fused attention op has no kernel on the %s backend (build "
                    "it from soft_max and mul_mat there)",

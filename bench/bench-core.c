@@ -1,6 +1,7 @@
 /* bench-core: GEMM through the library next to direct cblas_sgemm for the shapes of the
- * `small` model's forward and backward, and one full training step of the `small` model,
- * on 1 and 2 threads. Prints JSON lines; ratios are measured side by side in one run.
+ * `small` model's forward and backward, one full training step of the `small` model, and
+ * that step with the fused attention op against the unfused chain, on 1 and 2 threads.
+ * Prints JSON lines; ratios are measured side by side in one run.
  *
  *   bench-core [--batch B] [--threads "1 2"] [--reps R] [--steps S]
  */
@@ -135,35 +136,58 @@ static double bench_gemm(const struct shape *s, int threads, int reps) {
   return flops / t_direct;
 }
 
-static void bench_step(struct gpt_config cfg, int batch, int threads, int steps,
-                       double gemm_rate) {
-  struct rtp_init_params ip = {.mem_size = gpt_arena_size(cfg, batch), .no_alloc = false};
-  struct rtp_context *ctx = rtp_context_new(ip);
+/* One process training the model: its graph planned, Adam, and fixed tokens. */
+struct trainer {
+  struct rtp_context *ctx;
   struct gpt m;
-  struct rtp_graph *g = rtp_graph_new(ctx, 8192);
-  if (!ctx || gpt_build(ctx, &m, cfg, batch) || rtp_graph_build(g, m.loss) ||
-      rtp_graph_build_backward(ctx, g, m.loss) || rtp_graph_plan(ctx, g)) {
+  struct rtp_graph *g;
+  struct rtp_optimizer *opt;
+  struct rtp_threadpool *tp;
+};
+
+static void trainer_new(struct trainer *t, struct gpt_config cfg, int batch, int threads) {
+  struct rtp_init_params ip = {.mem_size = gpt_arena_size(cfg, batch), .no_alloc = false};
+  t->ctx = rtp_context_new(ip);
+  t->g = t->ctx ? rtp_graph_new(t->ctx, 8192) : NULL;
+  if (!t->g || gpt_build(t->ctx, &t->m, cfg, batch) || rtp_graph_build(t->g, t->m.loss) ||
+      rtp_graph_build_backward(t->ctx, t->g, t->m.loss) || rtp_graph_plan(t->ctx, t->g)) {
     fprintf(stderr, "bench-core: %s\n", rtp_last_error());
     exit(1);
   }
-  gpt_init_weights(&m, 1);
-  struct rtp_optimizer *opt = rtp_optimizer_new(ctx, g, rtp_adamw_params_default());
-  int32_t *idx = m.idx->data, *tgt = m.targets->data;
-  for (int64_t i = 0; i < rtp_tensor_nelements(m.idx); i++)
+  gpt_init_weights(&t->m, 1);
+  t->opt = rtp_optimizer_new(t->ctx, t->g, rtp_adamw_params_default());
+  int32_t *idx = t->m.idx->data, *tgt = t->m.targets->data;
+  for (int64_t i = 0; i < rtp_tensor_nelements(t->m.idx); i++)
     idx[i] = tgt[i] = (int32_t)(i * 7 % 256);
-  struct rtp_threadpool *tp = rtp_threadpool_new(threads);
+  t->tp = rtp_threadpool_new(threads);
+}
+
+/* One step's seconds. */
+static double trainer_step(struct trainer *t) {
+  double t0 = now_s();
+  if (rtp_graph_compute(t->g, t->tp) || rtp_optimizer_step(t->opt, t->tp)) {
+    fprintf(stderr, "bench-core: %s\n", rtp_last_error());
+    exit(1);
+  }
+  return now_s() - t0;
+}
+
+static void trainer_free(struct trainer *t) {
+  rtp_threadpool_free(t->tp);
+  rtp_context_free(t->ctx);
+}
+
+static void bench_step(struct gpt_config cfg, int batch, int threads, int steps,
+                       double gemm_rate) {
+  struct trainer tr;
+  trainer_new(&tr, cfg, batch, threads);
   double best = 1e30;
   for (int s = 0; s <= steps; s++) {
-    double t0 = now_s();
-    if (rtp_graph_compute(g, tp) || rtp_optimizer_step(opt, tp)) {
-      fprintf(stderr, "bench-core: %s\n", rtp_last_error());
-      exit(1);
-    }
-    double t = now_s() - t0;
+    double t = trainer_step(&tr);
     if (s > 0 && t < best) best = t; /* step 0 warms caches and pages */
   }
   struct rtp_mem_report r;
-  rtp_mem_report_get(ctx, &r);
+  rtp_mem_report_get(tr.ctx, &r);
   double tokens = (double)cfg.seq_len * batch, flops = gpt_step_flops(cfg, batch);
   printf(
       "{\"bench\":\"step\",\"model\":\"small\",\"batch\":%d,\"threads\":%d,\"ms\":%.1f,"
@@ -173,8 +197,34 @@ static void bench_step(struct gpt_config cfg, int batch, int threads, int steps,
       flops / best / gemm_rate, (long long)gpt_n_params(cfg), r.bytes[RTP_ROLE_ACTIVATION],
       r.activation_sum);
   fflush(stdout);
-  rtp_threadpool_free(tp);
-  rtp_context_free(ctx);
+  trainer_free(&tr);
+}
+
+/* The step with the fused attention op against the unfused chain, alternated step by
+ * step (so both see the same machine), best of each; and both activation peaks. */
+static void bench_attention(struct gpt_config cfg, int batch, int threads, int steps) {
+  struct trainer tr[2]; /* unfused, fused */
+  for (int f = 0; f < 2; f++) {
+    cfg.fused_attention = f;
+    trainer_new(&tr[f], cfg, batch, threads);
+  }
+  double best[2] = {1e30, 1e30};
+  for (int s = 0; s <= steps; s++)
+    for (int f = 0; f < 2; f++) {
+      double t = trainer_step(&tr[f]);
+      if (s > 0 && t < best[f]) best[f] = t;
+    }
+  struct rtp_mem_report r[2];
+  for (int f = 0; f < 2; f++) rtp_mem_report_get(tr[f].ctx, &r[f]);
+  printf(
+      "{\"bench\":\"attention\",\"model\":\"small\",\"batch\":%d,\"threads\":%d,"
+      "\"unfused_ms\":%.1f,\"fused_ms\":%.1f,\"speedup\":%.3f,"
+      "\"unfused_activation_bytes\":%zu,\"fused_activation_bytes\":%zu,"
+      "\"unfused_work_bytes\":%zu,\"fused_work_bytes\":%zu}\n",
+      batch, threads, best[0] * 1e3, best[1] * 1e3, best[0] / best[1],
+      r[0].bytes[RTP_ROLE_ACTIVATION], r[1].bytes[RTP_ROLE_ACTIVATION], r[0].work, r[1].work);
+  fflush(stdout);
+  for (int f = 0; f < 2; f++) trainer_free(&tr[f]);
 }
 
 int main(int argc, char **argv) {
@@ -218,6 +268,7 @@ int main(int argc, char **argv) {
       secs += f / rate;
     }
     bench_step(cfg, batch, threads, steps, flops / secs);
+    bench_attention(cfg, batch, threads, steps);
   }
   return 0;
 }
