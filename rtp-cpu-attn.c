@@ -19,38 +19,48 @@ static int64_t min64(int64_t a, int64_t b) {
 
 /* ---- one block product ------------------------------------------------------------ */
 
-/* Rows i0..i0+3 of C (+)= A . B, where A(i, p) = a[i am + p ak] and B's rows of n floats
- * lie ldb apart. Columns in chunks of 16 held in locals across the whole sum, so each
- * step loads a row chunk of B once for four rows and the compiler keeps the 4 x 16
- * partial sums in vector registers. */
+/* Eight floats as one vector value (GCC and Clang's vector extension, no intrinsics: AVX
+ * with -march=native, pairs of SSE registers without it). Locals of this type stay in
+ * registers, where arrays of floats would be stored back to memory at every step. */
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline v8f load8(const float *p) {
+  v8f v;
+  memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+static inline void store8(float *p, v8f v) {
+  memcpy(p, &v, sizeof(v));
+}
+
+/* Rows 0..3 of C (+)= A . B, where A(i, p) = a[i am + p ak] and B's rows of n floats lie
+ * ldb apart. Columns in chunks of 16: the 4 x 16 partial sums stay in registers over the
+ * whole sum, and each step loads a chunk of B's row once for the four rows. */
 static void mm_rows4(int64_t n, int64_t k, const float *a, int64_t am, int64_t ak,
                      const float *b, int64_t ldb, float *c, int64_t ldc, bool acc) {
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
-    float c0[16], c1[16], c2[16], c3[16];
-    for (int l = 0; l < 16; l++) {
-      c0[l] = acc ? c[j + l] : 0.0f;
-      c1[l] = acc ? c[ldc + j + l] : 0.0f;
-      c2[l] = acc ? c[2 * ldc + j + l] : 0.0f;
-      c3[l] = acc ? c[3 * ldc + j + l] : 0.0f;
+    v8f z = {0}, c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z;
+    if (acc) {
+      c00 = load8(c + j), c01 = load8(c + j + 8);
+      c10 = load8(c + ldc + j), c11 = load8(c + ldc + j + 8);
+      c20 = load8(c + 2 * ldc + j), c21 = load8(c + 2 * ldc + j + 8);
+      c30 = load8(c + 3 * ldc + j), c31 = load8(c + 3 * ldc + j + 8);
     }
     for (int64_t p = 0; p < k; p++) {
-      const float *bp = b + p * ldb + j;
-      float a0 = a[p * ak], a1 = a[am + p * ak], a2 = a[2 * am + p * ak],
-            a3 = a[3 * am + p * ak];
-      for (int l = 0; l < 16; l++) {
-        c0[l] += a0 * bp[l];
-        c1[l] += a1 * bp[l];
-        c2[l] += a2 * bp[l];
-        c3[l] += a3 * bp[l];
-      }
+      v8f b0 = load8(b + p * ldb + j), b1 = load8(b + p * ldb + j + 8);
+      v8f a0 = z + a[p * ak], a1 = z + a[am + p * ak], a2 = z + a[2 * am + p * ak],
+          a3 = z + a[3 * am + p * ak];
+      c00 += a0 * b0, c01 += a0 * b1;
+      c10 += a1 * b0, c11 += a1 * b1;
+      c20 += a2 * b0, c21 += a2 * b1;
+      c30 += a3 * b0, c31 += a3 * b1;
     }
-    for (int l = 0; l < 16; l++) {
-      c[j + l] = c0[l];
-      c[ldc + j + l] = c1[l];
-      c[2 * ldc + j + l] = c2[l];
-      c[3 * ldc + j + l] = c3[l];
-    }
+    store8(c + j, c00), store8(c + j + 8, c01);
+    store8(c + ldc + j, c10), store8(c + ldc + j + 8, c11);
+    store8(c + 2 * ldc + j, c20), store8(c + 2 * ldc + j + 8, c21);
+    store8(c + 3 * ldc + j, c30), store8(c + 3 * ldc + j + 8, c31);
   }
   for (; j < n; j++)
     for (int r = 0; r < 4; r++) {
