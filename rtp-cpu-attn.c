@@ -141,47 +141,55 @@ static float *thread_work(const struct rtp_compute_params *p, int64_t items, int
 
 /* ---- forward ---------------------------------------------------------------------- */
 
-/* Folds a block's scores s[0..len) (one query row; keys past len are masked) into the
- * row's running max m, sum l and output accumulator acc: s becomes the probabilities
- * relative to the new max (0 where masked), acc and l are rescaled to it. */
-static void online_row(float *s, int64_t len, int64_t nc, float scale, float *m, float *l,
-                       float *acc, int64_t hd) {
-  if (len <= 0) {
-    memset(s, 0, (size_t)nc * sizeof(float));
-    return;
+/* Folds a block of scores into the running max m, sum l and output accumulator acc of
+ * the block's query rows. st holds the scores transposed (key c, query r at c BLK + r), so
+ * every loop runs over the queries, contiguous, and vectorises; key j0 + c is masked for
+ * the rows before i0 + r = j0 + c. st becomes the probabilities relative to the new max
+ * (0 where masked), acc and l are rescaled to it. Every row keeps at least key j0 (key
+ * blocks start at or below the query block), so the new max is finite. */
+static void online_block(float *st, int64_t i0, int64_t mr, int64_t j0, int64_t nc, float scale,
+                         float *m, float *l, float *acc, int64_t hd) {
+  float mx[BLK], sum[BLK];
+  for (int64_t r = 0; r < mr; r++) mx[r] = m[r], sum[r] = 0.0f;
+  for (int64_t c = 0; c < nc; c++) {
+    float *x = st + c * BLK;
+    int64_t first = j0 + c - i0 > 0 ? j0 + c - i0 : 0; /* the first row that sees key c */
+    for (int64_t r = 0; r < mr; r++) x[r] *= scale;
+    for (int64_t r = first; r < mr; r++) mx[r] = x[r] > mx[r] ? x[r] : mx[r];
   }
-  float mx = -INFINITY;
-  for (int64_t c = 0; c < len; c++) {
-    s[c] *= scale;
-    mx = s[c] > mx ? s[c] : mx;
+  for (int64_t c = 0; c < nc; c++) {
+    float *x = st + c * BLK;
+    int64_t first = j0 + c - i0 > 0 ? min64(j0 + c - i0, mr) : 0;
+    for (int64_t r = 0; r < first; r++) x[r] = 0.0f;
+    for (int64_t r = first; r < mr; r++) x[r] = fast_expf(x[r] - mx[r]);
+    for (int64_t r = 0; r < mr; r++) sum[r] += x[r];
   }
-  float m_new = mx > *m ? mx : *m, alpha = expf(*m - m_new), sum = 0.0f;
-  for (int64_t c = 0; c < len; c++) s[c] = fast_expf(s[c] - m_new);
-  for (int64_t c = 0; c < len; c++) sum += s[c];
-  for (int64_t c = len; c < nc; c++) s[c] = 0.0f;
-  *l = *l * alpha + sum;
-  *m = m_new;
-  if (alpha != 1.0f)
-    for (int64_t e = 0; e < hd; e++) acc[e] *= alpha;
+  for (int64_t r = 0; r < mr; r++) {
+    float alpha = expf(m[r] - mx[r]); /* 0 for the first block (m = -inf) */
+    l[r] = l[r] * alpha + sum[r];
+    m[r] = mx[r];
+    if (alpha != 1.0f)
+      for (int64_t e = 0; e < hd; e++) acc[r * hd + e] *= alpha;
+  }
 }
 
-/* One (sequence, head): per block of queries, the key blocks up to the diagonal. */
+/* One (sequence, head): per block of queries (transposed once), the key blocks up to the
+ * diagonal; scores are computed transposed, S^T = K Q^T, so that the softmax runs along
+ * contiguous queries and P V reads P^T as it lies. */
 static void forward_head(const struct head *hp, float *o, int64_t ldo, float scale,
                          float *work) {
   const int64_t T = hp->T, hd = hp->hd, ld = hp->ld;
-  float *kt = work, *s = kt + hd * BLK, *acc = s + BLK * BLK, m[BLK], l[BLK];
+  float *qt = work, *st = qt + hd * BLK, *acc = st + BLK * BLK, m[BLK], l[BLK];
   for (int64_t i0 = 0; i0 < T; i0 += BLK) {
     int64_t mr = min64(BLK, T - i0);
+    transpose_block(qt, hp->q + i0 * ld, ld, mr, hd);
     memset(acc, 0, (size_t)(mr * hd) * sizeof(float));
     for (int64_t r = 0; r < mr; r++) m[r] = -INFINITY, l[r] = 0.0f;
     for (int64_t j0 = 0; j0 < i0 + mr; j0 += BLK) { /* blocks above the diagonal: none */
       int64_t nc = min64(BLK, i0 + mr - j0);
-      transpose_block(kt, hp->k + j0 * ld, ld, nc, hd);
-      mm(mr, nc, hd, hp->q + i0 * ld, ld, 1, kt, BLK, s, BLK, false);
-      for (int64_t r = 0; r < mr; r++)
-        online_row(s + r * BLK, min64(i0 + r - j0 + 1, nc), nc, scale, &m[r], &l[r],
-                   acc + r * hd, hd);
-      mm(mr, hd, nc, s, BLK, 1, hp->v + j0 * ld, ld, acc, hd, true);
+      mm(nc, mr, hd, hp->k + j0 * ld, ld, 1, qt, BLK, st, BLK, false);
+      online_block(st, i0, mr, j0, nc, scale, m, l, acc, hd);
+      mm(mr, hd, nc, st, 1, BLK, hp->v + j0 * ld, ld, acc, hd, true);
     }
     for (int64_t r = 0; r < mr; r++) {
       float inv = 1.0f / l[r], *y = o + (i0 + r) * ldo;
