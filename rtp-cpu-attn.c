@@ -111,10 +111,10 @@ static struct head head_of(const struct rtp_tensor *qkv, const struct rtp_tensor
   int64_t H = n_head, d = qkv->ne[0] / 3, hd = d / H, T = qkv->ne[1];
   int64_t b = item / H, h = item % H;
   const float *base = (const float *)((const char *)qkv->data + b * qkv->nb[2]) + h * hd;
-  float *lse = (float *)stats->data + item * T;
-  return (struct head){
-      base, base + d, base + 2 * d, (int64_t)(qkv->nb[1] / sizeof(float)),
-      T,    hd,       lse,          lse + rtp_tensor_nelements(qkv) / qkv->ne[0] * H};
+  /* stats {T, H, B, 2}: the log-sum-exps, then (from backward's delta node) dO . O */
+  float *lse = (float *)stats->data + item * T, *delta = lse + rtp_tensor_nelements(stats) / 2;
+  return (struct head){base, base + d, base + 2 * d, (int64_t)(qkv->nb[1] / sizeof(float)),
+                       T,    hd,       lse,          delta};
 }
 
 /* The scratch one thread needs: key and value blocks transposed, two blocks of scores and

@@ -331,7 +331,7 @@ RTP_API struct rtp_tensor *rtp_soft_max(struct rtp_context *ctx, struct rtp_tens
  * keys with an online softmax: no T x T matrix is ever stored, and key blocks wholly above
  * the diagonal are skipped. Backward recomputes the probabilities from each row's
  * log-sum-exp, which forward keeps (2 floats per row and head). Its gradient is qkv's,
- * whole. The CPU only: RTP_ENOSYS in a context with a device backend.
+ * whole. CPU kernels only: RTP_ENOSYS in a context whose backend has none (CUDA).
  */
 RTP_API struct rtp_tensor *rtp_attention_causal(struct rtp_context *ctx, struct rtp_tensor *qkv,
                                                 int n_head, float scale);
