@@ -235,8 +235,13 @@ static struct rtp_tensor *tp_rebuild_op(struct rtp_parallel *p, const struct rtp
       return rtp_soft_max(ctx, s[0], rtp__get_param_f32(t, 0), t->op_params[1]);
     case RTP_OP_ATTENTION: { /* q, k and v split by heads: the rank's heads */
       int world = rtp_comm_size(p->comm), H = t->op_params[1];
-      if (ds0 != 0 || groups_of(p, t->src[0]) != 3 || H % world)
-        return tp_error(p, t, "needs q, k and v split by heads (3 groups), heads % ranks = 0");
+      if (ds0 != 0 || groups_of(p, t->src[0]) != 3)
+        return tp_error(p, t, "needs q, k and v split by heads (c_attn's 3 groups)");
+      if (H % world) {
+        char why[96];
+        snprintf(why, sizeof(why), "its %d heads are not divisible by the %d ranks", H, world);
+        return tp_error(p, t, why);
+      }
       return rtp_attention_causal(ctx, s[0], H / world, rtp__get_param_f32(t, 0));
     }
     case RTP_OP_MUL_MAT: /* a contraction over a split ne[0] is a row-parallel layer's job */
