@@ -361,13 +361,15 @@ TEST(Errors, HugeSizesAreRefused) {
   rtp_init_params ip = {SIZE_MAX, nullptr, false, nullptr, 0};
   EXPECT_EQ(rtp_context_new(ip), nullptr);
   EXPECT_NE(std::string(rtp_last_error()).find("cannot allocate an arena"), std::string::npos);
-  gpt_config huge = {256, 32, 1 << 30, 2, 1, false, false};  // d_model^2 overflows the parameter count
+  // d_model^2 overflows the parameter count
+  gpt_config huge = {256, 32, 1 << 30, 2, 1, false, false};
   EXPECT_EQ(gpt_config_check(huge), RTP_EINVAL);
   rtp_context *ctx = new_ctx();
   gpt m{};
   EXPECT_EQ(gpt_build(ctx, &m, huge, 1), RTP_EINVAL);
   rtp_context_free(ctx);
-  gpt_config wide = {256, GPT_MAX_SIZE, GPT_MAX_SIZE, GPT_MAX_LAYERS, GPT_MAX_SIZE, false, false};
+  gpt_config wide = {256,          GPT_MAX_SIZE, GPT_MAX_SIZE, GPT_MAX_LAYERS,
+                     GPT_MAX_SIZE, false,        false};
   ASSERT_EQ(gpt_config_check(wide), RTP_OK);
   EXPECT_GT(gpt_n_params(wide), 0);
   EXPECT_EQ(gpt_arena_size(wide, 1 << 30), SIZE_MAX);
