@@ -215,6 +215,17 @@ int rtp_graph_plan(struct rtp_context *ctx, struct rtp_graph *g) {
   struct rtp_backend *be = rtp__ctx_backend(ctx);
   size_t work = 0;
   int n_comm = 0;
+  for (int i = 0; i < n && be && be->i->has_kernel; i++) {
+    const struct rtp_tensor *t = g->nodes[i];
+    bool computes = !rtp__is_view_op(t->op) && t->op != RTP_OP_COMM && t->op != RTP_OP_EMPTY &&
+                    t->op != RTP_OP_NONE;
+    if (computes && !be->i->has_kernel(be, t->op)) {
+      rc =
+          rtp__error(RTP_ENOSYS, "rtp_graph_plan: op %s ('%s') has no kernel on the %s backend",
+                     rtp_op_name(t->op), t->name, be->i->name);
+      goto done;
+    }
+  }
   for (int i = 0; i < n; i++) {
     struct rtp_tensor *t = g->nodes[i];
     size_t w = be ? be->i->work_size(be, t) : rtp__op_work_size(t);

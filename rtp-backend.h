@@ -60,6 +60,10 @@ struct rtp_backend_i {
   /* Optimizer, on the compute stream. sumsq blocks and returns sum(g[i]^2). */
   int (*adam)(struct rtp_backend *b, const struct rtp_adam_args *a);
   int (*sumsq)(struct rtp_backend *b, const float *g, int64_t n, double *out);
+
+  /* Whether compute has a kernel for op; NULL: every op. Builders and the planner refuse
+   * what it has none for (RTP_ENOSYS) before anything runs. */
+  bool (*has_kernel)(struct rtp_backend *b, enum rtp_op op);
 };
 
 struct rtp_backend {

@@ -5,6 +5,7 @@
  * type punning), so a bound read through the tensor header inside a loop that stores
  * floats would be reloaded every iteration and the loop would not vectorise. */
 #include "rtp-impl.h"
+#include "rtp-cpu-math.h"
 
 #include <math.h>
 #include <string.h>
@@ -28,31 +29,6 @@ static char *bcast_row_ptr(const struct rtp_tensor *b, const int64_t *ne, int64_
   int64_t i1 = r % ne[1], i2 = r / ne[1] % ne[2], i3 = r / ne[1] / ne[2];
   return DATA(b) + (i1 % b->ne[1]) * b->nb[1] + (i2 % b->ne[2]) * b->nb[2] +
          (i3 % b->ne[3]) * b->nb[3];
-}
-
-/* exp(x) for float, branch-free so loops over it vectorise (libm's expf does not):
- * x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 polynomial, 2^n by exponent bits.
- * Relative error below 2e-7 over the clamped range. NaN in, NaN out. */
-static inline float fast_expf(float x) {
-  /* Written so that NaN, which fails every comparison, is clamped too: n must stay in
-   * [-126, 127] for the exponent bits (a NaN converted to int would shift a negative
-   * value), and the NaN comes back out at the end, so a diverged model's NaN is seen. */
-  float c = x > -87.0f ? (x < 88.0f ? x : 88.0f) : -87.0f;
-  /* Adding 1.5 * 2^23 rounds to an integer in plain float arithmetic. */
-  float n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  float r = c - n * 0.693145751953125f;
-  r = r - n * 1.428606765330187e-06f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  int32_t bits = ((int32_t)n + 127) << 23;
-  float scale;
-  memcpy(&scale, &bits, sizeof(scale));
-  return x == x ? p * scale : x;
 }
 
 /* tanh through exp; |u| is clamped where tanh is 1 to float precision. */
@@ -627,6 +603,9 @@ size_t rtp__op_work_size(const struct rtp_tensor *t) {
     case RTP_OP_SUM:
     case RTP_OP_CROSS_ENTROPY:
       return RTP_MAX_THREADS * sizeof(double);
+    case RTP_OP_ATTENTION:
+    case RTP_OP_ATTENTION_BACK:
+      return rtp__attention_work_size(t);
     case RTP_OP_MUL_MAT:
       return rtp_mul_mat_get_prec(t) == RTP_TYPE_BF16
                  ? rounded_bytes(t->src[0]) + rounded_bytes(t->src[1])
@@ -678,6 +657,15 @@ void rtp__compute_forward(const struct rtp_compute_params *p, struct rtp_tensor 
       break;
     case RTP_OP_SOFT_MAX_BACK:
       k_soft_max_back(p, t);
+      break;
+    case RTP_OP_ATTENTION:
+      rtp__k_attention(p, t);
+      break;
+    case RTP_OP_ATTENTION_DELTA:
+      rtp__k_attention_delta(p, t);
+      break;
+    case RTP_OP_ATTENTION_BACK:
+      rtp__k_attention_back(p, t);
       break;
     case RTP_OP_GET_ROWS:
       k_get_rows(p, t);

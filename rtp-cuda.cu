@@ -357,10 +357,15 @@ int cuda_open(cuda_backend *cu) {
   return RTP_OK;
 }
 
+/* Fused attention (rtp_attention_causal) has CPU kernels only. */
+bool cuda_has_kernel(struct rtp_backend *, enum rtp_op op) {
+  return op != RTP_OP_ATTENTION && op != RTP_OP_ATTENTION_DELTA && op != RTP_OP_ATTENTION_BACK;
+}
+
 const struct rtp_backend_i cuda_iface = {
-    "cuda",    cuda_free,      cuda_alloc,          cuda_release, cuda_set,  cuda_get,
-    cuda_zero, cuda_work_size, cuda_events_reserve, cuda_compute, cuda_comm, cuda_record,
-    cuda_wait, cuda_sync,      cuda_adam,           cuda_sumsq,
+    "cuda",    cuda_free,      cuda_alloc,          cuda_release, cuda_set,        cuda_get,
+    cuda_zero, cuda_work_size, cuda_events_reserve, cuda_compute, cuda_comm,       cuda_record,
+    cuda_wait, cuda_sync,      cuda_adam,           cuda_sumsq,   cuda_has_kernel,
 };
 
 }  // namespace

@@ -238,6 +238,9 @@ static void backward_node(struct backward *bw, struct rtp_tensor *t) {
       add_grad(bw, a, g);
       break;
     }
+    case RTP_OP_ATTENTION:
+      add_grad(bw, a, rtp__attention_back(ctx, t, dy));
+      break;
     case RTP_OP_GET_ROWS:
       add_grad(bw, a, rtp__op3(ctx, RTP_OP_GET_ROWS_BACK, a->ne, dy, b, NULL));
       break;

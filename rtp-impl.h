@@ -182,6 +182,11 @@ struct rtp_tensor *rtp__get_rows_back_block(struct rtp_context *ctx, struct rtp_
                                             struct rtp_tensor *idx,
                                             const struct rtp_tensor *like, int64_t first);
 
+/* ---- rtp-attn.c ---- */
+/* The gradient of qkv for attention node t (rtp_attention_causal) given dy. */
+struct rtp_tensor *rtp__attention_back(struct rtp_context *ctx, struct rtp_tensor *t,
+                                       struct rtp_tensor *dy);
+
 /* ---- rtp-opt.c ---- */
 /* The Adam states of param (a rank tensor opt updates); NULL, NULL if opt does not. */
 void rtp__optimizer_find(const struct rtp_optimizer *opt, const struct rtp_tensor *param,
@@ -229,6 +234,11 @@ typedef void (*rtp__job_fn)(const struct rtp_compute_params *p, void *arg);
 void rtp__threadpool_run(struct rtp_threadpool *tp, rtp__job_fn fn, void *arg);
 void rtp__gemm_init(void);
 void rtp__compute_forward(const struct rtp_compute_params *p, struct rtp_tensor *t);
+/* rtp-cpu-attn.c: fused attention's kernels and their scratch. */
+void rtp__k_attention(const struct rtp_compute_params *p, struct rtp_tensor *t);
+void rtp__k_attention_delta(const struct rtp_compute_params *p, struct rtp_tensor *t);
+void rtp__k_attention_back(const struct rtp_compute_params *p, struct rtp_tensor *t);
+size_t rtp__attention_work_size(const struct rtp_tensor *t);
 size_t rtp__op_work_size(const struct rtp_tensor *t);
 #define RTP_MAX_THREADS 256
 

@@ -170,6 +170,14 @@ static struct rtp_tensor *tp_view(struct rtp_parallel *p, const struct rtp_tenso
   return rtp_view(p->ctx, a, RTP_MAX_DIMS, ne, nb, (size_t)(mine * f));
 }
 
+/* Whether reshape t leaves its source's dimensions up to ds as they are (only those
+ * beyond ds are regrouped): then the split, groups and all, carries over. */
+static bool keeps_split(const struct rtp_tensor *t, int ds) {
+  for (int d = 0; d <= ds; d++)
+    if (t->ne[d] != t->src[0]->ne[d]) return false;
+  return ds >= 0;
+}
+
 /* A reshape of a tensor split along ds: the result dimension that ends where ds ends
  * (and starts at a boundary of ds's inner dimensions, or inside ds) is split instead. */
 static struct rtp_tensor *tp_reshape(struct rtp_parallel *p, const struct rtp_tensor *t,
@@ -179,6 +187,10 @@ static struct rtp_tensor *tp_reshape(struct rtp_parallel *p, const struct rtp_te
   int64_t inner = 1, ne[4], below = 1;
   for (int d = 0; d < ds; d++) inner *= full->ne[d];
   memcpy(ne, t->ne, sizeof(ne));
+  if (keeps_split(t, ds)) {
+    ne[ds] = a->ne[ds];
+    return rtp_reshape(p->ctx, a, RTP_MAX_DIMS, ne);
+  }
   for (int k = 0; k < RTP_MAX_DIMS; below *= ne[k], k++) {
     bool aligned = inner % below == 0 || below % inner == 0;
     if (below * ne[k] == inner * full->ne[ds] && aligned && ne[k] % world == 0 &&
@@ -221,6 +233,17 @@ static struct rtp_tensor *tp_rebuild_op(struct rtp_parallel *p, const struct rtp
     case RTP_OP_SOFT_MAX: /* rows and the causal mask need ne[0] and ne[1] whole */
       if (ds0 < 2) return tp_error(p, t, "softmax over a split dimension");
       return rtp_soft_max(ctx, s[0], rtp__get_param_f32(t, 0), t->op_params[1]);
+    case RTP_OP_ATTENTION: { /* q, k and v split by heads: the rank's heads */
+      int world = rtp_comm_size(p->comm), H = t->op_params[1];
+      if (ds0 != 0 || groups_of(p, t->src[0]) != 3)
+        return tp_error(p, t, "needs q, k and v split by heads (c_attn's 3 groups)");
+      if (H % world) {
+        char why[96];
+        snprintf(why, sizeof(why), "its %d heads are not divisible by the %d ranks", H, world);
+        return tp_error(p, t, why);
+      }
+      return rtp_attention_causal(ctx, s[0], H / world, rtp__get_param_f32(t, 0));
+    }
     case RTP_OP_MUL_MAT: /* a contraction over a split ne[0] is a row-parallel layer's job */
       if (ds0 == 0 || ds1 == 0) return tp_error(p, t, "contracts over a split dimension");
       if (ds0 == 1 && ds1 == 1) return tp_error(p, t, "both operands split their rows");
@@ -245,7 +268,10 @@ static struct rtp_tensor *tp_rebuild(struct rtp_parallel *p, int i,
       return tp_error(p, t, "its sources are split in different groups");
     groups = g;
   }
-  bool regroups = t->op == RTP_OP_VIEW || t->op == RTP_OP_RESHAPE;
+  /* views and reshapes regroup (a reshape that keeps the split does not); attention's
+   * result has one group, its heads */
+  bool regroups = t->op == RTP_OP_VIEW || t->op == RTP_OP_ATTENTION ||
+                  (t->op == RTP_OP_RESHAPE && !keeps_split(t, split_of(t->src[0], s[0])));
   ((int *)p->state)[i] = regroups ? 1 : groups;
   struct rtp_tensor *c = tp_rebuild_op(p, t, s);
   if (!c) return NULL;

@@ -119,6 +119,9 @@ enum rtp_type {
   XX(GELU_BACK, "gelu_back")                                       \
   XX(SOFT_MAX, "soft_max") /* scaled, optionally causal */         \
   XX(SOFT_MAX_BACK, "soft_max_back")                               \
+  XX(ATTENTION, "attention") /* fused, causal */                   \
+  XX(ATTENTION_DELTA, "attention_delta")                           \
+  XX(ATTENTION_BACK, "attention_back")                             \
   XX(GET_ROWS, "get_rows")           /* embedding lookup */        \
   XX(GET_ROWS_BACK, "get_rows_back") /* scatter-add of rows */     \
   XX(CROSS_ENTROPY, "cross_entropy") /* mean loss from logits */   \
@@ -318,6 +321,20 @@ RTP_API struct rtp_tensor *rtp_gelu(struct rtp_context *ctx, struct rtp_tensor *
 /* softmax(a * scale) over ne[0]; causal masks column j > i + (ne[0] - ne[1]) of row i. */
 RTP_API struct rtp_tensor *rtp_soft_max(struct rtp_context *ctx, struct rtp_tensor *a,
                                         float scale, bool causal);
+/*
+ * Causal multi-head self-attention in one fused op (flash-attention style, docs/attention.md):
+ * qkv = {3 d, T, B} f32 (rows packed, any row and sequence strides) holds per token the
+ * queries, keys and values of n_head heads of hd = d / n_head each, as GPT-2's c_attn
+ * computes them: q of head h at [h hd, (h + 1) hd), k at d + h hd, v at 2 d + h hd. The
+ * result {d, T, B} is per token the heads' outputs side by side, each
+ * softmax(scale q k^T, causal) v over the tokens of its sequence, computed over blocks of
+ * keys with an online softmax: no T x T matrix is ever stored, and key blocks wholly above
+ * the diagonal are skipped. Backward recomputes the probabilities from each row's
+ * log-sum-exp, which forward keeps (2 floats per row and head). Its gradient is qkv's,
+ * whole. CPU kernels only: RTP_ENOSYS in a context whose backend has none (CUDA).
+ */
+RTP_API struct rtp_tensor *rtp_attention_causal(struct rtp_context *ctx, struct rtp_tensor *qkv,
+                                                int n_head, float scale);
 /* Rows of a ({D, V}) picked by the I32 indices in idx ({n}, any shape): {D, n...}. */
 RTP_API struct rtp_tensor *rtp_get_rows(struct rtp_context *ctx, struct rtp_tensor *a,
                                         struct rtp_tensor *idx);

@@ -1,10 +1,12 @@
 /* bench-core: GEMM through the library next to direct cblas_sgemm for the shapes of the
- * `small` model's forward and backward, and one full training step of the `small` model,
- * on 1 and 2 threads. Prints JSON lines; ratios are measured side by side in one run.
+ * `small` model's forward and backward, one full training step of the `small` model, and
+ * that step with the fused attention op against the unfused chain, on 1 and 2 threads.
+ * Prints JSON lines; ratios are measured side by side in one run.
  *
- *   bench-core [--batch B] [--threads "1 2"] [--reps R] [--steps S]
+ *   bench-core [--batch B] [--threads "1 2"] [--reps R] [--steps S] [--attention-only]
  */
 #include <cblas.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -135,35 +137,58 @@ static double bench_gemm(const struct shape *s, int threads, int reps) {
   return flops / t_direct;
 }
 
-static void bench_step(struct gpt_config cfg, int batch, int threads, int steps,
-                       double gemm_rate) {
-  struct rtp_init_params ip = {.mem_size = gpt_arena_size(cfg, batch), .no_alloc = false};
-  struct rtp_context *ctx = rtp_context_new(ip);
+/* One process training the model: its graph planned, Adam, and fixed tokens. */
+struct trainer {
+  struct rtp_context *ctx;
   struct gpt m;
-  struct rtp_graph *g = rtp_graph_new(ctx, 8192);
-  if (!ctx || gpt_build(ctx, &m, cfg, batch) || rtp_graph_build(g, m.loss) ||
-      rtp_graph_build_backward(ctx, g, m.loss) || rtp_graph_plan(ctx, g)) {
+  struct rtp_graph *g;
+  struct rtp_optimizer *opt;
+  struct rtp_threadpool *tp;
+};
+
+static void trainer_new(struct trainer *t, struct gpt_config cfg, int batch, int threads) {
+  struct rtp_init_params ip = {.mem_size = gpt_arena_size(cfg, batch), .no_alloc = false};
+  t->ctx = rtp_context_new(ip);
+  t->g = t->ctx ? rtp_graph_new(t->ctx, 8192) : NULL;
+  if (!t->g || gpt_build(t->ctx, &t->m, cfg, batch) || rtp_graph_build(t->g, t->m.loss) ||
+      rtp_graph_build_backward(t->ctx, t->g, t->m.loss) || rtp_graph_plan(t->ctx, t->g)) {
     fprintf(stderr, "bench-core: %s\n", rtp_last_error());
     exit(1);
   }
-  gpt_init_weights(&m, 1);
-  struct rtp_optimizer *opt = rtp_optimizer_new(ctx, g, rtp_adamw_params_default());
-  int32_t *idx = m.idx->data, *tgt = m.targets->data;
-  for (int64_t i = 0; i < rtp_tensor_nelements(m.idx); i++)
+  gpt_init_weights(&t->m, 1);
+  t->opt = rtp_optimizer_new(t->ctx, t->g, rtp_adamw_params_default());
+  int32_t *idx = t->m.idx->data, *tgt = t->m.targets->data;
+  for (int64_t i = 0; i < rtp_tensor_nelements(t->m.idx); i++)
     idx[i] = tgt[i] = (int32_t)(i * 7 % 256);
-  struct rtp_threadpool *tp = rtp_threadpool_new(threads);
+  t->tp = rtp_threadpool_new(threads);
+}
+
+/* One step's seconds. */
+static double trainer_step(struct trainer *t) {
+  double t0 = now_s();
+  if (rtp_graph_compute(t->g, t->tp) || rtp_optimizer_step(t->opt, t->tp)) {
+    fprintf(stderr, "bench-core: %s\n", rtp_last_error());
+    exit(1);
+  }
+  return now_s() - t0;
+}
+
+static void trainer_free(struct trainer *t) {
+  rtp_threadpool_free(t->tp);
+  rtp_context_free(t->ctx);
+}
+
+static void bench_step(struct gpt_config cfg, int batch, int threads, int steps,
+                       double gemm_rate) {
+  struct trainer tr;
+  trainer_new(&tr, cfg, batch, threads);
   double best = 1e30;
   for (int s = 0; s <= steps; s++) {
-    double t0 = now_s();
-    if (rtp_graph_compute(g, tp) || rtp_optimizer_step(opt, tp)) {
-      fprintf(stderr, "bench-core: %s\n", rtp_last_error());
-      exit(1);
-    }
-    double t = now_s() - t0;
+    double t = trainer_step(&tr);
     if (s > 0 && t < best) best = t; /* step 0 warms caches and pages */
   }
   struct rtp_mem_report r;
-  rtp_mem_report_get(ctx, &r);
+  rtp_mem_report_get(tr.ctx, &r);
   double tokens = (double)cfg.seq_len * batch, flops = gpt_step_flops(cfg, batch);
   printf(
       "{\"bench\":\"step\",\"model\":\"small\",\"batch\":%d,\"threads\":%d,\"ms\":%.1f,"
@@ -173,12 +198,112 @@ static void bench_step(struct gpt_config cfg, int batch, int threads, int steps,
       flops / best / gemm_rate, (long long)gpt_n_params(cfg), r.bytes[RTP_ROLE_ACTIVATION],
       r.activation_sum);
   fflush(stdout);
+  trainer_free(&tr);
+}
+
+/* The model's attention alone, forward and backward: one graph from qkv {3d, T, B} to a
+ * scalar sum(out * r) and back to qkv's gradient, fused or as the GPT's unfused chain. */
+struct attn_graph {
+  struct rtp_context *ctx;
+  struct rtp_graph *g;
+};
+
+static struct rtp_tensor *attn_unfused(struct rtp_context *c, struct rtp_tensor *qkv, int64_t H,
+                                       float scale) {
+  int64_t d = qkv->ne[0] / 3, hd = d / H, T = qkv->ne[1], B = qkv->ne[2];
+  size_t f = sizeof(float), nb[4] = {f, hd * f, 3 * d * f, 3 * d * T * f};
+  int64_t ne[4] = {hd, H, T, B};
+  struct rtp_tensor *h[3];
+  for (int i = 0; i < 3; i++)
+    h[i] = rtp_permute(c, rtp_view(c, qkv, 4, ne, nb, (size_t)i * d * f), 0, 2, 1, 3);
+  struct rtp_tensor *att = rtp_soft_max(c, rtp_mul_mat(c, h[1], h[0]), scale, true);
+  struct rtp_tensor *out = rtp_mul_mat(c, rtp_transpose(c, h[2]), att);
+  return rtp_reshape_3d(c, rtp_cont(c, rtp_permute(c, out, 0, 2, 1, 3)), d, T, B);
+}
+
+static void attn_graph_new(struct attn_graph *a, struct gpt_config cfg, int batch, bool fused) {
+  int64_t d = cfg.d_model, T = cfg.seq_len, H = cfg.n_head;
+  a->ctx = rtp_context_new((struct rtp_init_params){.mem_size = (size_t)1 << 30});
+  struct rtp_tensor *qkv =
+      a->ctx ? rtp_tensor_new_3d(a->ctx, RTP_TYPE_F32, 3 * d, T, batch) : NULL;
+  struct rtp_tensor *r = a->ctx ? rtp_tensor_new_3d(a->ctx, RTP_TYPE_F32, d, T, batch) : NULL;
+  if (qkv && r) {
+    fill(qkv->data, rtp_tensor_nelements(qkv), 1);
+    fill(r->data, rtp_tensor_nelements(r), 2);
+    rtp_tensor_set_param(qkv);
+  }
+  float scale = 1.0f / sqrtf((float)(d / H));
+  struct rtp_tensor *y = fused ? rtp_attention_causal(a->ctx, qkv, (int)H, scale)
+                               : attn_unfused(a->ctx, qkv, H, scale);
+  struct rtp_tensor *loss = rtp_sum(a->ctx, rtp_mul(a->ctx, y, r));
+  a->g = rtp_graph_new(a->ctx, 256);
+  if (!loss || rtp_graph_build(a->g, loss) || rtp_graph_build_backward(a->ctx, a->g, loss) ||
+      rtp_graph_plan(a->ctx, a->g)) {
+    fprintf(stderr, "bench-core: attention: %s\n", rtp_last_error());
+    exit(1);
+  }
+}
+
+/* Best seconds of forward + backward of one layer's attention, fused against unfused,
+ * alternated. FLOPs: the unfused chain's 4 T x T x hd products per head forward and
+ * backward (2 + 4, counting the causal half too, as its GEMMs do). */
+static void bench_attention_op(struct gpt_config cfg, int batch, int threads, int reps) {
+  struct attn_graph a[2];
+  for (int f = 0; f < 2; f++) attn_graph_new(&a[f], cfg, batch, f);
+  struct rtp_threadpool *tp = rtp_threadpool_new(threads);
+  double best[2] = {1e30, 1e30};
+  for (int r = 0; r <= reps; r++)
+    for (int f = 0; f < 2; f++) {
+      double t0 = now_s();
+      if (rtp_graph_compute(a[f].g, tp)) {
+        fprintf(stderr, "bench-core: attention: %s\n", rtp_last_error());
+        exit(1);
+      }
+      double t = now_s() - t0;
+      if (r > 0 && t < best[f]) best[f] = t;
+    }
+  double flops = 6.0 * 2.0 * (double)cfg.seq_len * cfg.seq_len * cfg.d_model * batch;
+  printf(
+      "{\"bench\":\"attention_op\",\"T\":%d,\"heads\":%d,\"hd\":%d,\"batch\":%d,"
+      "\"threads\":%d,\"unfused_ms\":%.3f,\"fused_ms\":%.3f,\"speedup\":%.3f,"
+      "\"unfused_gflops\":%.2f,\"fused_gflops_equiv\":%.2f}\n",
+      cfg.seq_len, cfg.n_head, cfg.d_model / cfg.n_head, batch, threads, best[0] * 1e3,
+      best[1] * 1e3, best[0] / best[1], flops / best[0] * 1e-9, flops / best[1] * 1e-9);
+  fflush(stdout);
   rtp_threadpool_free(tp);
-  rtp_context_free(ctx);
+  for (int f = 0; f < 2; f++) rtp_context_free(a[f].ctx);
+}
+
+/* The step with the fused attention op against the unfused chain, alternated step by
+ * step (so both see the same machine), best of each; and both activation peaks. */
+static void bench_attention(struct gpt_config cfg, int batch, int threads, int steps) {
+  struct trainer tr[2]; /* unfused, fused */
+  for (int f = 0; f < 2; f++) {
+    cfg.fused_attention = f;
+    trainer_new(&tr[f], cfg, batch, threads);
+  }
+  double best[2] = {1e30, 1e30};
+  for (int s = 0; s <= steps; s++)
+    for (int f = 0; f < 2; f++) {
+      double t = trainer_step(&tr[f]);
+      if (s > 0 && t < best[f]) best[f] = t;
+    }
+  struct rtp_mem_report r[2];
+  for (int f = 0; f < 2; f++) rtp_mem_report_get(tr[f].ctx, &r[f]);
+  printf(
+      "{\"bench\":\"attention\",\"model\":\"small\",\"batch\":%d,\"threads\":%d,"
+      "\"unfused_ms\":%.1f,\"fused_ms\":%.1f,\"speedup\":%.3f,"
+      "\"unfused_activation_bytes\":%zu,\"fused_activation_bytes\":%zu,"
+      "\"unfused_work_bytes\":%zu,\"fused_work_bytes\":%zu}\n",
+      batch, threads, best[0] * 1e3, best[1] * 1e3, best[0] / best[1],
+      r[0].bytes[RTP_ROLE_ACTIVATION], r[1].bytes[RTP_ROLE_ACTIVATION], r[0].work, r[1].work);
+  fflush(stdout);
+  for (int f = 0; f < 2; f++) trainer_free(&tr[f]);
 }
 
 int main(int argc, char **argv) {
   int batch = 8, reps = 5, steps = 3;
+  bool attention_only = false;
   const char *threads_arg = "1 2";
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--batch") && i + 1 < argc)
@@ -189,9 +314,12 @@ int main(int argc, char **argv) {
       reps = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--steps") && i + 1 < argc)
       steps = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--attention-only"))
+      attention_only = true;
     else {
       fprintf(stderr,
-              "usage: bench-core [--batch B] [--threads \"1 2\"] [--reps R] [--steps S]\n");
+              "usage: bench-core [--batch B] [--threads \"1 2\"] [--reps R] [--steps S] "
+              "[--attention-only]\n");
       return 2;
     }
   }
@@ -211,13 +339,20 @@ int main(int argc, char **argv) {
   for (char *tok = strtok(buf, " ,"); tok; tok = strtok(NULL, " ,")) {
     int threads = atoi(tok);
     double flops = 0, secs = 0;
-    for (int i = 0; i < n_shapes; i++) {
+    for (int i = 0; i < n_shapes && !attention_only; i++) {
       double rate = bench_gemm(&shapes[i], threads, reps);
       double f = 2.0 * (double)shapes[i].m * (double)shapes[i].n * (double)shapes[i].k;
       flops += f;
       secs += f / rate;
     }
-    bench_step(cfg, batch, threads, steps, flops / secs);
+    if (!attention_only) bench_step(cfg, batch, threads, steps, flops / secs);
+    for (int T = cfg.seq_len; T <= 1024; T *= 4) { /* small's T, then longer contexts */
+      struct gpt_config c = cfg;
+      c.seq_len = T;
+      bench_attention_op(c, (int)(batch * cfg.seq_len / T > 0 ? batch * cfg.seq_len / T : 1),
+                         threads, 4 * reps);
+    }
+    bench_attention(cfg, batch, threads, steps);
   }
   return 0;
 }

@@ -547,6 +547,33 @@ TEST_F(Cuda, AttentionHeads) {
   });
 }
 
+// The fused attention op has no CUDA kernel: its builder refuses a CUDA context with
+// RTP_ENOSYS naming the op, and a node of it that reaches the device anyway (cloned from a
+// model built on the CPU, as rtp_parallel_new clones) is refused by the planner the same
+// way, before anything runs.
+TEST_F(Cuda, FusedAttentionIsRefusedCleanly) {
+  rtp_context *ctx = new_ctx(b, 8 << 20);
+  ASSERT_NE(ctx, nullptr) << rtp_last_error();
+  rtp_tensor *qkv = rtp_tensor_new_3d(ctx, RTP_TYPE_F32, 12, 5, 2);
+  EXPECT_EQ(rtp_attention_causal(ctx, qkv, 2, 0.5f), nullptr);
+  const char *msg = nullptr;
+  EXPECT_EQ(rtp_context_error(ctx, &msg), RTP_ENOSYS);
+  EXPECT_TRUE(has(msg, "attention")) << msg;
+  rtp_context_free(ctx);
+  ctx = new_ctx(b, 8 << 20);
+  qkv = rtp_tensor_new_3d(ctx, RTP_TYPE_F32, 12, 5, 2);
+  int64_t ne_stats[4] = {5, 2, 2, 2}, ne[4] = {4, 5, 2, 1};
+  rtp_tensor *stats =
+      rtp__new_node(ctx, RTP_OP_EMPTY, RTP_TYPE_F32, ne_stats, nullptr, nullptr);
+  rtp_tensor *y = rtp__new_node(ctx, RTP_OP_ATTENTION, RTP_TYPE_F32, ne, qkv, stats);
+  y->op_params[1] = 2;
+  rtp_graph *g = rtp_graph_new(ctx, 16);
+  ASSERT_EQ(rtp_graph_build(g, y), 0) << rtp_last_error();
+  EXPECT_EQ(rtp_graph_plan(ctx, g), RTP_ENOSYS);
+  EXPECT_TRUE(has(rtp_last_error(), "attention")) << rtp_last_error();
+  rtp_context_free(ctx);
+}
+
 // ---- bad indices --------------------------------------------------------------------------
 
 TEST_F(Cuda, BadIndexIsAnErrorNotACrash) {
@@ -625,7 +652,7 @@ struct Model {
   }
 };
 
-const gpt_config kTiny = {64, 16, 32, 2, 4, false};
+const gpt_config kTiny = {64, 16, 32, 2, 4, false, false};
 const int kBatch = 3;
 
 std::vector<int32_t> random_tokens(const gpt_config &cfg, int batch, uint32_t seed) {

@@ -200,7 +200,7 @@ void sim_free(rtp_backend *) {}
 const rtp_backend_i kSimI = {
     "sim",    sim_free,      sim_alloc,          sim_release, sim_set,  sim_get,
     sim_zero, sim_work_size, sim_events_reserve, sim_compute, sim_comm, sim_record,
-    sim_wait, sim_sync,      sim_adam,           sim_sumsq};
+    sim_wait, sim_sync,      sim_adam,           sim_sumsq,   nullptr};
 
 struct SimDevice {
   Sim sim;

@@ -742,6 +742,28 @@ TEST(TrainGptRanks, ScheduleDecayAndClipMatchOneProcess) {
   expect_two_ranks_give(flags, {}, want, "wd");
 }
 
+// The fused attention op (train-gpt's default, which every test here runs unless it says
+// otherwise) trains to the losses of the unfused chain (--fused-attn off) in one process,
+// with T = 40 (a key block of 32 and a partial one), and so do 2 ranks under rtp and under
+// tp, which splits the fused op by heads.
+TEST(TrainGptRanks, FusedAttentionMatchesUnfused) {
+  const std::string flags = kRanksFlags + " --seq-len 40";
+  std::vector<double> loss[2];
+  for (int fused = 0; fused < 2; fused++) {
+    std::string m = tmp_dir() + "attn-" + std::to_string(fused) + ".jsonl";
+    std::string on = fused ? " --fused-attn on" : " --fused-attn off";
+    Result r = run(train_gpt(flags + " --batch 4" + on, {"--metrics", m}));
+    ASSERT_EQ(r.code, 0) << r.err;
+    loss[fused] = metric(m, "loss");
+    ASSERT_EQ(loss[fused].size(), 10u);
+  }
+  for (size_t i = 0; i < loss[0].size(); i++) {
+    std::printf("step %2zu: unfused %.8f, fused %.8f\n", i + 1, loss[0][i], loss[1][i]);
+    EXPECT_NEAR(loss[1][i], loss[0][i], 1e-5 * loss[0][i]) << "step " << i + 1;
+  }
+  expect_two_ranks_give(flags + " --fused-attn on", {}, loss[0], "attn", {"rtp", "tp"});
+}
+
 TEST(TrainGptRanks, RtpLossesMatchOneProcess) {
   expect_losses_of_one_process("rtp");
 }

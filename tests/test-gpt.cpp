@@ -39,8 +39,13 @@ struct Fixture {
 
   void load(int threads) {
     ASSERT_EQ(rtp_safetensors_open(kFixture.c_str(), &st), 0) << rtp_last_error();
-    gpt_config cfg = {meta_int(st, "vocab"),   meta_int(st, "seq_len"), meta_int(st, "d_model"),
-                      meta_int(st, "n_layer"), meta_int(st, "n_head"),  false};
+    gpt_config cfg = {meta_int(st, "vocab"),
+                      meta_int(st, "seq_len"),
+                      meta_int(st, "d_model"),
+                      meta_int(st, "n_layer"),
+                      meta_int(st, "n_head"),
+                      false,
+                      false};
     int batch = meta_int(st, "batch");
     ASSERT_EQ(gpt_config_check(cfg), 0);
     rtp_init_params ip = {gpt_arena_size(cfg, batch) + (64 << 20), nullptr, false, nullptr, 0};

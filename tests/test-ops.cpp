@@ -298,6 +298,127 @@ TEST(OpGradComposite, AttentionHeads) {
       2);
 }
 
+// ---- fused causal attention ------------------------------------------------------------
+
+// The unfused chain the GPT builds (and the composite test above checks): per-head views
+// of qkv {3d, T, B} (offs bytes into the rows of src, each view taken of src directly, as
+// backward needs), scores, causal softmax, the product with v, heads side by side.
+rtp_tensor *attention_unfused(rtp_context *c, rtp_tensor *src, size_t offs, int64_t d,
+                              int64_t H, float scale) {
+  const int64_t hd = d / H, T = src->ne[1], B = src->ne[2];
+  size_t f = sizeof(float), nb[4] = {f, hd * f, src->nb[1], src->nb[2]};
+  int64_t ne[4] = {hd, H, T, B};
+  rtp_tensor *h[3];
+  for (int i = 0; i < 3; i++)
+    h[i] = rtp_permute(c, rtp_view(c, src, 4, ne, nb, offs + (size_t)i * d * f), 0, 2, 1, 3);
+  rtp_tensor *att = rtp_soft_max(c, rtp_mul_mat(c, h[1], h[0]), scale, true);
+  rtp_tensor *out = rtp_mul_mat(c, rtp_transpose(c, h[2]), att);
+  return rtp_reshape_3d(c, rtp_cont(c, rtp_permute(c, out, 0, 2, 1, 3)), d, T, B);
+}
+
+struct AttnShape {
+  int64_t hd, H, T, B;
+  int64_t pad;  // > 0: qkv is a view of rows this many floats wider (strided rows)
+};
+
+// The output and qkv's gradient of attention (fused or not) of the same random qkv, with
+// the loss sum(out * R), on `threads` threads.
+void attention_run(const AttnShape &s, bool fused, int threads, std::vector<float> &y,
+                   std::vector<float> &g) {
+  rtp_init_params ip = {64 << 20, nullptr, false, nullptr, 0};
+  rtp_context *ctx = rtp_context_new(ip);
+  ASSERT_NE(ctx, nullptr);
+  const int64_t d = s.hd * s.H;
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+  rtp_tensor *base = rtp_tensor_new_3d(ctx, RTP_TYPE_F32, 3 * d + s.pad, s.T, s.B);
+  for (int64_t i = 0; i < rtp_tensor_nelements(base); i++) ((float *)base->data)[i] = u(rng);
+  rtp_tensor_set_param(base);
+  int64_t ne[4] = {3 * d, s.T, s.B, 1};
+  size_t offs = (size_t)(s.pad / 2) * sizeof(float);
+  float scale = 1.0f / std::sqrt((float)s.hd);
+  rtp_tensor *out = fused
+                        ? rtp_attention_causal(ctx, rtp_view(ctx, base, 3, ne, base->nb, offs),
+                                               (int)s.H, scale)
+                        : attention_unfused(ctx, base, offs, d, s.H, scale);
+  rtp_tensor *r = rtp_tensor_new_3d(ctx, RTP_TYPE_F32, d, s.T, s.B);
+  for (int64_t i = 0; i < rtp_tensor_nelements(r); i++) ((float *)r->data)[i] = u(rng);
+  const char *msg = nullptr;
+  ASSERT_NE(out, nullptr) << (rtp_context_error(ctx, &msg), msg);
+  rtp_tensor_set_output(out);
+  rtp_tensor *loss = rtp_sum(ctx, rtp_mul(ctx, out, r));
+  rtp_graph *gr = rtp_graph_new(ctx, 256);
+  ASSERT_EQ(rtp_graph_build(gr, loss), 0) << rtp_last_error();
+  ASSERT_EQ(rtp_graph_build_backward(ctx, gr, loss), 0) << rtp_last_error();
+  ASSERT_EQ(rtp_graph_plan(ctx, gr), 0) << rtp_last_error();
+  rtp_threadpool *tp = rtp_threadpool_new(threads);
+  ASSERT_EQ(rtp_graph_compute(gr, tp), 0) << rtp_last_error();
+  const float *o = (const float *)out->data, *dg = (const float *)base->grad->data;
+  y.assign(o, o + rtp_tensor_nelements(out));
+  g.assign(dg, dg + rtp_tensor_nelements(base));
+  rtp_threadpool_free(tp);
+  rtp_context_free(ctx);
+}
+
+// Forward and qkv's gradient of the fused op against the unfused chain: within 1e-5.
+void expect_attention_equal(const AttnShape &s, int threads) {
+  SCOPED_TRACE(::testing::Message() << "hd " << s.hd << " H " << s.H << " T " << s.T << " B "
+                                    << s.B << " pad " << s.pad << " threads " << threads);
+  std::vector<float> y[2], g[2];
+  attention_run(s, true, threads, y[0], g[0]);
+  attention_run(s, false, threads, y[1], g[1]);
+  ASSERT_EQ(y[0].size(), y[1].size());
+  ASSERT_EQ(g[0].size(), g[1].size());
+  for (size_t i = 0; i < y[0].size(); i++)
+    ASSERT_NEAR(y[0][i], y[1][i], 1e-5f * (1.0f + std::fabs(y[1][i]))) << "output " << i;
+  for (size_t i = 0; i < g[0].size(); i++)
+    ASSERT_NEAR(g[0][i], g[1][i], 1e-5f * (1.0f + std::fabs(g[1][i]))) << "d qkv " << i;
+}
+
+// T = 1, T below, at and past the block (32) and not a multiple of it, several heads and
+// sequences, head sizes that fill the kernel's column chunks (16) or leave tails.
+TEST(Attention, EqualsUnfusedOps) {
+  const AttnShape shapes[] = {{2, 2, 3, 2, 0},   {8, 3, 1, 2, 0},   {16, 2, 33, 3, 0},
+                              {64, 2, 70, 1, 0}, {5, 1, 100, 2, 0}, {24, 4, 64, 2, 0},
+                              {16, 2, 40, 2, 7}};
+  for (const AttnShape &s : shapes) expect_attention_equal(s, 1);
+  expect_attention_equal({32, 3, 45, 3, 0}, 4);  // 9 heads on 4 threads
+  expect_attention_equal({16, 1, 50, 1, 0}, 3);  // more threads than heads
+}
+
+// Finite differences of d qkv: within one key block, and across blocks with the diagonal
+// block partly masked (T = 35 = 32 + 3).
+TEST(OpGradAttention, Causal) {
+  const int64_t shapes[][4] = {{3, 2, 5, 2}, {2, 1, 35, 1}, {2, 3, 1, 2}};
+  for (const auto &s : shapes) {
+    int64_t hd = s[0], H = s[1], T = s[2], B = s[3];
+    check_grad(
+        "attention_causal", {{{3 * hd * H, T, B}}},
+        [H](rtp_context *c, auto &x) { return rtp_attention_causal(c, x[0], (int)H, 0.8f); },
+        2);
+  }
+}
+
+TEST(Attention, RefusesBadInput) {
+  rtp_init_params ip = {1 << 20, nullptr, false, nullptr, 0};
+  rtp_context *ctx = rtp_context_new(ip);
+  rtp_tensor *qkv = rtp_tensor_new_3d(ctx, RTP_TYPE_F32, 12, 4, 2);
+  const char *msg = nullptr;
+  EXPECT_EQ(rtp_attention_causal(ctx, qkv, 3, 1.0f), nullptr);  // 12 = 3 x 4: not 3 x H x hd
+  ASSERT_EQ(rtp_context_error(ctx, &msg), RTP_ESHAPE);
+  EXPECT_NE(std::string(msg).find("attention"), std::string::npos) << msg;
+  rtp_context_free(ctx);
+  ctx = rtp_context_new(ip);
+  qkv = rtp_tensor_new_3d(ctx, RTP_TYPE_F32, 12, 4, 2);
+  EXPECT_EQ(rtp_attention_causal(ctx, rtp_transpose(ctx, qkv), 1, 1.0f), nullptr);
+  EXPECT_EQ(rtp_context_error(ctx, nullptr), RTP_ESHAPE);
+  rtp_context_free(ctx);
+  ctx = rtp_context_new(ip);
+  EXPECT_EQ(rtp_attention_causal(ctx, nullptr, 1, 1.0f), nullptr);  // an earlier failure
+  EXPECT_EQ(rtp_context_error(ctx, nullptr), RTP_EINVAL);
+  rtp_context_free(ctx);
+}
+
 // ---- casts between f32 and bf16 ------------------------------------------------------
 
 // The definition of rounding to nearest even on the bits, written differently from the

@@ -21,7 +21,7 @@
 
 namespace {
 
-const gpt_config kCfg = {256, 16, 32, 2, 4, false};
+const gpt_config kCfg = {256, 16, 32, 2, 4, false, false};
 const int kBatch = 2, kSteps = 3;
 
 // Adam with gradient clipping low enough to act: the norm must be global over shards.
@@ -1073,7 +1073,7 @@ TEST(Memory, RtpStatesAreOneNthPlusPool) {
   for (rtp_type type : {RTP_TYPE_F32, RTP_TYPE_BF16})
     for (int world : {2, 4})
       for (int layers : {2, 6}) {
-        gpt_config cfg = {256, 16, 48, layers, 4, false};
+        gpt_config cfg = {256, 16, 48, layers, 4, false, false};
         size_t largest = 0, single = one_process_states(cfg, &largest, world);
         int port = rtptest::free_port();
         auto res = rtptest::run_procs(world, [&](int r) {
@@ -1162,7 +1162,8 @@ TEST(ParallelErrors, TooFewRowsToSplit) {
 }
 
 // tp with heads that the ranks cannot share evenly (4 heads, 3 ranks, d = 48 so that every
-// weight itself would split): a clear error at rtp_parallel_new, on every rank.
+// weight itself would split): a clear error at rtp_parallel_new, on every rank, with the
+// unfused attention (at the heads' views) and the fused op.
 TEST(ParallelErrors, TpHeadsNotDivisible) {
   const int world = 3;
   int port = rtptest::free_port();
@@ -1170,25 +1171,28 @@ TEST(ParallelErrors, TpHeadsNotDivisible) {
     rtp_comm_params cp = rtptest::params(r, world, port);
     rtp_comm *comm = nullptr;
     if (rtp_comm_init(&cp, &comm)) return 60;
-    gpt_config cfg = {256, 16, 48, 1, 4, false};
-    gpt m{};
-    rtp_graph *g;
-    rtp_context *meta = rtptest::gpt_forward(cfg, 2, &m, &g);
-    if (!meta) return 61;
-    rtp_init_params ip = {gpt_arena_size(cfg, 2), nullptr, false, nullptr, 0};
-    rtp_context *ctx = rtp_context_new(ip);
-    rtp_parallel_params pp{};
-    pp.strategy = RTP_STRATEGY_TP;
-    pp.comm = comm;
-    int code = rtp_parallel_new(ctx, g, m.loss, &pp) == nullptr ? 0 : 62;
-    const char *msg = "";
-    if (!code && rtp_context_error(ctx, &msg) != RTP_EINVAL) code = 63;
-    if (!code && (!strstr(msg, "heads") || !strstr(msg, "not divisible by the 3 ranks"))) {
-      fprintf(stderr, "rank %d: unclear message: %s\n", r, msg);
-      code = 64;
+    int code = 0;
+    for (int fused = 0; fused < 2 && !code; fused++) {
+      gpt_config cfg = {256, 16, 48, 1, 4, false, fused == 1};
+      gpt m{};
+      rtp_graph *g;
+      rtp_context *meta = rtptest::gpt_forward(cfg, 2, &m, &g);
+      if (!meta) return 61;
+      rtp_init_params ip = {gpt_arena_size(cfg, 2), nullptr, false, nullptr, 0};
+      rtp_context *ctx = rtp_context_new(ip);
+      rtp_parallel_params pp{};
+      pp.strategy = RTP_STRATEGY_TP;
+      pp.comm = comm;
+      code = rtp_parallel_new(ctx, g, m.loss, &pp) == nullptr ? 0 : 62;
+      const char *msg = "";
+      if (!code && rtp_context_error(ctx, &msg) != RTP_EINVAL) code = 63;
+      if (!code && (!strstr(msg, "heads") || !strstr(msg, "not divisible by the 3 ranks"))) {
+        fprintf(stderr, "rank %d (fused %d): unclear message: %s\n", r, fused, msg);
+        code = 64;
+      }
+      rtp_context_free(ctx);
+      rtp_context_free(meta);
     }
-    rtp_context_free(ctx);
-    rtp_context_free(meta);
     rtp_comm_barrier(comm, nullptr);  // nobody leaves while a rank still talks to it
     rtp_comm_free(comm);
     return code;

@@ -37,6 +37,7 @@ struct opts {
   int per_host, hosts, threads;
   double mem_per_rank, link, local_link, flops; /* bytes, bytes/s, bytes/s, FLOP/s */
   bool json;
+  bool unfused_attn; /* --fused-attn off (train-gpt's default is on) */
 };
 
 /* One layout's prediction, for its busiest stage. */
@@ -63,7 +64,7 @@ static void help(void) {
       "model flags, as train-gpt's: --config tiny|small|medium, --n-layer N, --d-model N,\n"
       "  --n-head N, --seq-len T, --vocab N, --batch B (per data-parallel rank),\n"
       "  --micro-batches M, --grad-accum K, --recompute, --bf16, --tie-embeddings,\n"
-      "  --schedule gpipe|1f1b|eager-1f1b|zeropp\n"
+      "  --fused-attn on|off, --schedule gpipe|1f1b|eager-1f1b|zeropp\n"
       "job: -n RANKS per host and --nnodes HOSTS, as rtp-run's (default 1 and 1)\n"
       "  --mem-per-rank SIZE  memory of each rank: 2G, 512M, 1.5GiB or bytes (default: none)\n"
       "  --link SPEED         each host's network, each way: 1gbit, 100mbit, 25gbit or "
@@ -136,7 +137,7 @@ static int parse_int(const char *s, int lo, int hi, int *out) {
 
 static int set_config(struct opts *o, const char *v) {
   if (!strcmp(v, "tiny"))
-    o->pm.cfg = (struct gpt_config){256, 32, 64, 2, 4, false}; /* train-gpt's */
+    o->pm.cfg = (struct gpt_config){256, 32, 64, 2, 4, false, false}; /* train-gpt's */
   else if (!strcmp(v, "small"))
     o->pm.cfg = gpt_config_small();
   else if (!strcmp(v, "medium"))
@@ -177,6 +178,12 @@ static int *int_flag(struct opts *o, const char *a, int *lo, int *hi) {
 /* A flag with a value other than an integer. */
 static int value_flag(struct opts *o, const char *a, const char *v) {
   if (!strcmp(a, "--config")) return set_config(o, v);
+  if (!strcmp(a, "--fused-attn")) {
+    if (strcmp(v, "on") && strcmp(v, "off"))
+      return usage("--fused-attn: on or off, not '%s'", v);
+    o->unfused_attn = !strcmp(v, "off");
+    return 0;
+  }
   if (!strcmp(a, "--schedule"))
     return rtp_schedule_parse(v, &o->pm.schedule)
                ? usage("--schedule must be gpipe, 1f1b, eager-1f1b or zeropp, not '%s'", v)
@@ -226,6 +233,7 @@ static int parse_args(struct opts *o, int argc, char **argv) {
     }
     if (!dst && value_flag(o, a, v)) return EXIT_USAGE;
   }
+  o->pm.cfg.fused_attention = !o->unfused_attn; /* after --config, which sets cfg whole */
   if (o->pm.cfg.d_model % o->pm.cfg.n_head)
     return usage("%s: --n-head must divide --d-model", "the model");
   if (o->pm.batch % o->pm.micro_batches)

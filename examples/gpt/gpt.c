@@ -18,11 +18,11 @@ static int rtp__gpt_error(const char *fmt, ...) {
 }
 
 struct gpt_config gpt_config_small(void) {
-  return (struct gpt_config){256, 128, 384, 6, 6, false};
+  return (struct gpt_config){256, 128, 384, 6, 6, false, false};
 }
 
 struct gpt_config gpt_config_medium(void) {
-  return (struct gpt_config){256, 256, 768, 12, 12, false};
+  return (struct gpt_config){256, 256, 768, 12, 12, false, false};
 }
 
 int gpt_config_check(struct gpt_config c) {
@@ -83,6 +83,11 @@ static struct rtp_tensor *attention(struct rtp_context *ctx, const struct gpt *m
                                     const struct gpt_block *blk, struct rtp_tensor *x) {
   int64_t d = m->cfg.d_model, H = m->cfg.n_head, hd = d / H, T = m->cfg.seq_len, B = m->batch;
   struct rtp_tensor *qkv = linear(ctx, x, blk->c_attn_w, blk->c_attn_b); /* {3d, T*B} */
+  if (m->cfg.fused_attention) {
+    struct rtp_tensor *y = rtp_attention_causal(ctx, rtp_reshape_3d(ctx, qkv, 3 * d, T, B),
+                                                (int)H, 1.0f / sqrtf((float)hd));
+    return linear(ctx, rtp_reshape_2d(ctx, y, d, T * B), blk->attn_proj_w, blk->attn_proj_b);
+  }
   size_t f = sizeof(float), nb[4] = {f, hd * f, 3 * d * f, 3 * d * T * f};
   int64_t ne[4] = {hd, H, T, B};
   struct rtp_tensor *heads[3];

@@ -23,6 +23,9 @@ struct gpt_config {
   /* GPT-2's tied embeddings: the head is wte itself (no lm_head), so the token embedding
    * gets the gradients of both of its uses, summed by backward */
   bool tie_embeddings;
+  /* attention as one fused op (rtp_attention_causal: no T x T probabilities in memory)
+   * instead of views, soft_max and mul_mat; the same model and values. The CPU only. */
+  bool fused_attention;
 };
 
 struct gpt_config gpt_config_small(void);  /* T=128 d=384 L=6 H=6 */

@@ -67,7 +67,8 @@ struct options {
   const char *strategy, *schedule, *data, *metrics, *init, *export_path, *ckpt_dir, *prompt;
   const char *val_data, *data_format; /* data_format NULL: auto (token-data.h) */
   int vocab;                          /* -1: the file's (token-data.h) */
-  const char *format; /* --export's: pt (train-gpt's) or hf (Hugging Face GPT-2) */
+  const char *format;     /* --export's: pt (train-gpt's) or hf (Hugging Face GPT-2) */
+  const char *fused_attn; /* on | off: gpt_config's fused_attention */
   bool eval_only, resume, bf16, recompute, tie_embeddings, help;
   bool keep_best; /* training: keep the best eval loss's checkpoint; reading: read it */
 };
@@ -125,6 +126,8 @@ static int flag_table(struct options *o, struct flag *f) {
        "zeropp: micro-batches per unit (default: the largest divisor of M up to S)"},
       {"--recompute", ARG_BOOL, &o->recompute, NULL,
        "recompute each block's activations in backward (less memory)"},
+      {"--fused-attn", ARG_STR, &o->fused_attn, "on|off",
+       "attention as one fused op, no T x T matrix in memory (default on)"},
       {"--bf16", ARG_BOOL, &o->bf16, NULL,
        "mixed precision: bf16 products (f32 sums, weights, Adam); rtp rotates bf16 blocks"},
       {"--data", ARG_STR, &o->data, "FILE",
@@ -270,6 +273,7 @@ static int parse_args(int argc, char **argv, struct options *o) {
                         .strategy = "rtp",
                         .schedule = "1f1b",
                         .format = "pt",
+                        .fused_attn = "on",
                         .pp = 1,
                         .micro_batches = 1,
                         .vocab = -1,
@@ -460,7 +464,7 @@ struct preset {
 
 static const struct preset *find_preset(const char *name) {
   static struct preset presets[3];
-  presets[0] = (struct preset){"tiny", {256, 32, 64, 2, 4, false}, 1e-3f};
+  presets[0] = (struct preset){"tiny", {256, 32, 64, 2, 4, false, false}, 1e-3f};
   presets[1] = (struct preset){"small", gpt_config_small(), 3e-4f};
   presets[2] = (struct preset){"medium", gpt_config_medium(), 3e-4f};
   for (int i = 0; i < 3; i++)
@@ -545,6 +549,9 @@ static int resolve_config(struct options *o, struct rtp_safetensors *init,
   }
   if (!o->config && ck) config_from_ckpt(ck, c);
   if (o->tie_embeddings) c->tie_embeddings = true;
+  if (strcmp(o->fused_attn, "on") && strcmp(o->fused_attn, "off"))
+    return usage_error("--fused-attn must be on or off, not '%s'", o->fused_attn);
+  c->fused_attention = !strcmp(o->fused_attn, "on");
   if (o->lr < 0) o->lr = p->lr;
   if (o->n_layer >= 0) c->n_layer = o->n_layer;
   if (o->d_model >= 0) c->d_model = o->d_model;
