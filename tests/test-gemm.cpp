@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <random>
 #include <vector>
 
@@ -15,6 +16,12 @@ extern "C" {
 }
 
 namespace {
+
+size_t thread_count() {
+  size_t n = 0;
+  for (auto &e : std::filesystem::directory_iterator("/proc/self/task")) n += !e.path().empty();
+  return n;
+}
 
 using GemmFn = void (*)(int64_t, int64_t, int64_t, const float *, int64_t, int64_t,
                         const float *, int64_t, int64_t, float *, int64_t, bool);
@@ -51,6 +58,21 @@ void check_all(GemmFn fn) {
     for (bool xt : {false, true})
       for (bool yt : {false, true})
         for (bool acc : {false, true}) check(fn, s[0], s[1], s[2], xt, yt, acc);
+}
+
+// A product large enough for a library to share between threads, run on this thread:
+// it runs on this thread alone, so the executor's threads, each running one, never
+// compete with the provider's for the cores. libgomp keeps the threads of an OpenMP team
+// it started, so none started if none is there after. First in this file: no earlier
+// product has run in this process.
+TEST(Gemm, ProviderStartsNoThreads) {
+  const int64_t m = 512, n = 512, k = 512;
+  std::vector<float> x(m * k, 0.5f), y(n * k, 0.25f), c(m * n);
+  size_t before = thread_count();
+  ASSERT_EQ(rtp__gemm_plan(n, k, k, 1, k, 1, n, false), RTP_OK);
+  rtp__gemm(m, n, k, x.data(), k, 1, y.data(), k, 1, c.data(), n, false);
+  EXPECT_FLOAT_EQ(c[0], 0.125f * (float)k);
+  EXPECT_EQ(thread_count(), before) << "threads started by the GEMM provider";
 }
 
 TEST(Gemm, Fallback) {
@@ -111,6 +133,7 @@ TEST(Gemm, ProviderEqualsBuiltinOnStridedShares) {
 // A small training step (forward, backward: transposed and batched attention products,
 // accumulated gradients) on 1, 2 and 3 threads finds every primitive it runs made by
 // rtp_graph_plan, and the provider takes every product (none left to the built-in kernel).
+
 TEST(Gemm, PlanMakesEveryPrimitive) {
   struct gpt_config cfg = {64, 16, 32, 2, 2, false};
   const int batch = 2;
