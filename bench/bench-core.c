@@ -4,7 +4,10 @@
  * JSON lines, each naming the library's GEMM provider and kernel; ratios are measured
  * side by side in one run.
  *
- *   bench-core [--batch B] [--threads "1 2"] [--reps R] [--steps S]
+ *   bench-core [--batch B] [--threads "1 2"] [--reps R] [--steps S] [--step-only]
+ *
+ * --step-only skips the GEMMs (the step's fraction of the GEMM rate is then null): for
+ * alternating two builds' steps (docs/benchmarks.md, "GEMM providers").
  */
 #include <cblas.h>
 #ifdef RTP_BENCH_DNNL
@@ -249,15 +252,18 @@ static void bench_step(struct gpt_config cfg, int batch, int threads, int steps,
   struct rtp_mem_report r;
   rtp_mem_report_get(ctx, &r);
   double tokens = (double)cfg.seq_len * batch, flops = gpt_step_flops(cfg, batch);
+  char rate[80] = "\"gemm_gflops\":null,\"fraction_of_gemm\":null";
+  if (gemm_rate > 0)
+    snprintf(rate, sizeof(rate), "\"gemm_gflops\":%.2f,\"fraction_of_gemm\":%.3f",
+             gemm_rate * 1e-9, flops / best / gemm_rate);
   printf(
       "{\"bench\":\"step\",\"model\":\"small\",\"batch\":%d,\"threads\":%d,\"ms\":%.1f,"
-      "\"tokens_per_s\":%.0f,\"gflops\":%.2f,\"gemm_gflops\":%.2f,\"fraction_of_gemm\":%.3f,"
-      "\"params\":%lld,\"activation_bytes\":%zu,\"activation_sum\":%zu,"
-      "\"gemm_provider\":\"%s\",\"gemm_kernel\":\"%s\",\"bf16_products\":\"%s\"}\n",
-      batch, threads, best * 1e3, tokens / best, flops / best * 1e-9, gemm_rate * 1e-9,
-      flops / best / gemm_rate, (long long)gpt_n_params(cfg), r.bytes[RTP_ROLE_ACTIVATION],
-      r.activation_sum, rtp__gemm_provider(), rtp__gemm_kernel(),
-      "f32 GEMM on bf16-rounded operands");
+      "\"tokens_per_s\":%.0f,\"gflops\":%.2f,%s,\"params\":%lld,\"activation_bytes\":%zu,"
+      "\"activation_sum\":%zu,\"gemm_provider\":\"%s\",\"gemm_kernel\":\"%s\","
+      "\"bf16_products\":\"%s\"}\n",
+      batch, threads, best * 1e3, tokens / best, flops / best * 1e-9, rate,
+      (long long)gpt_n_params(cfg), r.bytes[RTP_ROLE_ACTIVATION], r.activation_sum,
+      rtp__gemm_provider(), rtp__gemm_kernel(), "f32 GEMM on bf16-rounded operands");
   fflush(stdout);
   rtp_threadpool_free(tp);
   rtp_context_free(ctx);
@@ -265,6 +271,7 @@ static void bench_step(struct gpt_config cfg, int batch, int threads, int steps,
 
 int main(int argc, char **argv) {
   int batch = 8, reps = 5, steps = 3;
+  bool step_only = false;
   const char *threads_arg = "1 2";
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--batch") && i + 1 < argc)
@@ -275,9 +282,12 @@ int main(int argc, char **argv) {
       reps = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--steps") && i + 1 < argc)
       steps = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--step-only"))
+      step_only = true;
     else {
       fprintf(stderr,
-              "usage: bench-core [--batch B] [--threads \"1 2\"] [--reps R] [--steps S]\n");
+              "usage: bench-core [--batch B] [--threads \"1 2\"] [--reps R] [--steps S] "
+              "[--step-only]\n");
       return 2;
     }
   }
@@ -297,13 +307,13 @@ int main(int argc, char **argv) {
   for (char *tok = strtok(buf, " ,"); tok; tok = strtok(NULL, " ,")) {
     int threads = atoi(tok);
     double flops = 0, secs = 0;
-    for (int i = 0; i < n_shapes; i++) {
+    for (int i = 0; i < n_shapes && !step_only; i++) {
       double rate = bench_gemm(&shapes[i], threads, reps);
       double f = 2.0 * (double)shapes[i].m * (double)shapes[i].n * (double)shapes[i].k;
       flops += f;
       secs += f / rate;
     }
-    bench_step(cfg, batch, threads, steps, flops / secs);
+    bench_step(cfg, batch, threads, steps, step_only ? 0 : flops / secs);
   }
   return 0;
 }
