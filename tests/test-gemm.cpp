@@ -134,7 +134,7 @@ TEST(Gemm, ProviderEqualsBuiltinOnStridedShares) {
 // accumulated gradients) on 1, 2 and 3 threads finds every primitive it runs made by
 // rtp_graph_plan, and the provider takes every product (none left to the built-in kernel).
 
-TEST(Gemm, PlanMakesEveryPrimitive) {
+void plan_makes_every_primitive(bool bf16) {
   struct gpt_config cfg = {64, 16, 32, 2, 2, false};
   const int batch = 2;
   struct rtp_init_params ip = {};
@@ -146,6 +146,11 @@ TEST(Gemm, PlanMakesEveryPrimitive) {
   ASSERT_EQ(gpt_build(ctx, &m, cfg, batch), RTP_OK);
   ASSERT_EQ(rtp_graph_build(g, m.loss), RTP_OK);
   ASSERT_EQ(rtp_graph_build_backward(ctx, g, m.loss), RTP_OK);
+  for (int i = 0; i < g->n_nodes && bf16; i++) {
+    if (g->nodes[i]->op == RTP_OP_MUL_MAT) {
+      ASSERT_EQ(rtp_mul_mat_set_prec(g->nodes[i], RTP_TYPE_BF16), RTP_OK);
+    }
+  }
   size_t made0, late0, made1, late1, made2, late2, declined0, declined1, declined2;
   rtp__gemm_stats(&made0, &late0, &declined0);
   ASSERT_EQ(rtp_graph_plan(ctx, g), RTP_OK) << rtp_last_error();
@@ -167,6 +172,15 @@ TEST(Gemm, PlanMakesEveryPrimitive) {
     EXPECT_GT(made1, made0);
   }
   rtp_context_free(ctx);
+}
+
+TEST(Gemm, PlanMakesEveryPrimitive) {
+  plan_makes_every_primitive(false);
+}
+
+// bf16 precision: the GEMM reads the operands' rounded copies, contiguous in scratch.
+TEST(Gemm, PlanMakesEveryPrimitiveBf16) {
+  plan_makes_every_primitive(true);
 }
 
 }  // namespace
