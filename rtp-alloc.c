@@ -249,6 +249,9 @@ int rtp_graph_plan(struct rtp_context *ctx, struct rtp_graph *g) {
   }
   *plan =
       (struct rtp_plan){.work = work_buf, .work_size = work, .backend = be, .n_comm = n_comm};
+  for (int i = 0; i < n && !be && rc == RTP_OK; i++)
+    if (g->nodes[i]->op == RTP_OP_MUL_MAT) rc = rtp__mul_mat_plan(g->nodes[i]);
+  if (rc) goto done;
   g->plan = plan;
   rtp__ctx_note_plan(ctx, fl.end, sum, live_max, work);
 

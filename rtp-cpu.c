@@ -352,6 +352,19 @@ static void k_mul_mat(const struct rtp_compute_params *p, struct rtp_tensor *t) 
   }
 }
 
+/* What k_mul_mat's GEMM calls will need, made ahead: the same arguments but the number
+ * of rows, which depends on the threads (the rounded copies of bf16 precision are
+ * contiguous). rtp__gemm_stats counts what this missed. */
+int rtp__mul_mat_plan(const struct rtp_tensor *t) {
+  const struct rtp_tensor *a = t->src[0], *b = t->src[1];
+  bool rounded = rtp_mul_mat_get_prec(t) == RTP_TYPE_BF16;
+  int64_t K = a->ne[0];
+  return rtp__gemm_plan(
+      a->ne[1], K, rounded ? K : (int64_t)(b->nb[1] / 4), rounded ? 1 : (int64_t)(b->nb[0] / 4),
+      rounded ? K : (int64_t)(a->nb[1] / 4), rounded ? 1 : (int64_t)(a->nb[0] / 4),
+      (int64_t)(t->nb[1] / 4), rtp__addend(t) != NULL);
+}
+
 /* ---- normalisation and activations ---------------------------------------------- */
 
 static void row_stats(const float *x, int64_t n, float eps, float *mean, float *rstd) {

@@ -1,5 +1,6 @@
-/* rtp-gemm.c - single-threaded f32 GEMM: CBLAS when the build found it, else a blocked
- * kernel that compilers vectorise. Callers split the rows between threads. */
+/* rtp-gemm.c - single-threaded f32 GEMM through the provider the build chose (RTP_GEMM:
+ * oneDNN, rtp-gemm-dnnl.c; CBLAS), else a blocked kernel that compilers vectorise, which
+ * also takes the layouts a provider cannot. Callers split the rows between threads. */
 #include "rtp-impl.h"
 
 #include <pthread.h>
@@ -77,6 +78,43 @@ bool rtp__gemm_has_cblas(void) {
 #endif
 }
 
+const char *rtp__gemm_provider(void) {
+#if defined(RTP_USE_DNNL)
+  return "onednn";
+#elif defined(RTP_USE_CBLAS)
+  return "openblas";
+#else
+  return "builtin";
+#endif
+}
+
+#ifndef RTP_USE_DNNL
+int rtp__gemm_plan(int64_t n, int64_t k, int64_t x_row, int64_t x_k, int64_t y_row, int64_t y_k,
+                   int64_t ldc, bool accumulate) {
+  (void)n, (void)k, (void)x_row, (void)x_k, (void)y_row, (void)y_k, (void)ldc;
+  (void)accumulate;
+  return RTP_OK; /* CBLAS and the built-in kernel keep nothing per shape */
+}
+#endif
+
+void rtp__gemm_stats(size_t *made, size_t *late, size_t *declined) {
+#ifdef RTP_USE_DNNL
+  rtp__gemm_dnnl_stats(made, late, declined);
+#else
+  *made = *late = *declined = 0;
+#endif
+}
+
+const char *rtp__gemm_kernel(void) {
+#if defined(RTP_USE_DNNL)
+  return rtp__gemm_dnnl_kernel();
+#elif defined(RTP_USE_CBLAS) && defined(OPENBLAS_VERSION)
+  return openblas_get_corename();
+#else
+  return "rtp blocked kernel";
+#endif
+}
+
 bool rtp__gemm_layout(int64_t rows, int64_t k, int64_t row, int64_t kst, bool *packed_rows,
                       int64_t *ld) {
   if ((kst == 1 || k == 1) && (rows == 1 || row >= k)) {
@@ -98,6 +136,9 @@ void rtp__gemm(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_row, i
                const float *y, int64_t y_row, int64_t y_k, float *c, int64_t ldc,
                bool accumulate) {
   if (m == 0 || n == 0) return;
+#ifdef RTP_USE_DNNL
+  if (rtp__gemm_dnnl(m, n, k, x, x_row, x_k, y, y_row, y_k, c, ldc, accumulate)) return;
+#endif
 #ifdef RTP_USE_CBLAS
   bool x_rows, y_rows;
   int64_t ldx, ldy;

@@ -212,6 +212,25 @@ void rtp__gemm_fallback(int64_t m, int64_t n, int64_t k, const float *a, int64_t
                         int64_t lda_k, const float *b, int64_t ldb_n, int64_t ldb_k, float *c,
                         int64_t ldc, bool accumulate);
 bool rtp__gemm_has_cblas(void);
+/* The provider the build chose (RTP_GEMM): "onednn", "openblas" or "builtin"; and the
+ * kernel it runs (oneDNN's implementation name and ISA, OpenBLAS's core type). */
+const char *rtp__gemm_provider(void);
+const char *rtp__gemm_kernel(void);
+/* Makes ahead of time what rtp__gemm(m, n, k, ...) will need for these arguments, any m
+ * (rtp_graph_plan calls it per product, so that no step creates anything); RTP_ENOMEM. */
+int rtp__gemm_plan(int64_t n, int64_t k, int64_t x_row, int64_t x_k, int64_t y_row, int64_t y_k,
+                   int64_t ldc, bool accumulate);
+/* What the provider made ahead of time (oneDNN's primitives; 0 for the others), how
+ * many of those a call made because no plan had (each a creation inside a step), and
+ * the calls it did not take (run by the built-in kernel: a layout it cannot read). */
+void rtp__gemm_stats(size_t *made, size_t *late, size_t *declined);
+/* rtp-gemm-dnnl.c: the product through a oneDNN primitive; false if oneDNN cannot take it
+ * (the caller falls back, nothing written). */
+bool rtp__gemm_dnnl(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_row, int64_t x_k,
+                    const float *y, int64_t y_row, int64_t y_k, float *c, int64_t ldc,
+                    bool accumulate);
+const char *rtp__gemm_dnnl_kernel(void);
+void rtp__gemm_dnnl_stats(size_t *primitives, size_t *late, size_t *declined);
 /* How a BLAS can read a matrix of `rows` rows of k elements stored at strides (row, kst),
  * in elements: with packed rows (*packed_rows; leading dimension *ld from row) or packed
  * columns (read transposed; *ld from kst). false if neither: the operand must be copied
@@ -240,6 +259,8 @@ void rtp__k_attention_delta(const struct rtp_compute_params *p, struct rtp_tenso
 void rtp__k_attention_back(const struct rtp_compute_params *p, struct rtp_tensor *t);
 size_t rtp__attention_work_size(const struct rtp_tensor *t);
 size_t rtp__op_work_size(const struct rtp_tensor *t);
+/* rtp_graph_plan's preparation of a MUL_MAT node t's GEMM (rtp__gemm_plan). */
+int rtp__mul_mat_plan(const struct rtp_tensor *t);
 #define RTP_MAX_THREADS 256
 
 /* ---- rtp-graph.c ---- */

@@ -1,11 +1,22 @@
-/* bench-core: GEMM through the library next to direct cblas_sgemm for the shapes of the
- * `small` model's forward and backward, one full training step of the `small` model, and
- * that step with the fused attention op against the unfused chain, on 1 and 2 threads.
- * Prints JSON lines; ratios are measured side by side in one run.
+/* bench-core: GEMM through the library next to direct cblas_sgemm (and, in a oneDNN
+ * build, a direct oneDNN matmul) for the shapes of the `small` model's forward and
+ * backward, one full training step of the `small` model, and that step with the fused
+ * attention op against the unfused chain, on 1 and 2 threads. Prints JSON lines, each
+ * naming the library's GEMM provider and kernel; ratios are measured side by side in one
+ * run.
  *
- *   bench-core [--batch B] [--threads "1 2"] [--reps R] [--steps S] [--attention-only]
+ *   bench-core [--batch B] [--threads "1 2"] [--reps R] [--steps S] [--step-only]
+ *              [--attention-only]
+ *
+ * --step-only skips the GEMMs and the attention (the step's fraction of the GEMM rate is
+ * then null): for alternating two builds' steps (docs/benchmarks.md, "GEMM providers").
+ * --attention-only runs the attention comparisons alone.
  */
 #include <cblas.h>
+#ifdef RTP_BENCH_DNNL
+#include <oneapi/dnnl/dnnl.h>
+#include <omp.h>
+#endif
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -90,6 +101,70 @@ static double run_direct(void *arg) {
   return now_s() - t0;
 }
 
+#ifdef RTP_BENCH_DNNL
+/* The same product as one oneDNN matmul made for it, on `threads` OpenMP threads:
+ * src B{N, K}, weights A^T{K, M}, either stored transposed. */
+struct dnnl_direct {
+  dnnl_engine_t eng;
+  dnnl_stream_t st;
+  dnnl_primitive_t p;
+  dnnl_memory_t mem[3];
+  int threads;
+};
+
+static void dnnl_check(dnnl_status_t st, const char *what) {
+  if (st != dnnl_success) {
+    fprintf(stderr, "bench-core: %s: oneDNN status %d\n", what, (int)st);
+    exit(1);
+  }
+}
+
+static void dnnl_direct_make(struct dnnl_direct *d, const struct shape *s, float *a, float *b,
+                             float *c, int threads) {
+  dnnl_memory_desc_t md[3];
+  dnnl_dims_t sd = {s->n, s->k}, ss = {s->b_t ? 1 : s->k, s->b_t ? s->n : 1};
+  dnnl_dims_t wd = {s->k, s->m}, ws = {s->a_t ? s->m : 1, s->a_t ? 1 : s->k};
+  dnnl_dims_t dd = {s->n, s->m}, ds = {s->m, 1};
+  dnnl_matmul_desc_t mm;
+  dnnl_primitive_desc_t pd;
+  d->threads = threads;
+  omp_set_num_threads(threads);
+  dnnl_check(dnnl_engine_create(&d->eng, dnnl_cpu, 0), "engine");
+  dnnl_check(dnnl_stream_create(&d->st, d->eng, dnnl_stream_default_flags), "stream");
+  dnnl_check(dnnl_memory_desc_init_by_strides(&md[0], 2, sd, dnnl_f32, ss), "src");
+  dnnl_check(dnnl_memory_desc_init_by_strides(&md[1], 2, wd, dnnl_f32, ws), "weights");
+  dnnl_check(dnnl_memory_desc_init_by_strides(&md[2], 2, dd, dnnl_f32, ds), "dst");
+  dnnl_check(dnnl_matmul_desc_init(&mm, &md[0], &md[1], NULL, &md[2]), "matmul");
+  dnnl_check(dnnl_primitive_desc_create(&pd, &mm, NULL, d->eng, NULL), "pd");
+  dnnl_check(dnnl_primitive_create(&d->p, pd), "primitive");
+  dnnl_primitive_desc_destroy(pd);
+  float *ptr[3] = {b, a, c};
+  for (int i = 0; i < 3; i++)
+    dnnl_check(dnnl_memory_create(&d->mem[i], &md[i], d->eng, ptr[i]), "memory");
+  omp_set_num_threads(1);
+}
+
+static void dnnl_direct_free(struct dnnl_direct *d) {
+  for (int i = 0; i < 3; i++) dnnl_memory_destroy(d->mem[i]);
+  dnnl_primitive_destroy(d->p);
+  dnnl_stream_destroy(d->st);
+  dnnl_engine_destroy(d->eng);
+}
+
+static double run_dnnl(void *arg) {
+  struct dnnl_direct *d = arg;
+  dnnl_exec_arg_t args[] = {
+      {DNNL_ARG_SRC, d->mem[0]}, {DNNL_ARG_WEIGHTS, d->mem[1]}, {DNNL_ARG_DST, d->mem[2]}};
+  omp_set_num_threads(d->threads);
+  double t0 = now_s();
+  dnnl_check(dnnl_primitive_execute(d->p, d->st, 3, args), "execute");
+  dnnl_check(dnnl_stream_wait(d->st), "wait");
+  double t = now_s() - t0;
+  omp_set_num_threads(1);
+  return t;
+}
+#endif
+
 static double bench_gemm(const struct shape *s, int threads, int reps) {
   struct rtp_init_params ip = {
       .mem_size = (size_t)(s->m * s->k + s->n * s->k + s->m * s->n) * 4 + (16 << 20)};
@@ -112,7 +187,11 @@ static double bench_gemm(const struct shape *s, int threads, int reps) {
   float *cd = malloc((size_t)(s->m * s->n) * 4);
   struct direct_gemm dg = {s, a->data, b->data, cd};
   /* Interleaved, so that both see the same machine: this one's neighbours are noisy. */
-  double t_lib = 1e30, t_direct = 1e30;
+  double t_lib = 1e30, t_direct = 1e30, t_dnnl = 1e30;
+#ifdef RTP_BENCH_DNNL
+  struct dnnl_direct dd;
+  dnnl_direct_make(&dd, s, a->data, b->data, cd, threads);
+#endif
   for (int r = 0; r < reps; r++) {
     double tl = time_best(run_lib, &lg, 1);
     openblas_set_num_threads(threads);
@@ -120,21 +199,31 @@ static double bench_gemm(const struct shape *s, int threads, int reps) {
     openblas_set_num_threads(1);
     t_lib = tl < t_lib ? tl : t_lib;
     t_direct = td < t_direct ? td : t_direct;
+#ifdef RTP_BENCH_DNNL
+    double tn = time_best(run_dnnl, &dd, 1);
+    t_dnnl = tn < t_dnnl ? tn : t_dnnl;
+#endif
   }
+#ifdef RTP_BENCH_DNNL
+  dnnl_direct_free(&dd);
+#endif
   double t_fallback = threads == 1 ? time_best(run_fallback, &dg, 1) : 0;
   double flops = 2.0 * (double)s->m * (double)s->n * (double)s->k;
   printf(
       "{\"bench\":\"gemm\",\"shape\":\"%s\",\"m\":%lld,\"n\":%lld,\"k\":%lld,\"threads\":%d,"
-      "\"lib_gflops\":%.2f,\"cblas_gflops\":%.2f,\"ratio\":%.3f",
-      s->name, (long long)s->m, (long long)s->n, (long long)s->k, threads, flops / t_lib * 1e-9,
-      flops / t_direct * 1e-9, t_direct / t_lib);
+      "\"provider\":\"%s\",\"lib_gflops\":%.2f,\"cblas_gflops\":%.2f,\"ratio\":%.3f",
+      s->name, (long long)s->m, (long long)s->n, (long long)s->k, threads, rtp__gemm_provider(),
+      flops / t_lib * 1e-9, flops / t_direct * 1e-9, t_direct / t_lib);
+  if (t_dnnl < 1e30)
+    printf(",\"onednn_gflops\":%.2f,\"ratio_onednn\":%.3f", flops / t_dnnl * 1e-9,
+           t_dnnl / t_lib);
   if (t_fallback > 0) printf(",\"fallback_gflops\":%.2f", flops / t_fallback * 1e-9);
   printf("}\n");
   fflush(stdout);
   free(cd);
   rtp_threadpool_free(lg.tp);
   rtp_context_free(ctx);
-  return flops / t_direct;
+  return flops / (t_dnnl < 1e30 ? t_dnnl : t_direct); /* the provider's own rate */
 }
 
 /* One process training the model: its graph planned, Adam, and fixed tokens. */
@@ -190,13 +279,18 @@ static void bench_step(struct gpt_config cfg, int batch, int threads, int steps,
   struct rtp_mem_report r;
   rtp_mem_report_get(tr.ctx, &r);
   double tokens = (double)cfg.seq_len * batch, flops = gpt_step_flops(cfg, batch);
+  char rate[80] = "\"gemm_gflops\":null,\"fraction_of_gemm\":null";
+  if (gemm_rate > 0)
+    snprintf(rate, sizeof(rate), "\"gemm_gflops\":%.2f,\"fraction_of_gemm\":%.3f",
+             gemm_rate * 1e-9, flops / best / gemm_rate);
   printf(
       "{\"bench\":\"step\",\"model\":\"small\",\"batch\":%d,\"threads\":%d,\"ms\":%.1f,"
-      "\"tokens_per_s\":%.0f,\"gflops\":%.2f,\"gemm_gflops\":%.2f,\"fraction_of_gemm\":%.3f,"
-      "\"params\":%lld,\"activation_bytes\":%zu,\"activation_sum\":%zu}\n",
-      batch, threads, best * 1e3, tokens / best, flops / best * 1e-9, gemm_rate * 1e-9,
-      flops / best / gemm_rate, (long long)gpt_n_params(cfg), r.bytes[RTP_ROLE_ACTIVATION],
-      r.activation_sum);
+      "\"tokens_per_s\":%.0f,\"gflops\":%.2f,%s,\"params\":%lld,\"activation_bytes\":%zu,"
+      "\"activation_sum\":%zu,\"gemm_provider\":\"%s\",\"gemm_kernel\":\"%s\","
+      "\"bf16_products\":\"%s\"}\n",
+      batch, threads, best * 1e3, tokens / best, flops / best * 1e-9, rate,
+      (long long)gpt_n_params(cfg), r.bytes[RTP_ROLE_ACTIVATION], r.activation_sum,
+      rtp__gemm_provider(), rtp__gemm_kernel(), "f32 GEMM on bf16-rounded operands");
   fflush(stdout);
   trainer_free(&tr);
 }
@@ -303,7 +397,7 @@ static void bench_attention(struct gpt_config cfg, int batch, int threads, int s
 
 int main(int argc, char **argv) {
   int batch = 8, reps = 5, steps = 3;
-  bool attention_only = false;
+  bool attention_only = false, step_only = false;
   const char *threads_arg = "1 2";
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--batch") && i + 1 < argc)
@@ -316,10 +410,12 @@ int main(int argc, char **argv) {
       steps = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--attention-only"))
       attention_only = true;
+    else if (!strcmp(argv[i], "--step-only"))
+      step_only = true;
     else {
       fprintf(stderr,
               "usage: bench-core [--batch B] [--threads \"1 2\"] [--reps R] [--steps S] "
-              "[--attention-only]\n");
+              "[--step-only] [--attention-only]\n");
       return 2;
     }
   }
@@ -339,20 +435,20 @@ int main(int argc, char **argv) {
   for (char *tok = strtok(buf, " ,"); tok; tok = strtok(NULL, " ,")) {
     int threads = atoi(tok);
     double flops = 0, secs = 0;
-    for (int i = 0; i < n_shapes && !attention_only; i++) {
+    for (int i = 0; i < n_shapes && !attention_only && !step_only; i++) {
       double rate = bench_gemm(&shapes[i], threads, reps);
       double f = 2.0 * (double)shapes[i].m * (double)shapes[i].n * (double)shapes[i].k;
       flops += f;
       secs += f / rate;
     }
-    if (!attention_only) bench_step(cfg, batch, threads, steps, flops / secs);
-    for (int T = cfg.seq_len; T <= 1024; T *= 4) { /* small's T, then longer contexts */
+    if (!attention_only) bench_step(cfg, batch, threads, steps, step_only ? 0 : flops / secs);
+    for (int T = cfg.seq_len; T <= 1024 && !step_only; T *= 4) { /* small's T, then longer */
       struct gpt_config c = cfg;
       c.seq_len = T;
       bench_attention_op(c, (int)(batch * cfg.seq_len / T > 0 ? batch * cfg.seq_len / T : 1),
                          threads, 4 * reps);
     }
-    bench_attention(cfg, batch, threads, steps);
+    if (!step_only) bench_attention(cfg, batch, threads, steps);
   }
   return 0;
 }

@@ -2,7 +2,7 @@
 # Installs what a fresh Debian machine lacks to build and test rtp. Idempotent: does
 # nothing when every package is already there.
 set -euo pipefail
-pkgs=(build-essential cmake pkg-config libuv1-dev libopenblas-dev libssl-dev
+pkgs=(build-essential cmake pkg-config libuv1-dev libopenblas-dev libdnnl-dev libssl-dev
       libgtest-dev googletest python3 python3-torch python3-numpy python3-matplotlib iproute2
       iperf3)
 missing=()

@@ -11,6 +11,7 @@
 
 #include "rtp-backend.h"
 #include "rtp-comm.h"
+#include "rtp-impl.h"
 #include "rtp-strategy.h"
 
 static int64_t graph_size(struct gpt_config c) {
@@ -253,11 +254,17 @@ double plan_sync_bytes(const struct plan_rank *r) {
   return graph_bytes_sent(r->sync);
 }
 
-/* PLAN_RUNTIME_BYTES was measured by tests/test-plan.cpp (x86-64, OpenBLAS 0.3.21): the
- * peak over two training steps exceeded the process's resident memory before building
- * plus the report plus the meta context by 1.4 to 2.6 MiB, the same for every strategy and
- * a pipeline, on 1, 2 or 4 threads: OpenBLAS's packing buffers (0.4 to 1 MiB for one
- * product of d 256 to 1024, measured alone), the executor's and the planner's scratch. */
+/* Measured by tests/test-plan.cpp (x86-64): the peak over two training steps exceeded the
+ * process's resident memory before building plus the report plus the meta context by 1.4
+ * to 2.6 MiB with OpenBLAS 0.3.21, the same for every strategy and a pipeline, on 1, 2 or
+ * 4 threads: OpenBLAS's packing buffers (0.4 to 1 MiB for one product of d 256 to 1024,
+ * measured alone), the executor's and the planner's scratch. With oneDNN 2.6.3 it is 6
+ * MiB more (7.6 to 8.3 MiB): the pages of libdnnl's code a step runs, its primitives
+ * (1.1 MiB) and its GEMM's packing buffers, allocated per call. */
+size_t plan_runtime_bytes(void) {
+  return (size_t)(strcmp(rtp__gemm_provider(), "onednn") ? 2 : 8) << 20;
+}
+
 size_t plan_rss_overhead(const struct plan_rank *r) {
-  return rtp_context_used_mem(r->meta) + PLAN_RUNTIME_BYTES;
+  return rtp_context_used_mem(r->meta) + plan_runtime_bytes();
 }

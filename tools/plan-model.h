@@ -65,8 +65,8 @@ double plan_sync_bytes(const struct plan_rank *r);
 
 /* The resident memory a rank holds beyond its context's report and what the process held
  * before building: the one-device model's headers (the meta context, exact) and the
- * runtime's scratch (PLAN_RUNTIME_BYTES). */
-#define PLAN_RUNTIME_BYTES ((size_t)2 << 20)
+ * runtime's scratch (plan_runtime_bytes: it depends on the build's GEMM provider). */
+size_t plan_runtime_bytes(void);
 size_t plan_rss_overhead(const struct plan_rank *r);
 
 #ifdef __cplusplus

@@ -450,7 +450,7 @@ static void print_header(const struct opts *o, int ranks, const struct gpt_confi
   printf(
       "peak = the rank's arena (states + pool + activations + the rest) + %s of process "
       "and runtime\n\n",
-      mib((double)baseline + PLAN_RUNTIME_BYTES, a));
+      mib((double)baseline + plan_runtime_bytes(), a));
   printf("%-18s %9s %9s %9s %9s %9s  %-4s %10s %9s %9s %9s %10s\n", "layout", "states", "pool",
          "activ.", "rest", "peak", "fits", "sent/step", "compute", "comm", "step", "tokens/s");
 }
