@@ -20,6 +20,8 @@ import statistics
 import subprocess
 import sys
 
+from bench_stats import interval
+
 RATIOS = {"rtp_vs_ddp": "ddp", "rtp_vs_fsdp": "fsdp"}
 
 
@@ -40,11 +42,6 @@ def pairs(by):
     return {name: [o / r for o, r in zip(by[other]["steps_ms"], by["rtp"]["steps_ms"])]
             for name, other in RATIOS.items()}
 
-
-def interval(values, n=2000):
-    rng = random.Random(1)
-    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(n))
-    return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
 
 
 def main():

@@ -11,10 +11,11 @@ old/new ratios (above 1: new is faster) with its 95% bootstrap interval (fixed s
 """
 import argparse
 import json
-import random
 import statistics
 import subprocess
 import sys
+
+from bench_stats import interval
 
 
 def run(binary, args):
@@ -26,11 +27,6 @@ def run(binary, args):
         raise RuntimeError(f"{' '.join(cmd)} exited with {res.returncode}:\n{res.stderr[-2000:]}")
     return [json.loads(l) for l in res.stdout.splitlines() if l.startswith("{")]
 
-
-def interval(values, n=2000):
-    rng = random.Random(1)
-    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(n))
-    return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
 
 
 def main():
