@@ -26,7 +26,8 @@ test-release: build
 # OpenBLAS under ASan: oneDNN allocates its GEMM's packing buffers with malloc on every
 # call, which ASan's allocator holds on to (quarantine, redzones), so resident peaks run
 # 15-21% above what the planner predicts and test-plan fails. TSan keeps AUTO (oneDNN):
-# the tsan tests run clean with it (docs/core.md, "GEMM providers").
+# the tsan tests run clean with it (docs/core.md, "GEMM providers"). TSan builds without
+# -march=native, so the portable build (RTP_NATIVE=OFF) is compiled on every run too.
 test-asan: deps
 	cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=Debug -DRTP_SANITIZE='address;undefined' \
 	  -DRTP_BUILD_BENCH=OFF -DRTP_CUDA=OFF -DRTP_GEMM=BLAS $(CMAKE_FLAGS) >/dev/null
@@ -35,7 +36,8 @@ test-asan: deps
 
 test-tsan: deps
 	cmake -S . -B $(BUILD)-tsan -DCMAKE_BUILD_TYPE=Debug -DRTP_SANITIZE=thread \
-	  -DRTP_BUILD_BENCH=OFF -DRTP_BUILD_EXAMPLES=ON -DRTP_CUDA=OFF $(CMAKE_FLAGS) >/dev/null
+	  -DRTP_BUILD_BENCH=OFF -DRTP_BUILD_EXAMPLES=ON -DRTP_CUDA=OFF -DRTP_NATIVE=OFF \
+	  $(CMAKE_FLAGS) >/dev/null
 	cmake --build $(BUILD)-tsan -j $(JOBS)
 	cd $(BUILD)-tsan && ctest --output-on-failure -j $(JOBS) -L tsan
 

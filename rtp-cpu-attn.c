@@ -23,6 +23,9 @@ static int64_t min64(int64_t a, int64_t b) {
  * with -march=native, pairs of SSE registers without it). Locals of this type stay in
  * registers, where arrays of floats would be stored back to memory at every step. */
 typedef float v8f __attribute__((vector_size(32)));
+/* Without AVX (RTP_NATIVE=OFF) GCC warns that such values change the calling convention;
+ * every function here is static, so no call crosses an ABI boundary. */
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 static inline v8f load8(const float *p) {
   v8f v;
