@@ -377,6 +377,7 @@ TEST(TrainGptErrors, BadInputIsRefusedClearly) {
        2,
        "--unit 3 does not divide --micro-batches 4"},
       {{"--schedule", "2f2b"}, 2, "--schedule must be gpipe, 1f1b, eager-1f1b or zeropp"},
+      {{"--device", "gpu"}, 2, "--device must be auto, cpu or cuda, not 'gpu'"},
   };
   for (const BadCase &c : cases) {
     std::vector<std::string> argv = {TRAIN_GPT};
@@ -682,6 +683,25 @@ void expect_losses_of_one_process(const std::string &strategy) {
   expect_one_process_losses(two, "2 ranks (" + strategy + ")");
   EXPECT_NE(r.out.find("[0] step 10/10"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("[1] "), std::string::npos) << r.out;
+}
+
+// --device: auto is the CPU on a host without a GPU, and says so; cuda there is an error
+// with the reason (no CUDA in this build, no driver, no device), not a run on the CPU.
+TEST(TrainGptDevice, WithoutAGpuAutoIsTheCpuAndCudaIsRefused) {
+  if (rtp_backend_cuda_count() > 0) GTEST_SKIP() << "this host has a CUDA device";
+  const std::string flags =
+      "--config tiny --steps 3 --threads 1 --eval-windows 0 "
+      "--eval-problems 0 --log-every 3";
+  std::string a = tmp_dir() + "auto.jsonl", c = tmp_dir() + "cpu.jsonl";
+  Result r = run(train_gpt(flags, {"--metrics", a}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("; on cpu\n"), std::string::npos) << r.out;
+  ASSERT_EQ(run(train_gpt(flags + " --device cpu", {"--metrics", c})).code, 0);
+  EXPECT_EQ(metric(a, "loss"), metric(c, "loss"));
+  Result cuda = run(train_gpt(flags + " --device cuda", {}));
+  EXPECT_EQ(cuda.code, 1);
+  EXPECT_NE(cuda.err.find("train-gpt: --device cuda: "), std::string::npos) << cuda.err;
+  EXPECT_EQ(cuda.out.find("step"), std::string::npos) << cuda.out;
 }
 
 // A stranger floods rank 0's port while 2 ranks meet and train (~600 connections kept

@@ -37,6 +37,7 @@
 #include "eta.h"
 #include "lr-schedule.h"
 #include "gpt.h"
+#include "device.h"
 #include "gpt-hf.h"
 #include "rtp.h"
 #include "token-data.h"
@@ -68,12 +69,13 @@ struct options {
   const char *val_data, *data_format; /* data_format NULL: auto (token-data.h) */
   int vocab;                          /* -1: the file's (token-data.h) */
   const char *format;     /* --export's: pt (train-gpt's) or hf (Hugging Face GPT-2) */
-  const char *fused_attn; /* on | off: gpt_config's fused_attention */
+  const char *fused_attn; /* on | off: gpt_config's fused_attention; NULL: the device's */
+  const char *device;     /* auto | cpu | cuda (device.h) */
   bool eval_only, resume, bf16, recompute, tie_embeddings, help;
   bool keep_best; /* training: keep the best eval loss's checkpoint; reading: read it */
 };
 
-#define MAX_FLAGS 48
+#define MAX_FLAGS 56
 
 enum arg_kind { ARG_INT, ARG_I64, ARG_FLOAT, ARG_STR, ARG_BOOL };
 
@@ -127,7 +129,9 @@ static int flag_table(struct options *o, struct flag *f) {
       {"--recompute", ARG_BOOL, &o->recompute, NULL,
        "recompute each block's activations in backward (less memory)"},
       {"--fused-attn", ARG_STR, &o->fused_attn, "on|off",
-       "attention as one fused op, no T x T matrix in memory (default on)"},
+       "attention as one fused op, no T x T matrix in memory (default on; GPU: off)"},
+      {"--device", ARG_STR, &o->device, "D",
+       "auto | cpu | cuda: auto is the local rank's GPU if there is one (default auto)"},
       {"--bf16", ARG_BOOL, &o->bf16, NULL,
        "mixed precision: bf16 products (f32 sums, weights, Adam); rtp rotates bf16 blocks"},
       {"--data", ARG_STR, &o->data, "FILE",
@@ -273,7 +277,7 @@ static int parse_args(int argc, char **argv, struct options *o) {
                         .strategy = "rtp",
                         .schedule = "1f1b",
                         .format = "pt",
-                        .fused_attn = "on",
+                        .device = "auto",
                         .pp = 1,
                         .micro_batches = 1,
                         .vocab = -1,
@@ -436,6 +440,8 @@ static int check_options(const struct options *o) {
         "of %d)",
         o->pp, p.world_size, p.world_size, o->pp);
   if (o->prompt && !*o->prompt) return usage_error("--prompt must not be empty");
+  if (strcmp(o->device, "auto") && strcmp(o->device, "cpu") && strcmp(o->device, "cuda"))
+    return usage_error("--device must be auto, cpu or cuda, not '%s'", o->device);
   return check_hf_options(o);
 }
 
@@ -729,6 +735,7 @@ static void sample_batch(const struct dataset *d, uint64_t seed, int64_t step, u
 /* ---- the model and its graphs ---------------------------------------------------------- */
 
 struct trainer {
+  const struct device *dev; /* where ctx's data lives and the kernels run */
   struct rtp_context *meta; /* the one-device model: no_alloc, parameters hold no data */
   struct rtp_context *ctx;  /* this rank's parameters, states, graphs and activations */
   struct rtp_threadpool *tp;
@@ -738,8 +745,11 @@ struct trainer {
   struct rtp_comm *group, *pipe;
   struct rtp_parallel *par;
   struct gpt m; /* the one-device model (in meta) for one micro-batch: sizes and names */
-  /* Per micro-batch, this rank's inputs (NULL on a stage that does not read them). */
+  /* Per micro-batch, this rank's inputs (NULL on a stage that does not read them), and the
+   * host buffers they are filled from. */
+  struct rtp_tensor **idx_t, **tgt_t;
   int32_t **idx, **targets;
+  float *logits_row;              /* one position's logits, read from tr->logits */
   struct rtp_tensor *in, *logits; /* micro-batch 0's, which evaluation uses; or NULL */
   int32_t *eval_idx, *eval_tgt;   /* evaluation's inputs, on every rank */
   struct rtp_tensor *loss;        /* the mean over the global batch */
@@ -791,13 +801,28 @@ static double bf16_scratch(struct gpt_config c, int batch) {
   return 2 * floats * sizeof(float);
 }
 
-/* The rank's graphs and their tensor headers come on top of what gpt_arena_size counts.
- * Summed in double (exact below 2^53 bytes): SIZE_MAX if past 64 bits. */
+/* The rank's tensor data (gpt_arena_size) and its graphs with their tensor headers, which
+ * on a device live in two arenas, and on the CPU in one. Summed in double (exact below
+ * 2^53 bytes): SIZE_MAX if past 64 bits. */
+static double data_bytes(struct gpt_config c, const struct options *o) {
+  return (double)gpt_arena_size(c, o->batch) + (o->bf16 ? bf16_scratch(c, o->batch) : 0);
+}
+
+static double graph_bytes(struct gpt_config c, int world, const struct options *o) {
+  return (double)parallel_graph_size(c, world, o) * 1024 + (1u << 20);
+}
+
 static size_t arena_size(struct gpt_config c, int world, const struct options *o) {
-  double bytes = (double)gpt_arena_size(c, o->batch) +
-                 (double)parallel_graph_size(c, world, o) * 1024 + (1u << 20) +
-                 (o->bf16 ? bf16_scratch(c, o->batch) : 0);
+  double bytes = data_bytes(c, o) + graph_bytes(c, world, o);
   return bytes < 0x1p63 ? (size_t)bytes : SIZE_MAX;
+}
+
+static struct rtp_init_params context_params(const struct device *dev, struct gpt_config c,
+                                             int world, const struct options *o) {
+  if (!dev->b) return (struct rtp_init_params){.mem_size = arena_size(c, world, o)};
+  return (struct rtp_init_params){.mem_size = (size_t)graph_bytes(c, world, o),
+                                  .backend = dev->b,
+                                  .data_size = (size_t)data_bytes(c, o)};
 }
 
 /* Sizes whose counts overflow (the graph's nodes are an int, the arena's bytes 64 bits)
@@ -863,6 +888,7 @@ static int join_job(struct trainer *tr, const struct options *o) {
   tr->per_stage = p.world_size / o->pp;
   tr->head = (tr->stages - 1) * tr->per_stage;
   if (p.world_size == 1) return RTP_OK;
+  device_choose_transport(tr->dev, local_ranks(), &p);
   rc = rtp_comm_init(&p, &tr->comm);
   if (rc) return fail(rc, "rank %d of %d: joining the job", p.rank, p.world_size);
   if (o->pp == 1) {
@@ -937,24 +963,49 @@ static struct rtp_parallel_params parallel_params(const struct trainer *tr, stru
   return pp;
 }
 
-/* Micro-batch k's inputs, where this rank's stage reads them. */
+/* Micro-batch k's inputs, where this rank's stage reads them, with host buffers to fill
+ * them from (the tensors may be in device memory). */
 static int find_inputs(struct trainer *tr) {
-  tr->idx = calloc((size_t)tr->micro, sizeof(*tr->idx));
-  tr->targets = calloc((size_t)tr->micro, sizeof(*tr->targets));
-  size_t n = (size_t)tr->m.batch * (size_t)tr->m.cfg.seq_len;
+  size_t n = (size_t)tr->m.batch * (size_t)tr->m.cfg.seq_len, m = (size_t)tr->micro;
+  tr->idx_t = calloc(m, sizeof(*tr->idx_t));
+  tr->tgt_t = calloc(m, sizeof(*tr->tgt_t));
+  tr->idx = calloc(m, sizeof(*tr->idx));
+  tr->targets = calloc(m, sizeof(*tr->targets));
   tr->eval_idx = calloc(n, sizeof(int32_t));
   tr->eval_tgt = calloc(n, sizeof(int32_t));
-  if (!tr->idx || !tr->targets || !tr->eval_idx || !tr->eval_tgt)
-    return fail(RTP_ENOMEM, "the inputs");
-  for (int k = 0; k < tr->micro; k++) {
-    struct rtp_tensor *i = rtp_parallel_micro_tensor(tr->par, tr->m.idx, k);
-    struct rtp_tensor *t = rtp_parallel_micro_tensor(tr->par, tr->m.targets, k);
-    tr->idx[k] = i ? i->data : NULL;
-    tr->targets[k] = t ? t->data : NULL;
+  tr->logits_row = calloc((size_t)tr->m.cfg.vocab, sizeof(float));
+  bool ok = tr->idx_t && tr->tgt_t && tr->idx && tr->targets && tr->eval_idx && tr->eval_tgt &&
+            tr->logits_row;
+  for (int k = 0; k < tr->micro && ok; k++) {
+    tr->idx_t[k] = rtp_parallel_micro_tensor(tr->par, tr->m.idx, k);
+    tr->tgt_t[k] = rtp_parallel_micro_tensor(tr->par, tr->m.targets, k);
+    if (tr->idx_t[k]) ok = (tr->idx[k] = malloc(rtp_tensor_nbytes(tr->idx_t[k])));
+    if (tr->tgt_t[k] && ok) ok = (tr->targets[k] = malloc(rtp_tensor_nbytes(tr->tgt_t[k])));
   }
+  if (!ok) return fail(RTP_ENOMEM, "the inputs");
   tr->in = rtp_parallel_tensor(tr->par, tr->m.idx);
   tr->logits = rtp_parallel_tensor(tr->par, tr->m.logits);
   return RTP_OK;
+}
+
+/* The batch sample_batch wrote, into the graph's inputs. */
+static int upload_batch(struct trainer *tr) {
+  int rc = RTP_OK;
+  for (int k = 0; k < tr->micro && !rc; k++) {
+    if (tr->idx_t[k])
+      rc = rtp_tensor_set(tr->idx_t[k], tr->idx[k], 0, rtp_tensor_nbytes(tr->idx_t[k]));
+    if (tr->tgt_t[k] && !rc)
+      rc = rtp_tensor_set(tr->tgt_t[k], tr->targets[k], 0, rtp_tensor_nbytes(tr->tgt_t[k]));
+  }
+  return rc;
+}
+
+/* The vocab logits of row b at position t (micro-batch 0's, on tr->head), in host memory. */
+static const float *logits_at(struct trainer *tr, int b, int t) {
+  size_t V = (size_t)tr->m.cfg.vocab;
+  size_t first = ((size_t)b * (size_t)tr->m.cfg.seq_len + (size_t)t) * V * sizeof(float);
+  if (rtp_tensor_get(tr->logits, tr->logits_row, first, V * sizeof(float))) return NULL;
+  return tr->logits_row;
 }
 
 /* The model once, as for one device and one micro-batch, then this rank's training graph
@@ -968,8 +1019,10 @@ static int parallelize(struct trainer *tr, struct gpt_config c, const struct opt
   tr->accum = o->grad_accum;
   tr->meta =
       rtp_context_new((struct rtp_init_params){.mem_size = meta_bytes, .no_alloc = true});
-  tr->ctx = rtp_context_new((struct rtp_init_params){.mem_size = arena_size(c, tr->world, o)});
-  if (!tr->meta || !tr->ctx) return fail(RTP_ENOMEM, "creating the arena");
+  tr->ctx = rtp_context_new(context_params(tr->dev, c, tr->world, o));
+  if (!tr->meta || !tr->ctx)
+    return fail(RTP_ENOMEM, "creating the arena%s%s", tr->dev->b ? " on " : "",
+                tr->dev->b ? tr->dev->name : "");
   struct rtp_graph *fwd = rtp_graph_new(tr->meta, graph_size(c));
   if (!fwd || gpt_build(tr->meta, &tr->m, c, o->batch / o->micro_batches) ||
       rtp_graph_build(fwd, tr->m.loss))
@@ -1014,10 +1067,15 @@ static int build_graphs(struct trainer *tr, bool train) {
 
 /* train: plan the training graph and make the optimizer (not for --eval-only or a
  * checkpoint read). */
-static int trainer_init(struct trainer *tr, struct gpt_config c, const struct options *o,
-                        bool train) {
-  *tr = (struct trainer){
-      .world = 1, .rank = 0, .stages = 1, .per_stage = 1, .saved = -1, .best_loss = INFINITY};
+static int trainer_init(struct trainer *tr, const struct device *dev, struct gpt_config c,
+                        const struct options *o, bool train) {
+  *tr = (struct trainer){.dev = dev,
+                         .world = 1,
+                         .rank = 0,
+                         .stages = 1,
+                         .per_stage = 1,
+                         .saved = -1,
+                         .best_loss = INFINITY};
   int rc = join_job(tr, o);
   if (!rc) rc = parallelize(tr, c, o);
   if (!rc) rc = build_graphs(tr, train);
@@ -1041,6 +1099,13 @@ static void trainer_free(struct trainer *tr) {
   rtp_threadpool_free(tr->tp);
   rtp_context_free(tr->ctx);
   rtp_context_free(tr->meta);
+  for (int k = 0; k < tr->micro && tr->idx && tr->targets; k++) {
+    free(tr->idx[k]);
+    free(tr->targets[k]);
+  }
+  free(tr->idx_t);
+  free(tr->tgt_t);
+  free(tr->logits_row);
   free(tr->idx);
   free(tr->targets);
   free(tr->eval_idx);
@@ -1068,17 +1133,33 @@ static size_t largest_param_bytes(const struct gpt *m) {
   return n * sizeof(float);
 }
 
+/* Host room for a whole parameter (full) and then for this rank's part of it. */
+static float *param_buffers(const struct gpt *m, float **part) {
+  size_t n = largest_param_bytes(m) / sizeof(float);
+  float *full = malloc(2 * n * sizeof(float));
+  *part = full ? full + n : NULL;
+  return full;
+}
+
+/* This rank's part of parameter p, out of all of its values in full, into its tensor,
+ * which may be in device memory, through part. */
+static int put_param(struct trainer *tr, const struct rtp_tensor *p, const float *full,
+                     float *part) {
+  struct rtp_tensor *mine = rtp_parallel_tensor(tr->par, p);
+  int rc = rtp_parallel_shard_copy(tr->par, p, full, part);
+  return rc ? rc : rtp_tensor_set(mine, part, 0, rtp_tensor_nbytes(mine));
+}
+
 /* Every rank computes each whole parameter of its stage from its own stream and keeps its
  * part (a block of rows, or tp's pieces), so every layout starts from the same model. */
 static int init_weights(struct trainer *tr, uint64_t seed) {
-  float *full = malloc(largest_param_bytes(&tr->m));
+  float *part, *full = param_buffers(&tr->m, &part);
   if (!full) return fail(RTP_ENOMEM, "initialising the weights");
   int rc = RTP_OK;
   for (int i = 0; i < tr->m.n_params && !rc; i++) {
-    struct rtp_tensor *mine = rtp_parallel_tensor(tr->par, tr->m.params[i]);
-    if (!mine) continue; /* another stage's */
+    if (!rtp_parallel_tensor(tr->par, tr->m.params[i])) continue; /* another stage's */
     gpt_init_tensor(&tr->m, i, seed, full);
-    rc = rtp_parallel_shard_copy(tr->par, tr->m.params[i], full, mine->data);
+    rc = put_param(tr, tr->m.params[i], full, part);
   }
   free(full);
   return rc ? fail(rc, "initialising the weights") : RTP_OK;
@@ -1101,7 +1182,8 @@ static int accumulate_step(struct trainer *tr, const struct dataset *d, uint64_t
     sample_batch(d, seed, step, window_first(tr, k), tr->batch, tr->micro, tr->m.cfg.seq_len,
                  tr->idx, tr->targets);
     float l = 0;
-    rc = rtp_graph_compute(tr->train, tr->tp);
+    rc = upload_batch(tr);
+    if (!rc) rc = rtp_graph_compute(tr->train, tr->tp);
     if (!rc) rc = rtp_tensor_get_f32(tr->loss, 0, &l);
     sum += l;
   }
@@ -1125,20 +1207,19 @@ static int train_step(struct trainer *tr, const struct dataset *d, uint64_t seed
 /* ---- evaluation ------------------------------------------------------------------------ */
 
 /* Sum over the T positions of row b of -log softmax(logits)[target]. */
-static double row_loss(const struct trainer *tr, int b) {
+static int row_loss(struct trainer *tr, int b, double *sum) {
   int V = tr->m.cfg.vocab, T = tr->m.cfg.seq_len;
-  const float *logits = tr->logits->data;
   const int32_t *tgt = tr->eval_tgt;
-  double sum = 0;
   for (int t = 0; t < T; t++) {
-    const float *l = logits + ((size_t)b * T + t) * V;
+    const float *l = logits_at(tr, b, t);
+    if (!l) return RTP_EINVAL;
     float mx = l[0];
     for (int v = 1; v < V; v++) mx = l[v] > mx ? l[v] : mx;
     double z = 0;
     for (int v = 0; v < V; v++) z += exp((double)l[v] - mx);
-    sum += log(z) + mx - l[tgt[b * T + t]];
+    *sum += log(z) + mx - l[tgt[b * T + t]];
   }
-  return sum;
+  return RTP_OK;
 }
 
 /* Fills row b of the inputs with the window of T + 1 tokens of s at w (zeros if s is
@@ -1154,8 +1235,8 @@ static void set_window(struct trainer *tr, int b, const struct token_span *s, si
 
 /* The forward of evaluation's inputs, to the logits on tr->head. */
 static int eval_forward(struct trainer *tr) {
-  if (tr->in) memcpy(tr->in->data, tr->eval_idx, rtp_tensor_nbytes(tr->in));
-  return rtp_graph_compute(tr->eval, tr->tp);
+  int rc = tr->in ? rtp_tensor_set(tr->in, tr->eval_idx, 0, rtp_tensor_nbytes(tr->in)) : 0;
+  return rc ? rc : rtp_graph_compute(tr->eval, tr->tp);
 }
 
 /* tr->head's n bytes at buf, on every rank. Decoding feeds each pick back as the next
@@ -1200,8 +1281,9 @@ static int evaluate(struct trainer *tr, const struct dataset *d, int64_t n, doub
     for (int b = 0; b < B; b++)
       set_window(tr, b, first + b < n ? &d->held : NULL, (size_t)(first + b) * (size_t)T);
     int rc = eval_forward(tr);
+    for (int b = 0; b < B && first + b < n && tr->rank == tr->head && !rc; b++)
+      rc = row_loss(tr, b, &sum);
     if (rc) return fail(rc, "evaluation");
-    for (int b = 0; b < B && first + b < n && tr->rank == tr->head; b++) sum += row_loss(tr, b);
   }
   *loss = sum / ((double)n * T);
   return tr->stages > 1 ? share_head(tr, loss, sizeof(*loss), "evaluation loss") : RTP_OK;
@@ -1274,10 +1356,10 @@ static int solve_batch(struct trainer *tr, const struct problem *p, int n, int *
     for (int b = 0; b < n; b++) {
       int pos = p[b].prompt_len + len[b];
       live[b] = !(len[b] && got[b][len[b] - 1] == '\n') && pos < T;
-      if (live[b] && tr->rank == tr->head)
-        idx[b * T + pos] = pick_byte((const float *)tr->logits->data +
-                                         ((size_t)b * T + (size_t)pos - 1) * tr->m.cfg.vocab,
-                                     tr->m.cfg.vocab, 0, NULL);
+      if (!live[b] || tr->rank != tr->head) continue;
+      const float *l = logits_at(tr, b, pos - 1);
+      if (!l) return fail(RTP_EINVAL, "decoding");
+      idx[b * T + pos] = pick_byte(l, tr->m.cfg.vocab, 0, NULL);
     }
     size_t bytes = (size_t)tr->m.batch * (size_t)T * sizeof(int32_t);
     if ((rc = share_head(tr, idx, bytes, "picks"))) return rc;
@@ -1583,18 +1665,17 @@ static int check_hf_init(const struct trainer *tr, struct rtp_safetensors *st,
  * a rank's rows are not rows of the file) and keeps its part. */
 static int load_hf_init(struct trainer *tr, struct rtp_safetensors *st, const char *path) {
   int rc = check_hf_init(tr, st, path);
-  float *full = rc ? NULL : malloc(largest_param_bytes(&tr->m));
+  float *part, *full = rc ? NULL : param_buffers(&tr->m, &part);
   if (!rc && !full) rc = fail(RTP_ENOMEM, "--init %s", path);
   for (int i = 0; i < tr->m.n_params && !rc; i++) {
     const struct rtp_tensor *p = tr->m.params[i];
-    struct rtp_tensor *mine = rtp_parallel_tensor(tr->par, p);
-    if (!mine) continue; /* another stage's */
+    if (!rtp_parallel_tensor(tr->par, p)) continue; /* another stage's */
     if (gpt_hf_read(st, p, full)) {
       fprintf(stderr, "train-gpt: --init %s: %s\n", path, gpt_hf_error());
       rc = RTP_EFORMAT;
       break;
     }
-    rc = rtp_parallel_shard_copy(tr->par, p, full, mine->data);
+    rc = put_param(tr, p, full, part);
     if (rc) rc = fail(rc, "--init %s", path);
   }
   free(full);
@@ -1612,7 +1693,7 @@ static int load_init(struct trainer *tr, struct rtp_safetensors *st, const char 
   struct rtp_context *hdr =
       tp ? rtp_context_new((struct rtp_init_params){.mem_size = hdr_bytes, .no_alloc = true})
          : NULL;
-  float *full = tp ? malloc(largest_param_bytes(&tr->m)) : NULL;
+  float *part = NULL, *full = tp ? param_buffers(&tr->m, &part) : NULL;
   int rc = tp && (!hdr || !full) ? RTP_ENOMEM : RTP_OK;
   for (int i = 0; i < tr->m.n_params && !rc; i++) {
     const struct rtp_tensor *p = tr->m.params[i];
@@ -1631,7 +1712,7 @@ static int load_init(struct trainer *tr, struct rtp_safetensors *st, const char 
     }
     whole->data = full;
     rc = rtp_safetensors_read(st, p->name, whole);
-    if (!rc) rc = rtp_parallel_shard_copy(tr->par, p, full, mine->data);
+    if (!rc) rc = put_param(tr, p, full, part);
   }
   rtp_context_free(hdr);
   free(full);
@@ -1641,17 +1722,25 @@ static int load_init(struct trainer *tr, struct rtp_safetensors *st, const char 
 /* A model with NaN or infinite weights would train on NaN and sample byte 0 forever:
  * refused, naming the first such tensor of this rank's part. */
 static int check_init_finite(const struct trainer *tr, const char *path) {
-  for (int i = 0; i < tr->m.n_params; i++) {
+  float *v = malloc(largest_param_bytes(&tr->m));
+  int rc = v ? RTP_OK : fail(RTP_ENOMEM, "--init %s", path);
+  for (int i = 0; i < tr->m.n_params && !rc; i++) {
     const struct rtp_tensor *mine = rtp_parallel_tensor(tr->par, tr->m.params[i]);
-    const float *v = mine ? mine->data : NULL;
-    for (int64_t j = 0; v && j < rtp_tensor_nelements(mine); j++)
+    if (!mine) continue; /* another stage's */
+    if ((rc = rtp_tensor_get(mine, v, 0, rtp_tensor_nbytes(mine)))) {
+      rc = fail(rc, "--init %s", path);
+      break;
+    }
+    for (int64_t j = 0; j < rtp_tensor_nelements(mine); j++)
       if (!isfinite(v[j])) {
         fprintf(stderr, "train-gpt: --init %s: %s holds %f: the weights must be finite\n", path,
                 tr->m.params[i]->name, v[j]);
-        return RTP_EINVAL;
+        rc = RTP_EINVAL;
+        break;
       }
   }
-  return RTP_OK;
+  free(v);
+  return rc;
 }
 
 /* tp: parameter i whole into full, on every rank. A replicated one is whole everywhere;
@@ -1662,8 +1751,8 @@ static int gather_tp_param(struct trainer *tr, int i, float *full) {
   const struct rtp_tensor *p = tr->m.params[i], *mine = rtp_parallel_tensor(tr->par, p);
   size_t n = (size_t)rtp_tensor_nelements(p), local = (size_t)rtp_tensor_nelements(mine);
   if (local == n) {
-    memcpy(full, mine->data, n * sizeof(float));
-    return RTP_OK;
+    int rc = rtp_tensor_get(mine, full, 0, n * sizeof(float));
+    return rc ? fail(rc, "gathering %s", p->name) : RTP_OK;
   }
   uint32_t *iota = malloc(n * sizeof(uint32_t)), *where = malloc(n * sizeof(uint32_t));
   float *pieces = malloc(n * sizeof(float));
@@ -1675,7 +1764,8 @@ static int gather_tp_param(struct trainer *tr, int i, float *full) {
                                  (float *)(void *)(where + (size_t)tr->rank * local));
   if (!rc)
     rc = rtp_comm_allgather(tr->comm, where, (size_t)tr->world, local * sizeof(*where), NULL);
-  if (!rc) memcpy(pieces + (size_t)tr->rank * local, mine->data, local * sizeof(float));
+  if (!rc)
+    rc = rtp_tensor_get(mine, pieces + (size_t)tr->rank * local, 0, local * sizeof(float));
   if (!rc)
     rc = rtp_comm_allgather(tr->comm, pieces, (size_t)tr->world, local * sizeof(float), NULL);
   for (size_t e = 0; e < n && !rc; e++) full[where[e]] = pieces[e];
@@ -1697,8 +1787,8 @@ static int gather_param(struct trainer *tr, int i, float *full) {
   if (mine) {
     int64_t first, row;
     param_block(tr, i, &first, &row);
-    memcpy(full + first * row, mine->data, rtp_tensor_nbytes(mine));
-    if (tr->group && tr->strategy != RTP_STRATEGY_DDP)
+    rc = rtp_tensor_get(mine, full + first * row, 0, rtp_tensor_nbytes(mine));
+    if (!rc && tr->group && tr->strategy != RTP_STRATEGY_DDP)
       rc = rtp_comm_allgather(tr->group, full, (size_t)(rtp_tensor_nelements(p) / row),
                               (size_t)row * sizeof(float), NULL);
   }
@@ -2316,11 +2406,11 @@ static void print_model(const struct trainer *tr, const struct options *o) {
   if (c.vocab != 256) snprintf(data, sizeof(data), ", vocabulary %d", c.vocab);
   printf(
       "model: %d layers, d_model %d, %d heads, seq_len %d, %.2fM parameters%s%s; batch "
-      "%d%s%s%s, lr %g, %s data%s%s\n",
+      "%d%s%s%s, lr %g, %s data%s%s; on %s\n",
       c.n_layer, c.d_model, c.n_head, c.seq_len, gpt_n_params(c) / 1e6, data,
       c.tie_embeddings ? " (tied embeddings)" : "", o->batch, micro, ranks, accum, o->lr,
       o->data ? o->data : "built-in addition", o->val_data ? ", evaluated on " : "",
-      o->val_data ? o->val_data : "");
+      o->val_data ? o->val_data : "", tr->dev->name);
   fflush(stdout); /* before the slow work: under rtp-run stdout is a pipe */
 }
 
@@ -2331,15 +2421,20 @@ static int run(struct options *o) {
   struct dataset data = {0};
   struct prompt prompt = {0};
   struct trainer tr = {0};
+  struct device dev;
   FILE *metrics = NULL;
   int64_t first = 0; /* the step the weights are at: 0, or their checkpoint's */
-  int rc = !reads_checkpoint(o) ? RTP_OK
-           : o->keep_best       ? rtp_ckpt_open_best(o->ckpt_dir, &ck)
-                                : rtp_ckpt_open(o->ckpt_dir, &ck);
-  if (rc) rc = fail(rc, "--ckpt-dir %s", o->ckpt_dir);
+  int rc = device_open(o->device, &dev);
+  if (rc) rc = fail(rc, "--device %s", o->device);
+  /* The CUDA backend has no fused attention kernel yet (docs/attention.md). */
+  if (!o->fused_attn) o->fused_attn = device_is_gpu(&dev) ? "off" : "on";
+  if (!rc && reads_checkpoint(o)) {
+    rc = o->keep_best ? rtp_ckpt_open_best(o->ckpt_dir, &ck) : rtp_ckpt_open(o->ckpt_dir, &ck);
+    if (rc) rc = fail(rc, "--ckpt-dir %s", o->ckpt_dir);
+  }
   if (!rc) rc = open_inputs(o, ck, &init, &cfg, &data);
   if (!rc && o->sample) rc = parse_prompt(o, cfg.vocab, &prompt);
-  if (!rc) rc = trainer_init(&tr, cfg, o, !o->eval_only && !ck);
+  if (!rc) rc = trainer_init(&tr, &dev, cfg, o, !o->eval_only && !ck);
   bool trains = !o->eval_only && !ck && o->steps > 0;
   if (!rc && trains && shows_progress(&tr)) print_model(&tr, o);
   if (!rc && !o->resume) rc = resolve_schedule(o, NULL);
@@ -2360,6 +2455,7 @@ static int run(struct options *o) {
   if (!rc && o->sample) rc = run_sample(&tr, &data, o, &prompt);
   if (metrics && fclose(metrics) && !rc) rc = fail(RTP_EIO, "--metrics %s", o->metrics);
   trainer_free(&tr);
+  device_close(&dev);
   rtp_ckpt_close(ck);
   rtp_safetensors_close(init);
   free(data.file);

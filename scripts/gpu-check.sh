@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# One command that checks a machine with NVIDIA GPUs: builds rtp for the local GPU and runs,
+# each step bounded in time and printing a JSON line (also in OUTDIR/gpu-check.jsonl):
+#   env        the GPUs, driver, toolkit and PyTorch found
+#   build      Release, for this GPU's architecture only, on every core
+#   test-cuda  every kernel against the CPU, a GPT training step
+#   test-nccl  the NCCL transport (one GPU: one rank; two or more: the ranks)
+#   test-cuda-ranks  N ranks on N GPUs over NCCL, and two ranks sharing GPU 0 over TCP
+#   train-f32, train-bf16   train-gpt --config small on the GPU and on the CPU, same seed
+#   shared-gpu  two ranks of train-gpt on GPU 0 over TCP against two ranks on the CPU
+#   speed      bench/gpu-speed.sh: tokens/s against PyTorch (where python3 has torch)
+#   summary    how many steps passed, failed and were skipped
+# Everything it writes is under OUTDIR (default ./gpu-check-out); it needs no network.
+# Dependencies: the CUDA toolkit (nvcc, cuBLAS), NCCL (or PyTorch's wheel of it), CMake, a
+# C/C++ compiler; libuv, OpenBLAS, OpenSSL and GoogleTest from the system or, without apt,
+# from Debian packages carried in RTP_DEPS_DIR (scripts/deps.sh --download / --unpack).
+# RTP_GPU_CHECK_BUILD=DIR skips the build step and uses DIR's programs.
+set -uo pipefail
+src=$(cd "$(dirname "$0")/.." && pwd)
+out=$(mkdir -p "${1:-gpu-check-out}" && cd "${1:-gpu-check-out}" && pwd)
+jsonl=$out/gpu-check.jsonl
+: >"$jsonl"
+passed=0 failed=0 skipped=0
+t_start=$(date +%s.%N)
+
+json_str() { python3 -c 'import json,sys; print(json.dumps(sys.argv[1]))' "$1"; }
+since() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
+
+# record NAME STATUS SECONDS DETAIL: one JSON line on stdout and in the .jsonl
+record() {
+  local line
+  line=$(printf '{"check": "%s", "status": "%s", "seconds": %.1f, "detail": %s}' \
+    "$1" "$2" "$3" "$(json_str "$4")")
+  echo "$line" | tee -a "$jsonl"
+  case $2 in pass) passed=$((passed + 1)) ;; skip) skipped=$((skipped + 1)) ;;
+    *) failed=$((failed + 1)) ;; esac
+}
+
+# step NAME LIMIT_S CMD...: runs CMD under a time limit, its output in OUTDIR/NAME.log;
+# status pass (exit 0), skip (exit 77), timeout (124) or fail; detail: the log's last line.
+step() {
+  local name=$1 limit=$2 t0 rc status
+  shift 2
+  t0=$(date +%s.%N)
+  timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
+  rc=$?
+  case $rc in 0) status=pass ;; 77) status=skip ;; 124 | 137) status=timeout ;; *) status=fail ;; esac
+  record "$name" "$status" "$(since "$t0")" \
+    "$(grep -v '^\s*$' "$out/$name.log" | tail -1 | cut -c1-300)"
+  return $rc
+}
+
+# A GoogleTest program, then a line of its counts: skip (77) when every test it ran skipped.
+gtest_run() {
+  local log rc ran skipped
+  log=$("$1" 2>&1)
+  rc=$?
+  echo "$log"
+  [ $rc -ne 0 ] && return $rc
+  ran=$(echo "$log" | sed -n 's/^\[==========\] \([0-9]*\) tests\? from .* ran\..*/\1/p')
+  skipped=$(echo "$log" | sed -n 's/^\[  SKIPPED \] \([0-9]*\) tests\?, listed below:/\1/p')
+  echo "$ran tests: $((ran - ${skipped:-0})) passed, ${skipped:-0} skipped"
+  [ -n "$ran" ] && [ "$ran" = "${skipped:-0}" ] && return 77
+  return 0
+}
+
+gtest_step() {
+  step "$1" "$2" bash -c "$(declare -f gtest_run); gtest_run \"\$1\"" _ "$3"
+}
+
+# ---- env ---------------------------------------------------------------------------------
+t0=$(date +%s.%N)
+gpus=$(nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv,noheader 2>&1)
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' .')
+torch_v=$(python3 -c 'import torch; print(torch.__version__)' 2>/dev/null || echo none)
+nvcc_v=$(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' || echo "no nvcc")
+if [ "$ngpu" -gt 0 ] && [ -n "$cap" ]; then
+  record env pass "$(since "$t0")" \
+    "$ngpu GPU(s): $(echo "$gpus" | paste -sd';'); CUDA $nvcc_v; torch $torch_v"
+else
+  record env fail "$(since "$t0")" "no GPU found: $gpus"
+fi
+
+# ---- build -------------------------------------------------------------------------------
+if [ -n "${RTP_DEPS_DIR:-}" ]; then
+  bash "$src/scripts/deps.sh" --unpack "$RTP_DEPS_DIR" >/dev/null && . "$RTP_DEPS_DIR/env.sh"
+fi
+# NCCL: the toolkit's, or else the one PyTorch's wheel carries.
+nccl_flags=()
+if ! ls /usr/include/nccl.h /usr/local/cuda/include/nccl.h >/dev/null 2>&1; then
+  nccl=$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null)
+  [ -n "$nccl" ] && nccl_flags=(-DNCCL_INCLUDE_DIR="$nccl/include"
+                                -DNCCL_LIBRARY="$nccl/lib/libnccl.so.2")
+fi
+build=${RTP_GPU_CHECK_BUILD:-$out/build}
+targets=(test-cuda test-nccl test-cuda-ranks train-gpt rtp-run bench-gpu)
+if [ -z "${RTP_GPU_CHECK_BUILD:-}" ]; then
+  step build 420 bash -c 'cmake -S "$1" -B "$2" -DCMAKE_BUILD_TYPE=Release -DRTP_CUDA=ON \
+      -DRTP_CUDA_ARCHS="$3-real" "${@:5}" && cmake --build "$2" -j "$(nproc)" --target $4' \
+    _ "$src" "$build" "$cap" "${targets[*]}" "${nccl_flags[@]}" ||
+    echo "gpu-check: the build failed: $out/build.log (missing libraries: RTP_DEPS_DIR, scripts/deps.sh)" >&2
+fi
+
+# ---- tests -------------------------------------------------------------------------------
+gtest_step test-cuda 300 "$build/tests/test-cuda"
+gtest_step test-nccl 240 "$build/tests/test-nccl"
+gtest_step test-cuda-ranks 420 "$build/tests/test-cuda-ranks"
+
+# ---- train-gpt on the GPU against the CPU ------------------------------------------------
+# losses A B TOL: the largest relative difference of the two metrics files' losses, which
+# must have the same steps; exit 1 above TOL.
+losses_agree() {
+  python3 - "$@" <<'PY'
+import json, sys
+a, b, tol = sys.argv[1], sys.argv[2], float(sys.argv[3])
+def read(p):
+    return {r["step"]: r["loss"] for r in map(json.loads, open(p)) if "loss" in r}
+la, lb = read(a), read(b)
+if not la or la.keys() != lb.keys():
+    sys.exit(f"the runs logged different steps: {sorted(la)[:5]} vs {sorted(lb)[:5]}")
+d = max(abs(la[s] - lb[s]) / max(abs(lb[s]), 1e-12) for s in la)
+print(f"{len(la)} steps, largest relative loss difference {d:.2e} (tolerance {tol:g}); "
+      f"last loss {la[max(la)]:.5f} vs {lb[max(lb)]:.5f}")
+sys.exit(0 if d <= tol else 1)
+PY
+}
+
+train=(--config small --steps 30 --log-every 10 --eval-windows 0 --eval-problems 0
+       --fused-attn off --seed 7)
+for prec in f32 bf16; do
+  flags=()
+  tol=1e-4
+  [ $prec = bf16 ] && flags=(--bf16) && tol=1e-2
+  step "train-$prec" 300 bash -c '"$1/examples/train-gpt" "${@:4}" --device cuda --metrics "$2/gpu-$3.jsonl" &&
+      "$1/examples/train-gpt" "${@:4}" --device cpu --metrics "$2/cpu-$3.jsonl"' \
+    _ "$build" "$out" "$prec" "${train[@]}" "${flags[@]}" &&
+    step "train-$prec-agree" 30 losses_agree "$out/gpu-$prec.jsonl" "$out/cpu-$prec.jsonl" "$tol"
+done
+
+# ---- two ranks on one GPU over TCP -------------------------------------------------------
+shared=(--config small --steps 20 --log-every 10 --eval-windows 0 --eval-problems 0
+        --fused-attn off --seed 7)
+step shared-gpu 300 bash -c 'RTP_BACKEND=tcp CUDA_VISIBLE_DEVICES=0 "$1/tools/rtp-run" -n 2 -- \
+      "$1/examples/train-gpt" "${@:3}" --device cuda --metrics "$2/shared-gpu.jsonl" &&
+    "$1/tools/rtp-run" -n 2 -- "$1/examples/train-gpt" "${@:3}" --device cpu \
+      --metrics "$2/shared-cpu.jsonl"' _ "$build" "$out" "${shared[@]}" &&
+  step shared-gpu-agree 30 losses_agree "$out/shared-gpu.jsonl" "$out/shared-cpu.jsonl" 1e-4
+
+# ---- speed -------------------------------------------------------------------------------
+step speed 300 env RTP_BUILD="$build" bash "$src/bench/gpu-speed.sh" "$out"
+
+total=$(since "$t_start")
+summary=$(printf '{"check": "summary", "passed": %d, "failed": %d, "skipped": %d, "seconds": %.1f}' \
+  $passed $failed $skipped "$total")
+echo "$summary" | tee -a "$jsonl"
+[ $failed -eq 0 ]
