@@ -75,6 +75,16 @@ struct rtp_backend {
 struct rtp_backend *rtp__tensor_backend(const struct rtp_tensor *t);
 struct rtp_backend *rtp__ctx_backend(const struct rtp_context *ctx);
 
+/* rtp-sim.c: controls of the simulated device for tests (rtp_backend_sim_new). Which
+ * stream runs when both may (random: drawn from the seed), and the control run that drops
+ * every wait (results must then differ). RTP_EINVAL if b is not a simulated device. */
+enum rtp__sim_order { RTP__SIM_RANDOM, RTP__SIM_COMPUTE_FIRST, RTP__SIM_COMM_FIRST };
+int rtp__sim_set_order(struct rtp_backend *b, enum rtp__sim_order order);
+int rtp__sim_drop_waits(struct rtp_backend *b, bool drop);
+/* Host copies (set, get, zero) made while work was queued: the executor never makes one,
+ * so tests expect 0; -1 if b is not a simulated device. */
+long rtp__sim_host_touches_while_busy(struct rtp_backend *b);
+
 #ifdef RTP_HAVE_CUDA
 /* rtp-cuda.cu */
 int rtp__cuda_backend_new(int device, struct rtp_backend **out);

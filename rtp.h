@@ -212,6 +212,14 @@ RTP_API int rtp_backend_cuda_count(void);
 /* A backend on CUDA device `device`: RTP_ENOSYS if the build has no CUDA backend, RTP_EINVAL
  * if there is no such device. One backend per device and process. */
 RTP_API int rtp_backend_cuda_new(int device, struct rtp_backend **out);
+/* A device for testing a program's device path on a machine without a GPU. Its memory is
+ * host memory the host cannot read or write except through the backend (rtp_tensor_set,
+ * rtp_tensor_get and the setters built on them), so code that touches t->data of a device
+ * tensor faults at once instead of silently working; its two streams run only at sync, in
+ * an order drawn from seed among those the recorded events allow. Kernels are the CPU's (one
+ * thread), transfers the communicator's. rtp_backend_name gives "sim"; rtp_backend_free
+ * frees it. RTP_EINVAL for a NULL out, RTP_ENOMEM. */
+RTP_API int rtp_backend_sim_new(unsigned seed, struct rtp_backend **out);
 RTP_API void rtp_backend_free(struct rtp_backend *b); /* after every context using it */
 RTP_API const char *rtp_backend_name(const struct rtp_backend *b); /* "cpu" for NULL */
 

@@ -120,6 +120,12 @@ class backend : public detail::handle<rtp_backend, rtp_backend_free> {
     check(rtp_backend_cuda_new(device, &b));
     return backend(b);
   }
+  // The simulated device (rtp_backend_sim_new): a program's device path without a GPU.
+  static backend sim(unsigned seed = 1) {
+    rtp_backend *b = nullptr;
+    check(rtp_backend_sim_new(seed, &b));
+    return backend(b);
+  }
   static int cuda_count() {
     return rtp_backend_cuda_count();
   }

@@ -1,24 +1,18 @@
-// The executor's stream path (what a GPU backend runs) tested without a GPU: a simulated
-// device whose memory is host memory but whose work waits in two in-order queues until
-// sync, then runs in an order a scheduler picks among those the events allow. Kernels are
-// the CPU's and transfers the real TCP communicator's, so results must equal the CPU
-// executor's whatever the order; an event the executor forgot lets a node run before
-// what it depends on, and the results differ (the control test shows that they do).
+// The executor's stream path (what a GPU backend runs) tested without a GPU: the simulated
+// device (rtp_backend_sim_new) keeps its work in two in-order queues until sync, then runs
+// it in an order a scheduler picks among those the events allow. Kernels are the CPU's and
+// transfers the real TCP communicator's, so results must equal the CPU executor's whatever
+// the order; an event the executor forgot lets a node run before what it depends on, and
+// the results differ (the control test shows that they do).
 #include <gtest/gtest.h>
 
-#include <cmath>
-#include <cstdlib>
 #include <cstring>
-#include <deque>
-#include <functional>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "gpt.h"
 extern "C" {
 #include "rtp-backend.h"
-#include "rtp-comm.h"
 }
 #include "test-util.h"
 #include "test-gpt-ranks.h"
@@ -27,192 +21,28 @@ namespace {
 
 enum class Order { kComputeFirst, kCommFirst, kRandom };
 
-struct Item {
-  enum Kind { kWork, kRecord, kWait } kind;
-  std::function<int()> work;
-  int event = -1;
-  long seq = 0;  // kRecord: its number; kWait: the record it waits for (0: none)
-};
-
-struct Sim {
-  rtp_backend base{};
-  Order order = Order::kRandom;
-  bool drop_waits = false;  // the control: ignore every wait
-  std::mt19937 rng{1};
-  std::deque<Item> q[2];
-  std::vector<long> last_enqueued, last_done;  // per event: record numbers
-  long n_records = 0;
-  int status = 0;
-  int kernel_status = 0;
-  long host_touch_while_busy = 0;  // set/get with work queued: a host-side bug
-
-  bool busy() const {
-    return !q[0].empty() || !q[1].empty();
-  }
-  bool runnable(int s) const {
-    if (q[s].empty()) return false;
-    const Item &it = q[s].front();
-    return it.kind != Item::kWait || it.seq == 0 || last_done[it.event] >= it.seq;
-  }
-  // Runs everything queued, in an order the events allow.
-  int drain() {
-    while (busy()) {
-      bool r0 = runnable(0), r1 = runnable(1);
-      if (!r0 && !r1) return rtp__error(RTP_ESTATE, "simulated device: the streams deadlock");
-      int s;
-      if (r0 && r1)
-        s = order == Order::kComputeFirst ? 0
-            : order == Order::kCommFirst  ? 1
-                                          : (int)(rng() & 1);
-      else
-        s = r0 ? 0 : 1;
-      Item it = std::move(q[s].front());
-      q[s].pop_front();
-      if (it.kind == Item::kRecord) last_done[it.event] = it.seq;
-      if (it.kind == Item::kWork) {
-        int rc = it.work();
-        if (rc && !status) status = rc;
-      }
-    }
-    return status;
-  }
-  void push(int s, Item it) {
-    if (it.kind == Item::kWait && drop_waits) return;
-    q[s].push_back(std::move(it));
-  }
-};
-
-Sim *sim_of(rtp_backend *b) {
-  return static_cast<Sim *>(b->impl);
-}
-
-int sim_alloc(rtp_backend *, size_t size, void **out) {
-  *out = aligned_alloc(64, (size + 63) / 64 * 64);
-  if (!*out) return rtp__error(RTP_ENOMEM, "simulated device: out of memory");
-  memset(*out, 0xff, size);  // NaN: a read of memory nothing wrote shows in the results
-  return RTP_OK;
-}
-
-void sim_release(rtp_backend *, void *p) {
-  free(p);
-}
-
-int sim_set(rtp_backend *b, void *dst, const void *src, size_t n) {
-  if (sim_of(b)->busy()) sim_of(b)->host_touch_while_busy++;
-  memcpy(dst, src, n);
-  return RTP_OK;
-}
-
-int sim_get(rtp_backend *b, void *dst, const void *src, size_t n) {
-  if (sim_of(b)->busy()) sim_of(b)->host_touch_while_busy++;
-  memcpy(dst, src, n);
-  return RTP_OK;
-}
-
-int sim_zero(rtp_backend *b, void *dst, size_t n) {
-  if (sim_of(b)->busy()) sim_of(b)->host_touch_while_busy++;
-  memset(dst, 0, n);
-  return RTP_OK;
-}
-
-size_t sim_work_size(rtp_backend *, const rtp_tensor *t) {
-  return rtp__op_work_size(t);
-}
-
-int sim_events_reserve(rtp_backend *b, int n) {
-  Sim *s = sim_of(b);
-  if ((int)s->last_done.size() < n) {
-    s->last_done.resize(n, 0);
-    s->last_enqueued.resize(n, 0);
-  }
-  return RTP_OK;
-}
-
-int sim_compute(rtp_backend *b, rtp_tensor *t, void *work) {
-  Sim *s = sim_of(b);
-  s->push(0, {Item::kWork, [s, t, work] {
-                rtp_compute_params p{};
-                p.nth = 1;
-                p.work = work;
-                p.status = &s->kernel_status;
-                rtp__compute_forward(&p, t);
-                return s->kernel_status ? rtp__error(RTP_EINVAL, "%s: an index is out of range",
-                                                     rtp_op_name(t->op))
-                                        : RTP_OK;
-              }});
-  return RTP_OK;
-}
-
-// The transfer itself, blocking, when the comm queue reaches it.
-int sim_comm(rtp_backend *b, rtp_comm *c, rtp_comm_op *op) {
-  rtp_comm_op o = *op;
-  sim_of(b)->push(1,
-                  {Item::kWork, [c, o]() mutable { return rtp__comm_post(c, &o, nullptr); }});
-  return RTP_OK;
-}
-
-int sim_record(rtp_backend *b, rtp_stream st, int e) {
-  Sim *s = sim_of(b);
-  if (e < 0 || e >= (int)s->last_done.size())
-    return rtp__error(RTP_EINVAL, "simulated device: event %d was not reserved", e);
-  s->last_enqueued[e] = ++s->n_records;
-  s->push(st, {Item::kRecord, nullptr, e, s->n_records});
-  return RTP_OK;
-}
-
-int sim_wait(rtp_backend *b, rtp_stream st, int e) {
-  Sim *s = sim_of(b);
-  if (e < 0 || e >= (int)s->last_done.size())
-    return rtp__error(RTP_EINVAL, "simulated device: event %d was not reserved", e);
-  s->push(st, {Item::kWait, nullptr, e, s->last_enqueued[e]});
-  return RTP_OK;
-}
-
-int sim_sync(rtp_backend *b) {
-  return sim_of(b)->drain();
-}
-
-int sim_adam(rtp_backend *b, const rtp_adam_args *a) {
-  rtp_adam_args args = *a;
-  sim_of(b)->push(0, {Item::kWork, [args] {
-                        for (int64_t i = 0; i < args.n; i++) {
-                          float gi = args.g[i] * args.gscale;
-                          args.m[i] = args.beta1 * args.m[i] + (1.0f - args.beta1) * gi;
-                          args.v[i] = args.beta2 * args.v[i] + (1.0f - args.beta2) * gi * gi;
-                          float denom = sqrtf(args.v[i]) / args.bc2 + args.eps;
-                          args.w[i] = args.w[i] * args.decay - args.lr_t * args.m[i] / denom;
-                        }
-                        return RTP_OK;
-                      }});
-  return RTP_OK;
-}
-
-int sim_sumsq(rtp_backend *b, const float *g, int64_t n, double *out) {
-  int rc = sim_of(b)->drain();
-  double s = 0;
-  for (int64_t i = 0; i < n; i++) s += (double)g[i] * g[i];
-  *out = s;
-  return rc;
-}
-
-void sim_free(rtp_backend *) {}
-
-const rtp_backend_i kSimI = {
-    "sim",    sim_free,      sim_alloc,          sim_release, sim_set,  sim_get,
-    sim_zero, sim_work_size, sim_events_reserve, sim_compute, sim_comm, sim_record,
-    sim_wait, sim_sync,      sim_adam,           sim_sumsq,   nullptr};
-
+// The library's simulated device (rtp-sim.c), set up for one test: its memory is
+// protected from the host, so a host access the executor should not make faults.
 struct SimDevice {
-  Sim sim;
+  rtp_backend *b = nullptr;
   explicit SimDevice(Order order, bool drop_waits = false, unsigned seed = 1) {
-    sim.base.i = &kSimI;
-    sim.base.impl = &sim;
-    sim.order = order;
-    sim.drop_waits = drop_waits;
-    sim.rng.seed(seed);
+    EXPECT_EQ(rtp_backend_sim_new(seed, &b), RTP_OK) << rtp_last_error();
+    rtp__sim_order o = order == Order::kComputeFirst ? RTP__SIM_COMPUTE_FIRST
+                       : order == Order::kCommFirst  ? RTP__SIM_COMM_FIRST
+                                                     : RTP__SIM_RANDOM;
+    EXPECT_EQ(rtp__sim_set_order(b, o), RTP_OK);
+    EXPECT_EQ(rtp__sim_drop_waits(b, drop_waits), RTP_OK);
   }
+  ~SimDevice() {
+    rtp_backend_free(b);
+  }
+  SimDevice(const SimDevice &) = delete;
+  SimDevice &operator=(const SimDevice &) = delete;
   rtp_backend *get() {
-    return &sim.base;
+    return b;
+  }
+  long host_touch_while_busy() {
+    return rtp__sim_host_touches_while_busy(b);
   }
 };
 
@@ -286,7 +116,7 @@ int rotations_agree(int rank, int world, int port_cpu, int port_dev, Order order
   SimDevice dev(order, drop_waits, 7u + (unsigned)rank);
   rc = rotations(rank, world, port_dev, dev.get(), &got);
   if (rc) return rc;
-  if (dev.sim.host_touch_while_busy) return 20;
+  if (dev.host_touch_while_busy()) return 20;
   for (size_t i = 0; i < want.size(); i++)
     if (!(got[i] == want[i])) return 1;
   return 0;
@@ -378,7 +208,7 @@ int train_agrees(int rank, int world, int port_cpu, int port_dev, rtp_strategy s
   rc = rtptest::train_gpt_rank(rtptest::params(rank, world, port_dev), strategy, dev.get(), &l1,
                                &p1);
   if (rc) return rc;
-  if (dev.sim.host_touch_while_busy) return 20;
+  if (dev.host_touch_while_busy()) return 20;
   if (l0 != l1) return 1;
   if (p0 != p1) return 2;
   return 0;
@@ -428,7 +258,7 @@ TEST(Device, SafetensorsRoundTripThroughDeviceMemory) {
   EXPECT_EQ(rtp_safetensors_save(path.c_str(), &col, 1, nullptr), RTP_EINVAL);
   EXPECT_NE(std::string(rtp_last_error()).find("strided view"), std::string::npos)
       << rtp_last_error();
-  EXPECT_EQ(dev.sim.host_touch_while_busy, 0);
+  EXPECT_EQ(dev.host_touch_while_busy(), 0);
   rtp_safetensors_close(st);
   rtp_context_free(ctx);
 }
