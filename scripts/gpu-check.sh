@@ -7,6 +7,7 @@
 #   test-nccl  the NCCL transport (one GPU: one rank; two or more: the ranks)
 #   test-cuda-ranks  N ranks on N GPUs over NCCL, and two ranks sharing GPU 0 over TCP
 #   train-f32, train-bf16   train-gpt --config small on the GPU and on the CPU, same seed
+#   files      checkpoints, --resume, --export, --eval-only and --sample from a GPU run
 #   shared-gpu  two ranks of train-gpt on GPU 0 over TCP against two ranks on the CPU
 #   speed      bench/gpu-speed.sh: tokens/s against PyTorch (where python3 has torch)
 #   summary    how many steps passed, failed and were skipped
@@ -137,6 +138,50 @@ for prec in f32 bf16; do
     _ "$build" "$out" "$prec" "${train[@]}" "${flags[@]}" &&
     step "train-$prec-agree" 30 losses_agree "$out/gpu-$prec.jsonl" "$out/cpu-$prec.jsonl" "$tol"
 done
+
+# ---- checkpoints, export and sampling from a GPU run -------------------------------------
+# 20 steps on the GPU straight; 10 steps with a checkpoint, resumed to 20 on the GPU (the
+# same losses, bit for bit) and on the CPU (to float rounding); the GPU run's export read
+# back by the CPU and the GPU (--eval-only: the same loss) and sampled from.
+files() {
+  local b=$1 o=$2 f=(--config small --log-every 10 --eval-windows 16 --eval-problems 0
+                     --fused-attn off --seed 3)
+  rm -rf "$o/ck" "$o/ck-cpu"
+  "$b/examples/train-gpt" "${f[@]}" --steps 20 --device cuda --metrics "$o/straight.jsonl" \
+    --export "$o/model.safetensors" || return 1
+  "$b/examples/train-gpt" "${f[@]}" --steps 10 --device cuda --ckpt-dir "$o/ck" || return 1
+  cp -r "$o/ck" "$o/ck-cpu"
+  "$b/examples/train-gpt" "${f[@]}" --steps 20 --device cuda --ckpt-dir "$o/ck" --resume \
+    --metrics "$o/resumed.jsonl" || return 1
+  "$b/examples/train-gpt" "${f[@]}" --steps 20 --device cpu --ckpt-dir "$o/ck-cpu" --resume \
+    --metrics "$o/resumed-cpu.jsonl" || return 1
+  python3 - "$o" <<'PY' || return 1
+import json, sys
+o = sys.argv[1]
+def losses(name):
+    return {r["step"]: r["loss"] for r in map(json.loads, open(f"{o}/{name}"))}
+a, b, c = losses("straight.jsonl"), losses("resumed.jsonl"), losses("resumed-cpu.jsonl")
+late = [s for s in a if s > 10]
+assert sorted(b) == late == sorted(c), (sorted(b), late, sorted(c))
+bad = [s for s in late if b[s] != a[s]]
+assert not bad, f"resumed on the GPU differs from straight at steps {bad}"
+d = max(abs(c[s] - a[s]) / abs(a[s]) for s in late)
+assert d < 1e-4, f"resumed on the CPU differs by {d:.2e}"
+print(f"GPU resume bit-exact over steps 11-20; CPU resume within {d:.1e}")
+PY
+  local e_gpu e_cpu
+  e_gpu=$("$b/examples/train-gpt" --init "$o/model.safetensors" --eval-only --device cuda --eval-problems 0 \
+            --eval-windows 16 --fused-attn off) || return 1
+  e_cpu=$("$b/examples/train-gpt" --init "$o/model.safetensors" --eval-only --device cpu --eval-problems 0 \
+            --eval-windows 16 --fused-attn off) || return 1
+  echo "eval-only: GPU $e_gpu; CPU $e_cpu"
+  python3 -c 'import json,sys; a,b=(json.loads(x)["eval_loss"] for x in sys.argv[1:]);
+assert abs(a-b) <= 1e-4*abs(b), (a, b)' "$e_gpu" "$e_cpu" || return 1
+  "$b/examples/train-gpt" --init "$o/model.safetensors" --device cuda --steps 0 --sample 40 \
+    --fused-attn off || return 1
+  echo "checkpoints, export, eval-only and sample from a GPU run: all agree"
+}
+step files 300 bash -c "$(declare -f files); files \"\$1\" \"\$2\"" _ "$build" "$out"
 
 # ---- two ranks on one GPU over TCP -------------------------------------------------------
 shared=(--config small --steps 20 --log-every 10 --eval-windows 0 --eval-problems 0

@@ -377,7 +377,7 @@ TEST(TrainGptErrors, BadInputIsRefusedClearly) {
        2,
        "--unit 3 does not divide --micro-batches 4"},
       {{"--schedule", "2f2b"}, 2, "--schedule must be gpipe, 1f1b, eager-1f1b or zeropp"},
-      {{"--device", "gpu"}, 2, "--device must be auto, cpu or cuda, not 'gpu'"},
+      {{"--device", "gpu"}, 2, "--device must be auto, cpu, cuda or sim, not 'gpu'"},
   };
   for (const BadCase &c : cases) {
     std::vector<std::string> argv = {TRAIN_GPT};
@@ -702,6 +702,60 @@ TEST(TrainGptDevice, WithoutAGpuAutoIsTheCpuAndCudaIsRefused) {
   EXPECT_EQ(cuda.code, 1);
   EXPECT_NE(cuda.err.find("train-gpt: --device cuda: "), std::string::npos) << cuda.err;
   EXPECT_EQ(cuda.out.find("step"), std::string::npos) << cuda.out;
+}
+
+// The trainer's whole device path on the simulated device (rtp_backend_sim_new: the CPU's
+// kernels on memory the host cannot touch, so any host access of device data faults):
+// one process and two ranks (rtp and tp, over TCP) train to the CPU's losses bit for bit,
+// and a checkpoint, an export and a sample of a device run are a CPU run's.
+TEST(TrainGptDevice, SimulatedDeviceTrainsLikeTheCpu) {
+  const std::string flags =
+      "--config tiny --steps 4 --threads 1 --eval-windows 8 "
+      "--eval-problems 2 --log-every 2";
+  auto losses = [&](const std::string &extra, int ranks, const std::string &name) {
+    std::string m = tmp_dir() + name + ".jsonl";
+    Result r = ranks == 1 ? run(train_gpt(flags + extra, {"--metrics", m}))
+                          : run(on_ranks(ranks, flags + extra, {"--metrics", m}));
+    EXPECT_EQ(r.code, 0) << name << ": " << r.err;
+    if (ranks == 1 && extra.find("sim") != std::string::npos) {
+      EXPECT_NE(r.out.find("; on sim\n"), std::string::npos) << r.out;
+    }
+    std::vector<double> l = metric(m, "loss"), e = metric(m, "eval_loss");
+    l.insert(l.end(), e.begin(), e.end());
+    return l;
+  };
+  std::vector<double> cpu = losses(" --device cpu", 1, "cpu");
+  ASSERT_EQ(cpu.size(), 4u + 3u);
+  EXPECT_EQ(losses(" --device sim", 1, "sim"), cpu);
+  for (const char *strategy : {"rtp", "tp"}) {
+    std::string s = std::string(" --batch 4 --strategy ") + strategy;
+    EXPECT_EQ(losses(s + " --device sim", 2, std::string("sim2-") + strategy),
+              losses(s + " --device cpu", 2, std::string("cpu2-") + strategy))
+        << strategy;
+  }
+  // A checkpoint of the device run, resumed on the CPU: the CPU's own losses.
+  std::string ck = tmp_dir() + "sim-ck", m = tmp_dir() + "sim-resumed.jsonl";
+  std::string half = "--config tiny --threads 1 --eval-windows 8 --eval-problems 0 --steps ";
+  ASSERT_EQ(run(train_gpt(half + "2 --device sim --ckpt-dir " + ck)).code, 0);
+  Result resumed =
+      run(train_gpt(half + "4 --device cpu --resume --ckpt-dir " + ck, {"--metrics", m}));
+  ASSERT_EQ(resumed.code, 0) << resumed.err;
+  std::vector<double> got = metric(m, "loss");
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(got[0], cpu[2]);
+  EXPECT_EQ(got[1], cpu[3]);
+  // The device run's export: the CPU's evaluation, and the same sample either way.
+  std::string model = tmp_dir() + "sim.safetensors";
+  ASSERT_EQ(run(train_gpt(half + "4 --device sim --export " + model)).code, 0);
+  std::string read = "--init " + model + " --eval-only --eval-problems 0 --threads 1 --device ";
+  Result on_cpu = run(train_gpt(read + "cpu")), on_sim = run(train_gpt(read + "sim"));
+  ASSERT_EQ(on_cpu.code, 0) << on_cpu.err;
+  ASSERT_EQ(on_sim.code, 0) << on_sim.err;
+  EXPECT_EQ(on_cpu.out, on_sim.out);
+  std::string sample = "--init " + model + " --steps 0 --sample 24 --threads 1 --device ";
+  Result s_cpu = run(train_gpt(sample + "cpu")), s_sim = run(train_gpt(sample + "sim"));
+  ASSERT_EQ(s_sim.code, 0) << s_sim.err;
+  EXPECT_EQ(s_cpu.out, s_sim.out);
 }
 
 // A stranger floods rank 0's port while 2 ranks meet and train (~600 connections kept

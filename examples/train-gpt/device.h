@@ -6,7 +6,11 @@
  * ranks that share a GPU (more local ranks than devices: NCCL refuses two ranks on one
  * device) go through TCP, the CUDA backend staging their device tensors through pinned host
  * memory (docs/backend.md). Hosts decide alone, so a job whose hosts differ (one with GPUs
- * for each rank, one without) sets RTP_BACKEND=tcp on every rank. */
+ * for each rank, one without) sets RTP_BACKEND=tcp on every rank.
+ *
+ * sim is the library's simulated device (rtp_backend_sim_new): the CPU's kernels on memory
+ * the host cannot touch, queued until the device syncs. It runs the whole device path of
+ * the trainer on a machine without a GPU, which is how the tests check it. */
 #ifndef TRAIN_GPT_DEVICE_H
 #define TRAIN_GPT_DEVICE_H
 
@@ -35,11 +39,16 @@ static bool device_is_gpu(const struct device *d) {
   return d->index >= 0;
 }
 
-/* want: auto, cpu or cuda (check_options checked it). On failure *d is the CPU and the
- * status comes with rtp_last_error's reason: no CUDA in this build, no driver, no device. */
+/* want: auto, cpu, cuda or sim (check_options checked it). On failure *d is the CPU and
+ * the status comes with rtp_last_error's reason: no CUDA in this build, no driver, no
+ * device. */
 static int device_open(const char *want, struct device *d) {
   *d = (struct device){.index = -1, .name = "cpu"};
   if (!strcmp(want, "cpu")) return RTP_OK;
+  if (!strcmp(want, "sim")) { /* each rank its own order of the streams */
+    snprintf(d->name, sizeof(d->name), "sim");
+    return rtp_backend_sim_new(1u + (unsigned)device_local_rank(), &d->b);
+  }
   d->count = rtp_backend_cuda_count();
   if (d->count == 0 && !strcmp(want, "auto")) return RTP_OK;
   int index = d->count > 0 ? device_local_rank() % d->count : 0;

@@ -70,7 +70,7 @@ struct options {
   int vocab;                          /* -1: the file's (token-data.h) */
   const char *format;     /* --export's: pt (train-gpt's) or hf (Hugging Face GPT-2) */
   const char *fused_attn; /* on | off: gpt_config's fused_attention; NULL: the device's */
-  const char *device;     /* auto | cpu | cuda (device.h) */
+  const char *device;     /* auto | cpu | cuda | sim (device.h) */
   bool eval_only, resume, bf16, recompute, tie_embeddings, help;
   bool keep_best; /* training: keep the best eval loss's checkpoint; reading: read it */
 };
@@ -131,7 +131,8 @@ static int flag_table(struct options *o, struct flag *f) {
       {"--fused-attn", ARG_STR, &o->fused_attn, "on|off",
        "attention as one fused op, no T x T matrix in memory (default on; GPU: off)"},
       {"--device", ARG_STR, &o->device, "D",
-       "auto | cpu | cuda: auto is the local rank's GPU if there is one (default auto)"},
+       "auto | cpu | cuda | sim: auto is the local rank's GPU if there is one, sim a "
+       "simulated device for tests (default auto)"},
       {"--bf16", ARG_BOOL, &o->bf16, NULL,
        "mixed precision: bf16 products (f32 sums, weights, Adam); rtp rotates bf16 blocks"},
       {"--data", ARG_STR, &o->data, "FILE",
@@ -440,8 +441,11 @@ static int check_options(const struct options *o) {
         "of %d)",
         o->pp, p.world_size, p.world_size, o->pp);
   if (o->prompt && !*o->prompt) return usage_error("--prompt must not be empty");
-  if (strcmp(o->device, "auto") && strcmp(o->device, "cpu") && strcmp(o->device, "cuda"))
-    return usage_error("--device must be auto, cpu or cuda, not '%s'", o->device);
+  static const char *const devices[] = {"auto", "cpu", "cuda", "sim"};
+  known = false;
+  for (int i = 0; i < 4; i++) known |= strcmp(o->device, devices[i]) == 0;
+  if (!known)
+    return usage_error("--device must be auto, cpu, cuda or sim, not '%s'", o->device);
   return check_hf_options(o);
 }
 
