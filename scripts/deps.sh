@@ -24,12 +24,20 @@ if [ "${1:-}" = --unpack ]; then
   ls "$dir"/*.deb >/dev/null || { echo "deps.sh: no .deb in $dir (--download first)" >&2; exit 1; }
   for deb in "$dir"/*.deb; do dpkg-deb -x "$deb" "$dir/root"; done
   lib=$dir/root/usr/lib/x86_64-linux-gnu
+  # The loader is pointed only at the libraries the system lacks: a newer copy the system
+  # has (libgfortran, libssl) must not be shadowed for its other programs.
+  mkdir -p "$dir/lib"
+  known=$("$(command -v ldconfig || echo /sbin/ldconfig)" -p 2>/dev/null | awk '{print $1}')
+  for so in "$lib"/*.so.* "$lib"/openblas-pthread/*.so.*; do
+    name=$(basename "$so")
+    grep -qx "$name" <<<"$known" || ln -sf "$so" "$dir/lib/$name"
+  done
   cat >"$dir/env.sh" <<ENV
 export CMAKE_PREFIX_PATH=$dir/root/usr\${CMAKE_PREFIX_PATH:+:\$CMAKE_PREFIX_PATH}
 export OPENSSL_ROOT_DIR=$dir/root/usr
 export PKG_CONFIG_PATH=$lib/pkgconfig:$lib/openblas-pthread/pkgconfig
 export PKG_CONFIG_SYSROOT_DIR=$dir/root
-export LD_LIBRARY_PATH=$lib:$lib/openblas-pthread\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}
+export LD_LIBRARY_PATH=$dir/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}
 command -v pkg-config >/dev/null || export PKG_CONFIG=$dir/root/usr/bin/pkgconf
 ENV
   echo "deps.sh: unpacked under $dir/root; now: . $dir/env.sh"

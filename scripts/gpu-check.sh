@@ -8,6 +8,7 @@
 #   test-cuda-ranks  N ranks on N GPUs over NCCL, and two ranks sharing GPU 0 over TCP
 #   train-f32, train-bf16   train-gpt --config small on the GPU and on the CPU, same seed
 #   files      checkpoints, --resume, --export, --eval-only and --sample from a GPU run
+#   out-of-memory  a model larger than the GPU: exit 1 and a message naming the free memory
 #   shared-gpu  two ranks of train-gpt on GPU 0 over TCP against two ranks on the CPU
 #   speed      bench/gpu-speed.sh: tokens/s against PyTorch (where python3 has torch)
 #   summary    how many steps passed, failed and were skipped
@@ -182,6 +183,17 @@ assert abs(a-b) <= 1e-4*abs(b), (a, b)' "$e_gpu" "$e_cpu" || return 1
   echo "checkpoints, export, eval-only and sample from a GPU run: all agree"
 }
 step files 300 bash -c "$(declare -f files); files \"\$1\" \"\$2\"" _ "$build" "$out"
+
+# ---- a model larger than the GPU: a clear error, not a crash ------------------------------
+oom() {
+  local log
+  log=$("$1/examples/train-gpt" --config small --n-layer 64 --d-model 8192 --n-head 64 \
+          --steps 1 --device cuda 2>&1)
+  local rc=$?
+  echo "$log" | tail -3
+  [ $rc -eq 1 ] && echo "$log" | grep -q "free" && echo "refused with exit 1, naming the free memory"
+}
+step out-of-memory 60 bash -c "$(declare -f oom); oom \"\$1\"" _ "$build"
 
 # ---- two ranks on one GPU over TCP -------------------------------------------------------
 shared=(--config small --steps 20 --log-every 10 --eval-windows 0 --eval-problems 0
