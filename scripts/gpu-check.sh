@@ -137,7 +137,8 @@ for prec in f32 bf16; do
   step "train-$prec" 300 bash -c '"$1/examples/train-gpt" "${@:4}" --device cuda --metrics "$2/gpu-$3.jsonl" &&
       "$1/examples/train-gpt" "${@:4}" --device cpu --metrics "$2/cpu-$3.jsonl"' \
     _ "$build" "$out" "$prec" "${train[@]}" "${flags[@]}" &&
-    step "train-$prec-agree" 30 losses_agree "$out/gpu-$prec.jsonl" "$out/cpu-$prec.jsonl" "$tol"
+    step "train-$prec-agree" 30 bash -c "$(declare -f losses_agree); losses_agree \"\$@\"" _ \
+      "$out/gpu-$prec.jsonl" "$out/cpu-$prec.jsonl" "$tol"
 done
 
 # ---- checkpoints, export and sampling from a GPU run -------------------------------------
@@ -202,7 +203,8 @@ step shared-gpu 300 bash -c 'RTP_BACKEND=tcp CUDA_VISIBLE_DEVICES=0 "$1/tools/rt
       "$1/examples/train-gpt" "${@:3}" --device cuda --metrics "$2/shared-gpu.jsonl" &&
     "$1/tools/rtp-run" -n 2 -- "$1/examples/train-gpt" "${@:3}" --device cpu \
       --metrics "$2/shared-cpu.jsonl"' _ "$build" "$out" "${shared[@]}" &&
-  step shared-gpu-agree 30 losses_agree "$out/shared-gpu.jsonl" "$out/shared-cpu.jsonl" 1e-4
+  step shared-gpu-agree 30 bash -c "$(declare -f losses_agree); losses_agree \"\$@\"" _ \
+    "$out/shared-gpu.jsonl" "$out/shared-cpu.jsonl" 1e-4
 
 # ---- speed -------------------------------------------------------------------------------
 step speed 300 env RTP_BUILD="$build" bash "$src/bench/gpu-speed.sh" "$out"
