@@ -36,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "device.h"
 #include "gpt-hf.h"
 #include "rtp.h"
 #include "lr-schedule.h"
@@ -702,6 +703,32 @@ TEST(TrainGptDevice, WithoutAGpuAutoIsTheCpuAndCudaIsRefused) {
   EXPECT_EQ(cuda.code, 1);
   EXPECT_NE(cuda.err.find("train-gpt: --device cuda: "), std::string::npos) << cuda.err;
   EXPECT_EQ(cuda.out.find("step"), std::string::npos) << cuda.out;
+}
+
+// Where the ranks' transfers go: NCCL when each of the host's ranks has a GPU of its own,
+// TCP when they share one (NCCL refuses that) or compute on the CPU, and always what the
+// environment names.
+TEST(TrainGptDevice, TransportFollowsTheGpus) {
+  auto transport = [](int index, int count, long local, int world, const char *env) {
+    if (env)
+      setenv("RTP_BACKEND", env, 1);
+    else
+      unsetenv("RTP_BACKEND");
+    device d{};
+    d.index = index;
+    d.count = count;
+    rtp_comm_params p{};
+    p.world_size = world;
+    device_choose_transport(&d, local, &p);
+    unsetenv("RTP_BACKEND");
+    return std::string(p.backend);
+  };
+  EXPECT_EQ(transport(0, 2, 2, 2, nullptr), "nccl");
+  EXPECT_EQ(transport(1, 8, 4, 8, nullptr), "nccl");  // two hosts of 4 ranks, 8 GPUs each
+  EXPECT_EQ(transport(0, 1, 2, 2, nullptr), "");      // two ranks share GPU 0: TCP
+  EXPECT_EQ(transport(-1, 0, 2, 2, nullptr), "");     // the CPU
+  EXPECT_EQ(transport(0, 2, 1, 1, nullptr), "");      // one process: no transfers
+  EXPECT_EQ(transport(0, 2, 2, 2, "tcp"), "");        // the environment's choice stands
 }
 
 // The trainer's whole device path on the simulated device (rtp_backend_sim_new: the CPU's

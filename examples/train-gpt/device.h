@@ -29,21 +29,21 @@ struct device {
 };
 
 /* RTP_LOCAL_RANK (rtp-run, torchrun, Slurm's launchers set one), else 0. */
-static int device_local_rank(void) {
+static inline int device_local_rank(void) {
   const char *env = getenv("RTP_LOCAL_RANK");
   long r = env ? strtol(env, NULL, 10) : 0;
   return r > 0 && r < (1 << 20) ? (int)r : 0;
 }
 
-static bool device_is_gpu(const struct device *d) {
+static inline bool device_is_gpu(const struct device *d) {
   return d->index >= 0;
 }
 
 /* want: auto, cpu, cuda or sim (check_options checked it). On failure *d is the CPU and
  * the status comes with rtp_last_error's reason: no CUDA in this build, no driver, no
  * device. */
-static int device_open(const char *want, struct device *d) {
-  *d = (struct device){.index = -1, .name = "cpu"};
+static inline int device_open(const char *want, struct device *d) {
+  *d = (struct device){.b = NULL, .index = -1, .count = 0, .name = "cpu"};
   if (!strcmp(want, "cpu")) return RTP_OK;
   if (!strcmp(want, "sim")) { /* each rank its own order of the streams */
     snprintf(d->name, sizeof(d->name), "sim");
@@ -59,15 +59,15 @@ static int device_open(const char *want, struct device *d) {
   return RTP_OK;
 }
 
-static void device_close(struct device *d) {
+static inline void device_close(struct device *d) {
   rtp_backend_free(d->b);
   d->b = NULL;
 }
 
 /* The transport of a job's transfers: NCCL when each of the host's ranks has a GPU of its
  * own, unless the environment chose one (RTP_BACKEND). */
-static void device_choose_transport(const struct device *d, long local_ranks,
-                                    struct rtp_comm_params *p) {
+static inline void device_choose_transport(const struct device *d, long local_ranks,
+                                           struct rtp_comm_params *p) {
   if (!device_is_gpu(d) || p->world_size < 2 || getenv("RTP_BACKEND")) return;
   if (local_ranks <= d->count) snprintf(p->backend, sizeof(p->backend), "nccl");
 }
