@@ -124,9 +124,15 @@ def tf32_off():
     1.12); only TORCH_ALLOW_TF32_CUBLAS_OVERRIDE turns it on, and it is turned off again
     through the same (legacy) flag: writing the newer fp32_precision API instead makes some
     2.9+ versions' inductor fail on reading the legacy one ("mix of the legacy and new
-    APIs"). The model has no convolutions, so cuDNN's flag does not matter."""
-    if torch.backends.cuda.matmul.allow_tf32:
-        torch.backends.cuda.matmul.allow_tf32 = False
+    APIs"). The model has no convolutions, so cuDNN's flag does not matter. Read once, before
+    anything compiles (inductor may set the newer API itself, after which reading the legacy
+    flag raises): whether TF32 is on, None if torch will not say."""
+    try:
+        if torch.backends.cuda.matmul.allow_tf32:
+            torch.backends.cuda.matmul.allow_tf32 = False
+        return bool(torch.backends.cuda.matmul.allow_tf32)
+    except RuntimeError:
+        return None
 
 
 def sync(device):
@@ -176,7 +182,6 @@ def run(args, c, mode, idx, tgt):
             losses.append(loss.item())
     peak_mem = torch.cuda.max_memory_allocated() if device == "cuda" else None
     reserved = torch.cuda.max_memory_reserved() if device == "cuda" else None
-    del model, opt
     return times, losses, peak_mem, reserved, compile_s, adam
 
 
@@ -207,7 +212,7 @@ def line(args, c, mode, result=None, error=None):
                 "peak_mem_bytes": peak_mem, "device_reserved_bytes": reserved,
                 "loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4),
                 "compile_s": None if compile_s is None else round(compile_s, 2), "adamw": adam,
-                "tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+                "tf32": args.tf32,
                 "compile_scope": args.compile_scope if mode == "compile" else None})
     return out
 
@@ -241,7 +246,7 @@ def main():
         return 1
     if args.threads:
         torch.set_num_threads(args.threads)
-    tf32_off()
+    args.tf32 = tf32_off()
     g = torch.Generator().manual_seed(42)
     shape = (args.batch, c["seq_len"])
     idx = torch.randint(0, c["vocab"], shape, generator=g).to(args.device)
