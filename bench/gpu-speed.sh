@@ -10,16 +10,17 @@
 # relative to PyTorch eager and compiled (their step time over rtp's: above 1, rtp is faster),
 # the median of the rounds' paired ratios with their range.
 #
-# Time: the whole script stops starting runs once BUDGET_S (default 200) has passed, and a
-# run is killed at RUN_TIMEOUT_S (120) or when the budget ends, whichever is first; what did
-# not run is listed as skipped. Estimate on one H100 (no figures measured yet): per case and
-# round, bench-gpu about 5 to 10 s (CUDA and cuBLAS start, the 124M weights' copy, 25 steps
-# of 40 to 200 ms), torch-gpu.py 10 to 15 s to import torch and start, 25 eager steps, and
-# torch.compile's cold start: regional (COMPILE_SCOPE=blocks, the default: the 12 identical
-# blocks compiled once) about 10 to 20 s in round 1, a few seconds in round 2 from the
-# inductor cache. So about 35 s per case in round 1 and 25 s in round 2: 4 cases x 2 rounds
-# in about 2.5 to 3.5 minutes. COMPILE_SCOPE=model (the whole forward as one graph, as
-# nanoGPT compiles it) takes tens of seconds more per case cold: raise BUDGET_S to ~400.
+# Time: the script starts no run once BUDGET_S (default 240) has passed, and kills a run at
+# RUN_TIMEOUT_S (120) or when the budget ends, whichever is first (so it ends by BUDGET_S +
+# 10 s and the summary); what did not run is listed as skipped. Estimate for one H100, not
+# yet measured: per case and round, bench-gpu 5 to 10 s (CUDA and cuBLAS start, the weights'
+# copy, 25 steps of 30 to 200 ms: gpt2 f32 is 7 TFLOP a step at well under f32's 67 TFLOP/s
+# peak), torch-gpu.py 5 to 10 s to import torch and start CUDA, 25 eager and 25 compiled
+# steps, and torch.compile's start: regional (COMPILE_SCOPE=blocks, the default: the 12
+# identical blocks compiled once) 10 to 20 s cold in round 1, a few seconds from inductor's
+# cache in round 2. About 30 to 40 s per case in round 1 and 20 to 30 s in round 2: the 4
+# cases x 2 rounds in 3 to 4 minutes. COMPILE_SCOPE=model (the whole forward as one graph,
+# as nanoGPT compiles it) adds tens of seconds per case cold: raise BUDGET_S to ~450.
 #
 # Settings (environment): ROUNDS (2), WARMUP (5), STEPS (20), CASES ("gpt2:bf16 gpt2:f32
 # medium:bf16 medium:f32", each CONFIG:PRECISION[:BATCH]; first the ones that matter most,
@@ -44,7 +45,7 @@ cases=${CASES:-"gpt2:bf16 gpt2:f32 medium:bf16 medium:f32"}
 modes=${TORCH_MODES:-eager,compile}
 scope=${COMPILE_SCOPE:-blocks}
 device=${DEVICE:-cuda}
-budget=${BUDGET_S:-200}
+budget=${BUDGET_S:-240}
 run_limit=${RUN_TIMEOUT_S:-120}
 if [ ! -x "$bench" ]; then
   echo "gpu-speed.sh: no $bench (build with -DRTP_CUDA=ON, or give the build folder)" >&2
@@ -60,6 +61,9 @@ name=
 if [ "$device" = cuda ]; then
   name=$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 2>> "$log" | head -n 1)
   nvidia-smi >> "$log" 2>&1
+  # without nvidia-smi, torch's name for it, so that both sides find the same peak
+  [ -n "$name" ] || name=$("$py" -c 'import torch; print(torch.cuda.get_device_name(0))' \
+    2>> "$log")
 fi
 common=(--device "$device" --warmup "$warmup" --steps "$steps")
 [ -n "$name" ] && common+=(--device-name "$name")
@@ -83,7 +87,9 @@ run() {
   echo "gpu-speed: round $round $impl $config $prec: $*" >> "$log"
   timeout -k 10 "$limit" "$@" > "$out/run.out" 2>> "$log"
   rc=$?
-  sed "s/^{/{\"round\":$round,/" "$out/run.out" >> "$jsonl"
+  # JSON lines only (anything else a program prints stays in the log)
+  grep -v '^{' "$out/run.out" >> "$log"
+  grep '^{' "$out/run.out" | sed "s/^{/{\"round\":$round,/" >> "$jsonl"
   if [ $rc -ne 0 ]; then
     local why="exit status $rc"
     [ $rc -eq 124 ] || [ $rc -eq 137 ] && why="killed after $limit s (timeout)"
