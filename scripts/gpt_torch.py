@@ -1,6 +1,7 @@
 """The reference model of DESIGN.md section 6 in PyTorch, with nanoGPT's parameter names
 (transformer.h.{i}.attn.c_attn.weight, ...), so rtp's safetensors load into it by name.
-Shared by gen-gpt-fixture.py, check-export.py and bench/torch-parallel.py."""
+Shared by gen-gpt-fixture.py, check-export.py, bench/torch-parallel.py and
+bench/torch-gpu.py (which runs it on a GPU: every tensor it makes is on its input's device)."""
 import math
 
 import torch
@@ -23,7 +24,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split(d, dim=2)
         q, k, v = (t.view(B, T, self.n_head, hd).transpose(1, 2) for t in (q, k, v))  # [B,H,T,hd]
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
-        att = att.masked_fill(~torch.tril(torch.ones(T, T, dtype=torch.bool)), float("-inf"))
+        causal = torch.tril(torch.ones(T, T, dtype=torch.bool, device=x.device))
+        att = att.masked_fill(~causal, float("-inf"))
         y = F.softmax(att, dim=-1) @ v
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, d))
 
@@ -66,7 +68,8 @@ class GPT(nn.Module):
 
     def forward(self, idx):
         """Logits [B, T, V] for tokens idx [B, T]."""
-        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.shape[1]))
+        pos = torch.arange(idx.shape[1], device=idx.device)  # where idx is: on a GPU too
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
         for block in self.transformer.h:
             x = block(x)
         return self.lm_head(self.transformer.ln_f(x))

@@ -116,3 +116,75 @@ summaries = [l for l in lines if "ours_vs_naive" in l]
 assert [l["case"] for l in summaries] == cases, summaries
 print(f"bench-reshard: {len(lines)} lines ok")
 PY
+
+# bench-gpu on the CPU (--device cpu: --device cuda's code but for the backend) on the tiny
+# model, 2 steps: a well-formed line whose model FLOPs and parameters follow the formula
+# (docs/benchmarks.md, "GPU"); --device cuda without a GPU and bad flags are refused.
+# bench/torch-gpu.py on the same model where torch is (Debian's 1.13 has no torch.compile:
+# its compile line says so): the same parameters and FLOPs. bench/gpu-speed.sh: one round of
+# both on the CPU, its lines tagged with the round and its summary pairing them.
+gpu=$(dirname "$bench")/bench-gpu
+"$gpu" --device cpu --config tiny --steps 2 --warmup 1 > "$scratch/gpu.jsonl"
+"$gpu" --device cpu --config tiny --steps 2 --warmup 0 --bf16 --batch 3 --peak-tflops 0.5 \
+  >> "$scratch/gpu.jsonl"
+rc=0
+"$gpu" --device cuda --config tiny --steps 1 2> "$scratch/cuda.err" || rc=$?
+if [ $rc -eq 0 ]; then echo "bench-gpu ran on a GPU: the CPU checks below still apply"; fi
+if [ $rc -ne 0 ] && { [ $rc -ne 1 ] || ! grep -q -- "--device cuda" "$scratch/cuda.err"; }; then
+  echo "bench-gpu --device cuda without a GPU: status $rc, $(cat "$scratch/cuda.err")" >&2
+  exit 1
+fi
+for bad in "--device gpu" "--config huge" "--n-head 5" "--steps 0" "--peak-tflops x"; do
+  rc=0
+  # shellcheck disable=SC2086
+  "$gpu" --device cpu $bad > /dev/null 2>&1 || rc=$?
+  [ $rc -eq 2 ] || { echo "bench-gpu $bad: status $rc, want 2" >&2; exit 1; }
+done
+torch=0
+/usr/bin/python3 -c "import torch" 2> /dev/null && torch=1
+/usr/bin/python3 -m py_compile "$(dirname "$0")/../bench/torch-gpu.py"
+if [ $torch -eq 1 ]; then
+  /usr/bin/python3 "$(dirname "$0")/../bench/torch-gpu.py" --device cpu --config tiny \
+    --steps 2 --warmup 1 > "$scratch/torch-gpu.jsonl"
+fi
+DEVICE=cpu CASES="tiny:f32" ROUNDS=1 STEPS=2 WARMUP=1 TORCH_MODES=eager PYTHON=/usr/bin/python3 \
+  bash "$(dirname "$0")/../bench/gpu-speed.sh" "$scratch/speed" "$build" > /dev/null 2>&1
+/usr/bin/python3 - "$scratch" $torch <<'PY'
+import json, math, os, sys
+d, torch = sys.argv[1], sys.argv[2] == "1"
+rtp = [json.loads(l) for l in open(os.path.join(d, "gpu.jsonl"))]
+assert len(rtp) == 2, rtp
+for l, prec, batch in zip(rtp, ["f32", "bf16"], [2, 3]):
+    assert l["impl"] == "rtp" and l["device"] == "cpu" and l["backend"] == "cpu", l
+    assert l["precision"] == prec and l["batch"] == batch and l["steps"] == 2, l
+    assert l["config"] == "tiny" and not l["tied"] and l["device_reserved_bytes"] == 0, l
+    V, T, dm, L = l["vocab"], l["seq_len"], l["d_model"], l["n_layer"]
+    block = 2 * dm + 3 * dm * dm + 3 * dm + dm * dm + dm + 2 * dm + 8 * dm * dm + 5 * dm
+    assert l["params"] == 2 * V * dm + T * dm + L * block + 2 * dm, l
+    tokens = T * batch
+    flops = 6 * l["params"] * tokens + 12 * L * T * dm * tokens
+    assert abs(l["flops_per_step"] / flops - 1) < 1e-5, (l, flops)
+    lo, hi = l["ms_ci95"]
+    assert 0 < l["ms_min"] <= lo <= l["ms_median"] <= hi, l
+    assert abs(l["tokens_per_s"] * l["ms_median"] / 1e3 / tokens - 1) < 1e-3, l
+    assert l["peak_mem_bytes"] > 0 and abs(l["loss_first"] - math.log(V)) < 0.5, l
+    assert math.isfinite(l["loss_last"]), l
+assert rtp[0]["mfu"] is None and rtp[0]["peak_tflops"] is None, rtp[0]
+want = rtp[1]["flops_per_step"] / (rtp[1]["ms_median"] / 1e3) / 0.5e12
+assert abs(rtp[1]["mfu"] / want - 1) < 2e-3, (rtp[1], want)
+if torch:
+    tl = [json.loads(l) for l in open(os.path.join(d, "torch-gpu.jsonl"))]
+    assert [l["impl"] for l in tl] == ["torch-eager", "torch-compile"], tl
+    eager = tl[0]
+    assert set(rtp[0]) <= set(eager) | {"device_reserved_bytes"}, set(rtp[0]) - set(eager)
+    for k in ("params", "flops_per_step", "batch", "seq_len", "vocab", "precision"):
+        assert eager[k] == rtp[0][k], (k, eager, rtp[0])
+    assert eager["ms_median"] > 0 and eager["peak_mem_bytes"] is None, eager
+    assert "error" in tl[1] or tl[1]["ms_median"] > 0, tl[1]
+speed = [json.loads(l) for l in open(os.path.join(d, "speed", "gpu-speed.jsonl"))]
+assert speed[0]["impl"] == "rtp" and all(l["round"] == 1 for l in speed), speed
+summary = [json.loads(l) for l in open(os.path.join(d, "speed", "gpu-speed-summary.jsonl"))]
+assert len(summary) == 1 and summary[0]["rtp"]["rounds"] == 1, summary
+assert summary[0]["rtp_vs_torch_eager"]["pairs"] == (1 if torch else 0), summary
+print(f"bench-gpu, torch-gpu.py (torch: {torch}), gpu-speed.sh: ok")
+PY
