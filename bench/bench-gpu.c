@@ -176,14 +176,6 @@ static int fail(const char *what) {
   return 1;
 }
 
-/* As train-gpt's bf16_scratch: the bf16 copies a product rounds its operands into. */
-static double bf16_scratch(struct gpt_config c, int batch) {
-  double d = c.d_model, tokens = (double)c.seq_len * batch;
-  double floats =
-      4 * d * d + c.vocab * d + tokens * (5 * d + c.vocab + (double)c.seq_len * c.n_head);
-  return 2 * floats * sizeof(float);
-}
-
 static uint64_t lcg(uint64_t *s) {
   return *s = *s * 6364136223846793005ull + 1442695040888963407ull;
 }
@@ -238,17 +230,17 @@ static int bench_new(struct bench *b, const struct options *o, struct gpt_config
   struct rtp_graph *fwd = b->meta ? rtp_graph_new(b->meta, nodes) : NULL;
   if (!fwd || gpt_build(b->meta, &b->m, c, o->batch) || rtp_graph_build(fwd, b->m.loss))
     return fail("building the model");
-  /* On a device the arena holds headers, graphs and plans (untouched pages of it cost
-   * nothing), the device arena the data; the CPU's holds both. gpt_arena_size leaves out
-   * the embeddings' dense gradients that backward sums (two {d, V} for a tied wte): room
-   * for four, which a large vocabulary over few tokens needs (GPT-2's, T 64, one block). */
-  double embed_grads = 4.0 * sizeof(float) * ((double)c.vocab + c.seq_len) * c.d_model;
-  double bytes = (double)gpt_arena_size(c, o->batch) + (double)nodes * 2 * 1024 + (1u << 20) +
-                 embed_grads + (o->bf16 ? bf16_scratch(c, o->batch) : 0);
-  if (bytes >= 0x1p63) return usage("sizes past what 64 bits count");
-  b->data_size = b->be ? (size_t)bytes : 0;
-  b->ctx = rtp_context_new((struct rtp_init_params){
-      .mem_size = (size_t)bytes, .backend = b->be, .data_size = b->data_size});
+  /* On a device the host arena holds headers, graphs and plans, the device arena the data;
+   * the CPU's one arena holds both (as train-gpt's). */
+  double graphs = (double)nodes * 2 * 1024 + (1u << 20);
+  double data =
+      (double)gpt_arena_size(c, o->batch) + (o->bf16 ? gpt_bf16_scratch_size(c, o->batch) : 0);
+  if (data + graphs >= 0x1p63) return usage("sizes past what 64 bits count");
+  b->data_size = b->be ? (size_t)data : 0;
+  b->ctx = rtp_context_new(
+      (struct rtp_init_params){.mem_size = (size_t)(b->be ? graphs : data + graphs),
+                               .backend = b->be,
+                               .data_size = b->data_size});
   if (!b->ctx) return fail("the arena");
   struct rtp_parallel_params pp = {.strategy = RTP_STRATEGY_NONE,
                                    .compute_type = o->bf16 ? RTP_TYPE_BF16 : RTP_TYPE_F32};

@@ -686,6 +686,25 @@ void expect_losses_of_one_process(const std::string &strategy) {
   EXPECT_EQ(r.out.find("[1] "), std::string::npos) << r.out;
 }
 
+// A tied GPT-2-sized vocabulary read by a few tokens: the embedding's gradients are whole
+// tables whatever the batch, and the arena must count them (it once ran out making the
+// optimizer).
+TEST(TrainGptArena, LargeTiedVocabularyWithFewTokensFits) {
+  std::string tok = tmp_dir() + "tokens50k.bin";
+  {
+    std::vector<uint16_t> t(4096);
+    for (size_t i = 0; i < t.size(); i++) t[i] = (uint16_t)((i * 7919) % 50304);
+    std::ofstream(tok, std::ios::binary)
+        .write(reinterpret_cast<const char *>(t.data()), (std::streamsize)(t.size() * 2));
+  }
+  Result r =
+      run(train_gpt("--data-format uint16 --vocab 50304 --tie-embeddings --n-layer 1 "
+                    "--d-model 768 --n-head 12 --seq-len 64 --batch 1 --steps 1 "
+                    "--threads 1 --eval-windows 1",
+                    {"--data", tok}));
+  EXPECT_EQ(r.code, 0) << r.err;
+}
+
 // --device: auto is the CPU on a host without a GPU, and says so; cuda there is an error
 // with the reason (no CUDA in this build, no driver, no device), not a run on the CPU.
 TEST(TrainGptDevice, WithoutAGpuAutoIsTheCpuAndCudaIsRefused) {

@@ -22,18 +22,11 @@ static int64_t parallel_graph_size(const struct plan_model *pm, int world) {
   return graph_size(pm->cfg) * (1 + world) * pm->micro_batches * (pm->recompute ? 2 : 1);
 }
 
-static double bf16_scratch(struct gpt_config c, int batch) {
-  double d = c.d_model, tokens = (double)c.seq_len * batch;
-  double floats =
-      4 * d * d + c.vocab * d + tokens * (5 * d + c.vocab + (double)c.seq_len * c.n_head);
-  return 2 * floats * sizeof(float);
-}
-
 /* train-gpt's arena: the model's data and activations, then 1 KiB per graph node. */
 static double arena_bytes(const struct plan_model *pm, int world) {
   return (double)gpt_arena_size(pm->cfg, pm->batch) +
          (double)parallel_graph_size(pm, world) * 1024 + (1u << 20) +
-         (pm->bf16 ? bf16_scratch(pm->cfg, pm->batch) : 0);
+         (pm->bf16 ? gpt_bf16_scratch_size(pm->cfg, pm->batch) : 0);
 }
 
 static int unit_size(const struct plan_model *pm, int stages) {

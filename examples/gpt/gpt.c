@@ -48,9 +48,20 @@ size_t gpt_arena_size(struct gpt_config c, int batch) {
   double tokens = (double)c.seq_len * batch;
   double per_layer = tokens * (40.0 * c.d_model + 6.0 * c.n_head * c.seq_len);
   double logits = tokens * c.vocab * 4;
+  /* The embeddings' gradients are whole tables whatever the batch: the lookup's and the
+   * head's before they are summed (tied), and the positions'. A large vocabulary read by
+   * few tokens does not fit in the activations' share. */
+  double tables = 4.0 * (2.0 * c.vocab + c.seq_len) * c.d_model;
   double bytes = 4.0 * 4 * (double)gpt_n_params(c) * 5 / 4 + 4 * per_layer * c.n_layer +
-                 4 * logits + (64u << 20);
+                 4 * logits + tables + (64u << 20);
   return bytes < 0x1p63 ? (size_t)bytes : SIZE_MAX;
+}
+
+double gpt_bf16_scratch_size(struct gpt_config c, int batch) {
+  double d = c.d_model, tokens = (double)c.seq_len * batch;
+  double floats =
+      4 * d * d + c.vocab * d + tokens * (5 * d + c.vocab + (double)c.seq_len * c.n_head);
+  return 2 * floats * sizeof(float);
 }
 
 double gpt_step_flops(struct gpt_config c, int batch) {

@@ -65,6 +65,11 @@ int64_t gpt_n_params(struct gpt_config cfg);
 /* Arena bytes that building, differentiating, planning and an optimizer need; SIZE_MAX
  * when that is past what 64 bits count (no machine holds it, so allocating it fails). */
 size_t gpt_arena_size(struct gpt_config cfg, int batch);
+/* What bf16 products (compute_type bf16) add to that: the scratch a product rounds its two
+ * operands into, for the largest product (an MLP layer's, the head's backward with the
+ * logits' gradient, or attention's with the scores), bounded by the sum of them all; once
+ * for a training plan, once for an evaluation plan. */
+double gpt_bf16_scratch_size(struct gpt_config cfg, int batch);
 /* Creates the parameters and inputs in ctx and records the forward pass to the loss. */
 int gpt_build(struct rtp_context *ctx, struct gpt *m, struct gpt_config cfg, int batch);
 /* GPT-2 initialisation from seed: N(0, 0.02), residual projections N(0, 0.02/sqrt(2L)),

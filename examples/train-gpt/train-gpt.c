@@ -795,21 +795,12 @@ static int64_t parallel_graph_size(struct gpt_config c, int world, const struct 
   return (int64_t)graph_size(c) * (1 + world) * o->micro_batches * (o->recompute ? 2 : 1);
 }
 
-/* --bf16: the scratch a product rounds its two operands into, for the largest product (an
- * MLP layer's, the head's backward with the logits' gradient, or attention's with the
- * scores), bounded by the sum of them all; once for training's plan, once for evaluation's. */
-static double bf16_scratch(struct gpt_config c, int batch) {
-  double d = c.d_model, tokens = (double)c.seq_len * batch;
-  double floats =
-      4 * d * d + c.vocab * d + tokens * (5 * d + c.vocab + (double)c.seq_len * c.n_head);
-  return 2 * floats * sizeof(float);
-}
-
 /* The rank's tensor data (gpt_arena_size) and its graphs with their tensor headers, which
  * on a device live in two arenas, and on the CPU in one. Summed in double (exact below
  * 2^53 bytes): SIZE_MAX if past 64 bits. */
 static double data_bytes(struct gpt_config c, const struct options *o) {
-  return (double)gpt_arena_size(c, o->batch) + (o->bf16 ? bf16_scratch(c, o->batch) : 0);
+  return (double)gpt_arena_size(c, o->batch) +
+         (o->bf16 ? gpt_bf16_scratch_size(c, o->batch) : 0);
 }
 
 static double graph_bytes(struct gpt_config c, int world, const struct options *o) {
