@@ -213,8 +213,7 @@ static struct rtp_tensor *clone_leaf(struct rtp_parallel *p, const struct rtp_te
   struct rtp_tensor *c = rtp_tensor_new(p->ctx, t->type, RTP_MAX_DIMS, ne);
   if (!c) return NULL;
   if (!c->data && !rtp__tensor_alloc(p->ctx, c, RTP_ROLE_INPUT)) return NULL;
-  if (t->data && !param &&
-      rtp_tensor_set(c, t->data, 0, rtp_tensor_nbytes(t))) { /* constants */
+  if (t->data && !param && rtp__tensor_copy(c, t)) { /* constants, maybe on a device */
     char msg[256];
     snprintf(msg, sizeof(msg), "%s", rtp_last_error());
     rtp__ctx_error(p->ctx, RTP_EIO, "%s", msg);
