@@ -825,6 +825,8 @@ RTP_API int rtp_tensor_set_fsdp_unit(struct rtp_tensor *param, int unit);
  * stage's sends overlap its next forward. ZeroPP: 1F1B in scheduling units of
  * rtp_parallel_params.unit micro-batches, each block run for all of a unit's
  * micro-batches before the next, so a stage's fsdp gathers each block once per unit.
+ * On a device backend, pipelines of several micro-batches run GPipe only (RTP_ENOSYS
+ * otherwise; docs/pipeline.md).
  */
 enum rtp_schedule {
   RTP_SCHEDULE_1F1B = 0,

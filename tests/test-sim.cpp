@@ -296,21 +296,32 @@ struct GptPlan {
     fprintf(stderr, "rank %d: %s\n", rank, rtp_last_error());
     return code;
   }
-  int build(rtp_comm *comm, int r, rtp_strategy s, rtp_backend *b) {
+  // pipe: this rank's pipeline communicator (comm NULL: one rank per stage), cutting the
+  // batch into `micro` micro-batches.
+  int build(rtp_comm *comm, int r, rtp_strategy s, rtp_backend *b, rtp_comm *pipe = nullptr,
+            int micro = 1, rtp_schedule schedule = RTP_SCHEDULE_1F1B) {
     rank = r;
     strategy = s;
     rtp_graph *fwd;
-    meta = rtptest::gpt_forward(rtptest::kRanksCfg, rtptest::kRanksBatch, &m, &fwd);
+    const int mb = rtptest::kRanksBatch / micro;
+    meta = rtptest::gpt_forward(rtptest::kRanksCfg, mb, &m, &fwd);
     if (!meta) return fail(50);
+    for (int i = 0; pipe && i < rtptest::kRanksCfg.n_layer; i++)  // the blocks it cuts at
+      for (rtp_tensor **p = &m.blocks[i].ln_1_w; p <= &m.blocks[i].mlp_proj_b; p++)
+        if (rtp_tensor_set_fsdp_unit(*p, i + 1)) return fail(50);
     size_t bytes = gpt_arena_size(rtptest::kRanksCfg, rtptest::kRanksBatch) + (16 << 20);
     ctx = rtp_context_new({bytes, nullptr, false, b, b ? bytes : 0});
     rtp_parallel_params pp{};
     pp.strategy = s;
     pp.comm = comm;
+    pp.pipe_comm = pipe;
+    pp.micro_batches = micro;
+    pp.schedule = schedule;
     par = ctx ? rtp_parallel_new(ctx, fwd, m.loss, &pp) : nullptr;
     if (!par || rtp_graph_plan(ctx, rtp_parallel_graph(par))) return fail(51);
     for (int i = 0; i < m.n_params; i++) {
       rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
+      if (!mine) continue;  // another stage's
       std::vector<float> full(rtp_tensor_nelements(m.params[i])),
           part(rtp_tensor_nelements(mine));
       gpt_init_tensor(&m, i, 42, full.data());
@@ -320,14 +331,19 @@ struct GptPlan {
     }
     const int T = rtptest::kRanksCfg.seq_len, V = rtptest::kRanksCfg.vocab;
     std::vector<int32_t> idx(rtptest::kRanksBatch * T), tgt(idx.size());
-    size_t seq = s == RTP_STRATEGY_TP ? 0 : (size_t)rank;  // tp: one batch
+    size_t seq = s == RTP_STRATEGY_TP || pipe ? 0 : (size_t)rank;  // one batch
     for (size_t i = 0; i < idx.size(); i++) {
       idx[i] = (int32_t)((7 * i + 3 * seq + 1) % V);
       tgt[i] = (int32_t)((5 * i + seq) % V);
     }
-    if (rtp_tensor_set(rtp_parallel_tensor(par, m.idx), idx.data(), 0, idx.size() * 4) ||
-        rtp_tensor_set(rtp_parallel_tensor(par, m.targets), tgt.data(), 0, tgt.size() * 4))
-      return fail(53);
+    for (int k = 0; k < micro; k++) {
+      rtp_tensor *ti = rtp_parallel_micro_tensor(par, m.idx, k),
+                 *tt = rtp_parallel_micro_tensor(par, m.targets, k);
+      size_t n = (size_t)mb * T * 4;
+      if ((ti && rtp_tensor_set(ti, idx.data() + k * mb * T, 0, n)) ||
+          (tt && rtp_tensor_set(tt, tgt.data() + k * mb * T, 0, n)))
+        return fail(53);
+    }
     rtp_adamw_params hp = rtp_adamw_params_default();
     hp.lr = rtptest::kRanksLr;
     hp.clip_norm = 0.5f;
@@ -362,6 +378,7 @@ struct GptPlan {
   int params(std::vector<float> *out) {
     for (int i = 0; i < m.n_params; i++) {
       rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
+      if (!mine) continue;
       std::vector<float> v(rtp_tensor_nelements(mine));
       if (rtp_tensor_get(mine, v.data(), 0, rtp_tensor_nbytes(mine))) return fail(58);
       out->insert(out->end(), v.begin(), v.end());
@@ -486,6 +503,54 @@ TEST(SimReshard, RtpToTpOnTheDeviceMatchesTheCpu) {
   auto res = rtptest::run_procs(
       world, [&](int rank) { return reshard_agrees(rank, world, port); }, 120);
   for (int r = 0; r < world; r++) EXPECT_EQ(res[r].code, 0) << "rank " << r;
+}
+
+// ---- a pipeline on the device -----------------------------------------------------------
+
+// Stage `rank` of a 2-stage pipeline (one rank each, 2 micro-batches under schedule), 2
+// steps on backend b: the losses and this stage's parameters appended.
+int pipeline_run(rtp_comm *job, int rank, rtp_backend *b, rtp_schedule schedule,
+                 std::vector<float> *losses, std::vector<float> *params) {
+  rtp_comm *stage = nullptr, *pipe = nullptr;
+  if (rtp_comm_mesh_2d(job, 2, 1, &stage, &pipe)) return 60;
+  int rc;
+  {
+    GptPlan p;
+    rc = p.build(nullptr, rank, RTP_STRATEGY_NONE, b, pipe, 2, schedule);
+    if (!rc) rc = p.train(2, losses);
+    if (!rc) rc = p.params(params);
+  }
+  rtp_comm_free(stage);
+  rtp_comm_free(pipe);
+  return rc;
+}
+
+// gpipe on the device gives the CPU's numbers; 1f1b, whose transfers would deadlock on a
+// device's in-order comm stream, is refused when the plan is made.
+int pipeline_agrees(int rank, int port) {
+  RankEnv env;
+  if (int rc = env.open(rank, 2, port)) return rc;
+  std::vector<float> want, want_p, got, got_p;
+  int rc = pipeline_run(env.comm, rank, nullptr, RTP_SCHEDULE_GPIPE, &want, &want_p);
+  if (!rc) rc = pipeline_run(env.comm, rank, env.sim, RTP_SCHEDULE_GPIPE, &got, &got_p);
+  if (rc) return rc;
+  if (rtp__sim_host_touches_while_busy(env.sim)) return 20;
+  if (got != want || got_p != want_p) return 1;
+  rtp_comm *stage = nullptr, *pipe = nullptr;
+  if (rtp_comm_mesh_2d(env.comm, 2, 1, &stage, &pipe)) return 60;
+  GptPlan p;
+  rc = p.build(nullptr, rank, RTP_STRATEGY_NONE, env.sim, pipe, 2, RTP_SCHEDULE_1F1B);
+  bool refused = rc == 51 && std::strstr(rtp_last_error(), "gpipe schedule only");
+  rtp_comm_free(stage);
+  rtp_comm_free(pipe);
+  return refused ? 0 : 2;
+}
+
+TEST(SimPipeline, GpipeOnTheDeviceMatchesTheCpuAnd1f1bIsRefused) {
+  int port = rtptest::free_port();
+  auto res = rtptest::run_procs(
+      2, [&](int rank) { return pipeline_agrees(rank, port); }, 120);
+  for (int r = 0; r < 2; r++) EXPECT_EQ(res[r].code, 0) << "rank " << r;
 }
 
 }  // namespace
