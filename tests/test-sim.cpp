@@ -272,6 +272,40 @@ TEST(SimParallel, ConstantsOfADeviceModelAreCopied) {
   EXPECT_EQ(constant_sum(s.b), want);
 }
 
+// ---- the optimizer's refusal of a step on NaN -----------------------------------------
+
+// Which parameter's gradients are not finite is found by the backend's sums of squares,
+// not by reading device memory: the step is refused naming it, and nothing changes.
+TEST(SimOptimizer, NotFiniteGradientsAreNamedFromTheDevice) {
+  Sim dev;
+  rtp_context *ctx = rtp_context_new({1 << 20, nullptr, false, dev.b, 1 << 20});
+  ASSERT_NE(ctx, nullptr);
+  rtp_tensor *w = rtp_tensor_set_name(rtp_tensor_new_2d(ctx, RTP_TYPE_F32, 3, 2), "w");
+  rtp_tensor *x = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, 3, 4);
+  rtp_tensor_set_param(w);
+  rtp_tensor *loss = rtp_sum(ctx, rtp_mul_mat(ctx, w, x));
+  rtp_graph *g = rtp_graph_new(ctx, 64);
+  ASSERT_EQ(rtp_graph_build(g, loss), RTP_OK);
+  ASSERT_EQ(rtp_graph_build_backward(ctx, g, loss), RTP_OK) << rtp_last_error();
+  ASSERT_EQ(rtp_graph_plan(ctx, g), RTP_OK) << rtp_last_error();
+  rtp_optimizer *opt = rtp_optimizer_new(ctx, g, rtp_adamw_params_default());
+  ASSERT_NE(opt, nullptr) << rtp_last_error();
+  const float wv[6] = {1, 2, 3, 4, 5, 6}, nan = NAN;
+  ASSERT_EQ(rtp_tensor_set(w, wv, 0, sizeof(wv)), RTP_OK);
+  ASSERT_EQ(rtp_tensor_fill_f32(x, 0.5f), RTP_OK);
+  ASSERT_EQ(rtp_tensor_set(x, &nan, 4 * 5, 4), RTP_OK);  // the gradient of w is x's sums
+  ASSERT_EQ(rtp_graph_compute(g, nullptr), RTP_OK) << rtp_last_error();
+  EXPECT_EQ(rtp_optimizer_step(opt, nullptr), RTP_EINVAL);
+  EXPECT_NE(std::strstr(rtp_last_error(), "gradients of 'w' are not finite"), nullptr)
+      << rtp_last_error();
+  float back[6];
+  ASSERT_EQ(rtp_tensor_get(w, back, 0, sizeof(back)), RTP_OK);
+  EXPECT_EQ(memcmp(back, wv, sizeof(wv)), 0);
+  EXPECT_EQ(rtp_optimizer_steps(opt), 0);
+  EXPECT_EQ(rtp__sim_host_touches_while_busy(dev.b), 0);
+  rtp_context_free(ctx);
+}
+
 // ---- checkpoints of the GPT trained on the device -------------------------------------
 
 // The reference model on this rank under a strategy over comm, on backend b (NULL: the
