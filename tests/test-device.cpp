@@ -6,7 +6,6 @@
 // the results differ (the control test shows that they do).
 #include <gtest/gtest.h>
 
-#include <cstring>
 #include <string>
 #include <vector>
 
