@@ -93,6 +93,25 @@ TEST(Sim, CopiesOutsideItsMemoryAreRefused) {
   s.b->i->release(s.b, mem);
 }
 
+// A kernel's failure (an index out of range) comes back from the sync that ran it, once.
+TEST(Sim, AKernelsFailureIsReportedAtSync) {
+  SimVector v(8);
+  ASSERT_NE(v.t, nullptr);
+  rtp_tensor *ix = rtp_tensor_new_1d(v.ctx, RTP_TYPE_I32, 2);
+  rtp_tensor *rows = rtp_get_rows(v.ctx, rtp_tensor_new_2d(v.ctx, RTP_TYPE_F32, 4, 2), ix);
+  rtp_tensor_set_output(rows);
+  rtp_graph *g = rtp_graph_new(v.ctx, 16);
+  ASSERT_EQ(rtp_graph_build(g, rows), RTP_OK);
+  ASSERT_EQ(rtp_graph_plan(v.ctx, g), RTP_OK) << rtp_last_error();
+  const int32_t bad[2] = {1, 2}, good[2] = {1, 0};
+  ASSERT_EQ(rtp_tensor_set(ix, bad, 0, sizeof(bad)), RTP_OK);
+  EXPECT_EQ(rtp_graph_compute(g, nullptr), RTP_EINVAL);
+  EXPECT_NE(std::strstr(rtp_last_error(), "index is out of range"), nullptr)
+      << rtp_last_error();
+  ASSERT_EQ(rtp_tensor_set(ix, good, 0, sizeof(good)), RTP_OK);
+  EXPECT_EQ(rtp_graph_compute(g, nullptr), RTP_OK) << rtp_last_error();
+}
+
 // What the protection is for: host code that reads or writes device data directly.
 TEST(SimDeathTest, HostReadOfDeviceDataFaults) {
   SimVector v(16);
