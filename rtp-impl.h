@@ -66,6 +66,9 @@ void *rtp__ctx_data_alloc(struct rtp_context *ctx, size_t size, const char *what
 void rtp__ctx_note_plan(struct rtp_context *ctx, size_t peak, size_t sum, size_t live,
                         size_t work);
 void *rtp__tensor_alloc(struct rtp_context *ctx, struct rtp_tensor *t, enum rtp_role role);
+/* Copies src's bytes into dst (contiguous, of src's size), either in device memory:
+ * through a bounded host buffer when src is. */
+int rtp__tensor_copy(struct rtp_tensor *dst, const struct rtp_tensor *src);
 struct rtp_tensor *rtp__new_node(struct rtp_context *ctx, enum rtp_op op, enum rtp_type type,
                                  const int64_t ne[RTP_MAX_DIMS], struct rtp_tensor *a,
                                  struct rtp_tensor *b);

@@ -596,39 +596,48 @@ static bool st_is_packed(const struct rtp_tensor *t) {
   return true;
 }
 
-/* Rows [r0, r0 + nr) of t (a row is ne[0] elements) to or from the packed buf. */
-static void st_copy_rows(struct rtp_tensor *t, int64_t r0, int64_t nr, char *buf, bool to_t) {
+/* n bytes between t's data at p and the host buffer b: through the backend be for device
+ * memory, else in place. */
+static int st_copy_span(struct rtp_backend *be, char *p, char *b, size_t n, bool to_t) {
+  if (be) return to_t ? be->i->set(be, p, b, n) : be->i->get(be, b, p, n);
+  if (to_t) {
+    memcpy(p, b, n);
+  } else {
+    memcpy(b, p, n);
+  }
+  return RTP_OK;
+}
+
+/* Rows [r0, r0 + nr) of t (a row is ne[0] elements) to or from the packed buf; t's data
+ * may be device memory (be). */
+static int st_copy_rows(struct rtp_tensor *t, struct rtp_backend *be, int64_t r0, int64_t nr,
+                        char *buf, bool to_t) {
   size_t ts = st_type_size(t->type);
   size_t row = (size_t)t->ne[0] * ts;
-  for (int64_t r = r0; r < r0 + nr; r++) {
+  bool packed_row = t->nb[0] == ts || t->ne[0] == 1;
+  int rc = RTP_OK;
+  for (int64_t r = r0; r < r0 + nr && !rc; r++) {
     int64_t i1 = r % t->ne[1], i2 = (r / t->ne[1]) % t->ne[2], i3 = r / t->ne[1] / t->ne[2];
     char *p = (char *)t->data + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3];
     char *b = buf + (size_t)(r - r0) * row;
-    if (t->nb[0] == ts) {
-      if (to_t) {
-        memcpy(p, b, row);
-      } else {
-        memcpy(b, p, row);
-      }
+    if (packed_row) {
+      rc = st_copy_span(be, p, b, row, to_t);
       continue;
     }
-    for (int64_t i0 = 0; i0 < t->ne[0]; i0++) {
-      if (to_t) {
-        memcpy(p + i0 * t->nb[0], b + (size_t)i0 * ts, ts);
-      } else {
-        memcpy(b + (size_t)i0 * ts, p + i0 * t->nb[0], ts);
-      }
-    }
+    for (int64_t i0 = 0; i0 < t->ne[0] && !rc; i0++)
+      rc = st_copy_span(be, p + i0 * t->nb[0], b + (size_t)i0 * ts, ts, to_t);
   }
+  return rc;
 }
 
-/* Device tensors go through a host buffer of ST_CHUNK bytes at a time; a strided view of
- * device memory would need a device-side gather first, so it is refused. */
+/* Device tensors go through a host buffer of ST_CHUNK bytes at a time: a packed one in
+ * chunks, a view row by row. A view whose elements are not adjacent in a row (a
+ * transposed view) would take one device copy per element: refused. */
 static int st_device_check(const struct rtp_tensor *t, const char *path, const char *name) {
-  if (st_is_packed(t)) return RTP_OK;
-  return rtp__error(RTP_EINVAL,
-                    "%s: tensor '%s' is a strided view of %s memory (use a "
-                    "contiguous tensor)",
+  if (t->nb[0] == st_type_size(t->type) || t->ne[0] == 1) return RTP_OK;
+  return rtp__error(RTP_ENOSYS,
+                    "%s: tensor '%s' is a view of %s memory whose rows are not contiguous (a "
+                    "transposed view): copy it into a contiguous tensor first (rtp_cont)",
                     path, name, rtp_backend_name(rtp__tensor_backend(t)));
 }
 
@@ -701,11 +710,13 @@ int rtp_safetensors_read_rows(struct rtp_safetensors *st, const char *name, int6
   uint64_t off = st->data_start + e->begin + (uint64_t)first * step;
   uint64_t bytes = (uint64_t)n * step;
   if (bytes == 0) return RTP_OK;
-  if (rtp__tensor_backend(t)) {
+  struct rtp_backend *be = rtp__tensor_backend(t);
+  if (be) {
     int rc = st_device_check(t, st->path, name);
-    return rc ? rc : st_read_device(st, t, off, (size_t)bytes);
+    if (rc || st_is_packed(t)) return rc ? rc : st_read_device(st, t, off, (size_t)bytes);
+  } else if (st_is_packed(t)) {
+    return st_pread(st, t->data, (size_t)bytes, off);
   }
-  if (st_is_packed(t)) return st_pread(st, t->data, (size_t)bytes, off);
 
   size_t row = (size_t)t->ne[0] * st_type_size(t->type);
   int64_t nrows = t->ne[1] * t->ne[2] * t->ne[3];
@@ -717,7 +728,7 @@ int rtp_safetensors_read_rows(struct rtp_safetensors *st, const char *name, int6
   for (int64_t r = 0; r < nrows && !rc; r += chunk) {
     int64_t nr = nrows - r < chunk ? nrows - r : chunk;
     rc = st_pread(st, buf, (size_t)nr * row, off + (uint64_t)r * row);
-    if (!rc) st_copy_rows(t, r, nr, buf, true);
+    if (!rc) rc = st_copy_rows(t, be, r, nr, buf, true);
   }
   free(buf);
   return rc;
@@ -917,6 +928,10 @@ static int st_check_save(const char *path, struct rtp_tensor *const *ts, int n,
     if (!t->data && bytes > 0) {
       return rtp__error(RTP_EINVAL, "%s: tensor '%s' has no data", path, t->name);
     }
+    if (rtp__tensor_backend(t)) {
+      int rc = st_device_check(t, path, t->name);
+      if (rc) return rc;
+    }
     if (total > (uint64_t)INT64_MAX - bytes) {
       return rtp__error(RTP_EINVAL, "%s: tensors too large", path);
     }
@@ -1013,11 +1028,10 @@ static int st_write_tensor(int fd, const char *tmp, struct rtp_tensor *t) {
   size_t row = (size_t)t->ne[0] * ts;
   int64_t nrows = t->ne[1] * t->ne[2] * t->ne[3];
   if (row == 0 || nrows == 0) return RTP_OK;
-  if (rtp__tensor_backend(t)) {
-    int rc = st_device_check(t, tmp, t->name);
-    return rc ? rc : st_write_device(fd, tmp, t, row * (size_t)nrows);
-  }
-  if (st_is_packed(t)) return st_write_all(fd, t->data, row * (size_t)nrows, tmp);
+  struct rtp_backend *be = rtp__tensor_backend(t); /* its views checked by st_check_save */
+  if (st_is_packed(t))
+    return be ? st_write_device(fd, tmp, t, row * (size_t)nrows)
+              : st_write_all(fd, t->data, row * (size_t)nrows, tmp);
   int64_t chunk = row >= ST_CHUNK ? 1 : (int64_t)(ST_CHUNK / row);
   if (chunk > nrows) chunk = nrows;
   char *buf = malloc((size_t)chunk * row);
@@ -1025,8 +1039,8 @@ static int st_write_tensor(int fd, const char *tmp, struct rtp_tensor *t) {
   int rc = RTP_OK;
   for (int64_t r = 0; r < nrows && !rc; r += chunk) {
     int64_t nr = nrows - r < chunk ? nrows - r : chunk;
-    st_copy_rows(t, r, nr, buf, false);
-    rc = st_write_all(fd, buf, (size_t)nr * row, tmp);
+    rc = st_copy_rows(t, be, r, nr, buf, false);
+    if (!rc) rc = st_write_all(fd, buf, (size_t)nr * row, tmp);
   }
   free(buf);
   return rc;

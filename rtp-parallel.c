@@ -9,6 +9,7 @@
  * reaches through the plan's hook. Here too: the checks every strategy needs (the same
  * model on every rank, the precision of products), the loss over all ranks and the
  * seeding of backward. */
+#include "rtp-backend.h"
 #include "rtp-strategy.h"
 
 #include <stddef.h>
@@ -213,8 +214,7 @@ static struct rtp_tensor *clone_leaf(struct rtp_parallel *p, const struct rtp_te
   struct rtp_tensor *c = rtp_tensor_new(p->ctx, t->type, RTP_MAX_DIMS, ne);
   if (!c) return NULL;
   if (!c->data && !rtp__tensor_alloc(p->ctx, c, RTP_ROLE_INPUT)) return NULL;
-  if (t->data && !param &&
-      rtp_tensor_set(c, t->data, 0, rtp_tensor_nbytes(t))) { /* constants */
+  if (t->data && !param && rtp__tensor_copy(c, t)) { /* constants, maybe on a device */
     char msg[256];
     snprintf(msg, sizeof(msg), "%s", rtp_last_error());
     rtp__ctx_error(p->ctx, RTP_EIO, "%s", msg);
@@ -432,6 +432,26 @@ static const struct rtp_strategy_i *strategy_of(enum rtp_strategy s, int world) 
   }
 }
 
+/* A device runs transfers in order on its comm stream, each one holding the stream until
+ * its peer's matching one runs. Pipelines schedule sends and receives for the CPU, which
+ * posts them all at once: under 1f1b a stage sends the next micro-batch's activations
+ * before it receives the last one's gradients, while its neighbour sends those gradients
+ * before it receives the activations, and on a device the two wait on each other for
+ * good. gpipe (every forward, then every backward) and one micro-batch do not cross. */
+static int check_device_pipeline(struct rtp_context *ctx, const struct rtp_parallel_params *pp,
+                                 int M) {
+  struct rtp_backend *b = rtp__ctx_backend(ctx);
+  if (!b || !pp->pipe_comm || rtp_comm_size(pp->pipe_comm) < 2 || M < 2 ||
+      pp->schedule == RTP_SCHEDULE_GPIPE)
+    return RTP_OK;
+  return rtp__ctx_error(ctx, RTP_ENOSYS,
+                        "rtp_parallel_new: a pipeline of %d micro-batches on a device (%s) "
+                        "runs the gpipe schedule only, not %s: in order on the device's comm "
+                        "stream, the transfers of neighbouring stages would wait on each "
+                        "other",
+                        M, rtp_backend_name(b), rtp_schedule_name(pp->schedule));
+}
+
 struct rtp_parallel *rtp_parallel_new(struct rtp_context *ctx, const struct rtp_graph *fwd,
                                       struct rtp_tensor *loss,
                                       const struct rtp_parallel_params *pp) {
@@ -473,6 +493,7 @@ struct rtp_parallel *rtp_parallel_new(struct rtp_context *ctx, const struct rtp_
                    "not tp");
     return NULL;
   }
+  if (check_device_pipeline(ctx, pp, M)) return NULL;
   struct rtp_parallel *p = rtp__ctx_alloc(ctx, sizeof(*p), "the parallel plan");
   struct rtp_tensor **map =
       rtp__ctx_alloc(ctx, sizeof(*map) * (map_rows(fwd) * (size_t)M + 1), "the parallel map");

@@ -57,7 +57,6 @@ struct sim {
   long *last_enqueued, *last_done; /* per event: record numbers */
   int n_events;
   long n_records;
-  int status;
   int kernel_status;
   long host_touch_while_busy;
   struct sim_region *regions;
@@ -269,38 +268,24 @@ static int pick_stream(struct sim *s) {
   return (int)(sim_rand(s) & 1);
 }
 
-static void sim_clear(struct sim *s) {
-  for (int i = 0; i < 2; i++) s->q[i].head = s->q[i].len = 0;
-}
-
 /* Runs everything queued, in an order the events allow, and returns the first failure
- * since the last drain (the failure is reported once, like a device's at sync). */
+ * (reported once, like a device's at sync). A wait names a record enqueued before it, so
+ * the order of enqueuing is one the events allow: some stream can always run. */
 static int sim_drain(struct sim *s) {
-  if (!sim_busy(s)) {
-    int rc = s->status;
-    s->status = RTP_OK;
-    return rc;
-  }
-  int rc = protect_all(s, PROT_READ | PROT_WRITE); /* kernels touch any of it */
-  if (rc) return rc;
+  if (!sim_busy(s)) return RTP_OK;
+  int status = protect_all(s, PROT_READ | PROT_WRITE); /* kernels touch any of it */
+  if (status) return status;
   while (sim_busy(s)) {
     int st = pick_stream(s);
-    if (st < 0) {
-      sim_clear(s);
-      if (!s->status)
-        s->status = rtp__error(RTP_ESTATE, "simulated device: the streams deadlock");
-      break;
-    }
+    RTP_ASSERT(st >= 0);
     struct sim_queue *q = &s->q[st];
     struct sim_item it = q->items[q->head++];
-    int irc = run_item(s, &it);
-    if (irc && !s->status) s->status = irc;
+    int rc = run_item(s, &it);
+    if (rc && !status) status = rc;
   }
-  sim_clear(s);
-  rc = s->status;
-  s->status = RTP_OK;
-  int prc = protect_all(s, PROT_NONE);
-  return rc ? rc : prc;
+  for (int i = 0; i < 2; i++) s->q[i].head = s->q[i].len = 0;
+  int rc = protect_all(s, PROT_NONE);
+  return status ? status : rc;
 }
 
 static size_t sim_work_size(struct rtp_backend *b, const struct rtp_tensor *t) {

@@ -423,6 +423,23 @@ int rtp_tensor_get(const struct rtp_tensor *t, void *dst, size_t offset, size_t 
   return b->i->get(b, dst, (const char *)t->data + offset, n);
 }
 
+int rtp__tensor_copy(struct rtp_tensor *dst, const struct rtp_tensor *src) {
+  size_t n = rtp_tensor_nbytes(src);
+  if (!src->data) return rtp__error(RTP_EINVAL, "copy of '%s': it has no data", src->name);
+  if (!rtp__tensor_backend(src)) return rtp_tensor_set(dst, src->data, 0, n);
+  size_t cap = n < ((size_t)1 << 20) ? n : (size_t)1 << 20;
+  char *buf = malloc(cap ? cap : 1);
+  if (!buf) return rtp__error(RTP_ENOMEM, "copy of '%s': out of memory", src->name);
+  int rc = RTP_OK;
+  for (size_t at = 0; at < n && !rc; at += cap) {
+    size_t k = n - at < cap ? n - at : cap;
+    rc = rtp_tensor_get(src, buf, at, k);
+    if (!rc) rc = rtp_tensor_set(dst, buf, at, k);
+  }
+  free(buf);
+  return rc;
+}
+
 static void set_f32_host(struct rtp_tensor *t, float v) {
   for (int64_t i3 = 0; i3 < t->ne[3]; i3++)
     for (int64_t i2 = 0; i2 < t->ne[2]; i2++)

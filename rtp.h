@@ -518,7 +518,7 @@ RTP_API int rtp_safetensors_meta_at(const struct rtp_safetensors *st, int i, con
 /*
  * Reads the named tensor into t, which must have data and the same type and (padded)
  * ne, else RTP_ESHAPE naming both shapes; RTP_EINVAL if there is no such tensor. t may
- * be a strided view.
+ * be a strided view; in device memory, one whose rows are contiguous (else RTP_ENOSYS).
  */
 RTP_API int rtp_safetensors_read(struct rtp_safetensors *st, const char *name,
                                  struct rtp_tensor *t);
@@ -544,7 +544,8 @@ RTP_API int rtp_safetensors_check(const struct rtp_safetensors *st,
  * Writes n tensors, each named by its t->name (non-empty, unique, not "__metadata__"),
  * in the given order, with the optional __metadata__ string pairs meta_kv = {k0, v0,
  * k1, v1, ..., NULL} (meta_kv may be NULL). A tensor is stored with ne's dims up to the
- * last one that is not 1 (at least one); views of any strides are copied row by row.
+ * last one that is not 1 (at least one); views of any strides are copied row by row (in
+ * device memory, views whose rows are contiguous: a transposed one is RTP_ENOSYS).
  * Atomic: writes a temporary file next to path, fsyncs it, renames it over path and
  * fsyncs the directory; on any failure (RTP_EIO for a full disk, RTP_EINVAL for bad
  * tensors) path is untouched and no temporary file is left. A write past the file size
@@ -824,6 +825,8 @@ RTP_API int rtp_tensor_set_fsdp_unit(struct rtp_tensor *param, int unit);
  * stage's sends overlap its next forward. ZeroPP: 1F1B in scheduling units of
  * rtp_parallel_params.unit micro-batches, each block run for all of a unit's
  * micro-batches before the next, so a stage's fsdp gathers each block once per unit.
+ * On a device backend, pipelines of several micro-batches run GPipe only (RTP_ENOSYS
+ * otherwise; docs/pipeline.md).
  */
 enum rtp_schedule {
   RTP_SCHEDULE_1F1B = 0,

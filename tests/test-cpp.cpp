@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <string>
 #include <type_traits>
+#include <vector>
 #include <unistd.h>
 
 #include "rtp.hpp"
@@ -47,6 +48,19 @@ TEST(Cpp, OwnersMoveAndFree) {
   rtp::threadpool tp2 = std::move(tp);
   EXPECT_EQ(tp2.size(), 2);
   EXPECT_FALSE(tp);
+}
+
+// The simulated device through the wrapper: a context on it takes and gives data.
+TEST(Cpp, SimBackendHoldsAContextsData) {
+  rtp::backend dev = rtp::backend::sim(7);
+  EXPECT_STREQ(dev.name(), "sim");
+  rtp::context ctx(1 << 16, nullptr, false, dev, 1 << 16);
+  rtp_tensor *t = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 3);
+  const float x[3] = {1.5f, -2.0f, 8.0f};
+  float y[3] = {};
+  ASSERT_EQ(rtp_tensor_set(t, x, 0, sizeof(x)), RTP_OK);
+  ASSERT_EQ(rtp_tensor_get(t, y, 0, sizeof(y)), RTP_OK);
+  EXPECT_EQ(std::vector<float>(y, y + 3), std::vector<float>(x, x + 3));
 }
 
 TEST(Cpp, ShapeMismatchThrowsWithTheContextMessage) {
