@@ -437,11 +437,12 @@ static const struct rtp_strategy_i *strategy_of(enum rtp_strategy s, int world) 
  * posts them all at once: under 1f1b a stage sends the next micro-batch's activations
  * before it receives the last one's gradients, while its neighbour sends those gradients
  * before it receives the activations, and on a device the two wait on each other for
- * good. gpipe (every forward, then every backward) and one micro-batch do not cross. */
+ * good. gpipe (every forward, then every backward) and one micro-batch do not cross. A
+ * backend that runs no transfers (the planner's, which only places memory) is not asked. */
 static int check_device_pipeline(struct rtp_context *ctx, const struct rtp_parallel_params *pp,
                                  int M) {
   struct rtp_backend *b = rtp__ctx_backend(ctx);
-  if (!b || !pp->pipe_comm || rtp_comm_size(pp->pipe_comm) < 2 || M < 2 ||
+  if (!b || !b->i->comm || !pp->pipe_comm || rtp_comm_size(pp->pipe_comm) < 2 || M < 2 ||
       pp->schedule == RTP_SCHEDULE_GPIPE)
     return RTP_OK;
   return rtp__ctx_error(ctx, RTP_ENOSYS,
