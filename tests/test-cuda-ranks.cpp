@@ -317,7 +317,10 @@ void peer_lost(int sig) {
           fprintf(stderr, "rank %d: %s\n", rank, rtp_last_error());
           return 51;
         }
-        if (rank == 1) raise(sig);
+        if (rank == 1) {  // once rank 0's barrier is done and its next step queued
+          usleep(100 * 1000);
+          raise(sig);
+        }
         double t0 = rtptest::now_s();
         int st = rtp_graph_compute(g, nullptr);
         double max_s = sig == SIGSTOP ? 3.0 * timeout_ms / 1000 : 5.0;
