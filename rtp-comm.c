@@ -255,6 +255,34 @@ static int op_check(const struct rtp_comm *c, const struct rtp_comm_op *op) {
   return RTP_OK;
 }
 
+/* Under w->mu: op's sequence numbers, in the order the caller numbers operations. */
+static void number_locked(struct rtp_comm *c, struct rtp_comm_op *op, bool local) {
+  if (local) return;
+  if (op->kind != RTP_COMM_K_P2P) {
+    op->seq = op->rx_seq = c->coll_seq++;
+  } else {
+    if (op->dst >= 0) op->seq = c->p2p_tx_seq[op->dst]++;
+    if (op->src >= 0) op->rx_seq = c->p2p_rx_seq[op->src]++;
+  }
+}
+
+/* Whether op (placed) needs no peer. */
+static bool op_local(const struct rtp_comm_op *op) {
+  return op->size == 1 || (op->tx_peer < 0 && op->rx_peer < 0);
+}
+
+/* Hands the request r, taken and filled under w->mu, to its transport. */
+static int submit(struct rtp_comm_world *w, struct rtp_comm_req *r, bool local,
+                  struct rtp_comm_req **out) {
+  struct rtp_transport *t = local ? rtp__local_transport() : w->host;
+  t->i->submit(t, r);
+  if (out) {
+    *out = r;
+    return RTP_OK;
+  }
+  return rtp_comm_wait(r);
+}
+
 int rtp__comm_post(struct rtp_comm *c, struct rtp_comm_op *op, struct rtp_comm_req **out) {
   if (!c) return rtp__error(RTP_EINVAL, "%s: NULL communicator", op->what ? op->what : "comm");
   int st = op_check(c, op);
@@ -268,21 +296,42 @@ int rtp__comm_post(struct rtp_comm *c, struct rtp_comm_op *op, struct rtp_comm_r
     pthread_mutex_unlock(&w->mu);
     return st;
   }
-  if (!local && op->kind != RTP_COMM_K_P2P) {
-    op->seq = op->rx_seq = c->coll_seq++;
-  } else if (!local) {
-    if (op->dst >= 0) op->seq = c->p2p_tx_seq[op->dst]++;
-    if (op->src >= 0) op->rx_seq = c->p2p_rx_seq[op->src]++;
+  number_locked(c, op, local);
+  r->op = *op;
+  pthread_mutex_unlock(&w->mu);
+  return submit(w, r, local, out);
+}
+
+int rtp__comm_number(struct rtp_comm *c, struct rtp_comm_op *op) {
+  if (!c) return rtp__error(RTP_EINVAL, "%s: NULL communicator", op->what ? op->what : "comm");
+  int st = op_check(c, op);
+  if (st) return st;
+  struct rtp_comm_world *w = c->w;
+  bool local = op_place(c, op);
+  pthread_mutex_lock(&w->mu);
+  if (w->failed) {
+    pthread_mutex_unlock(&w->mu);
+    return rtp__error(w->failed, "%s", w->fail_msg);
+  }
+  number_locked(c, op, local);
+  pthread_mutex_unlock(&w->mu);
+  return RTP_OK;
+}
+
+int rtp__comm_submit(struct rtp_comm *c, const struct rtp_comm_op *op,
+                     struct rtp_comm_req **out) {
+  if (!c) return rtp__error(RTP_EINVAL, "%s: NULL communicator", op->what ? op->what : "comm");
+  struct rtp_comm_world *w = c->w;
+  struct rtp_comm_req *r = NULL;
+  pthread_mutex_lock(&w->mu);
+  int st = req_take_locked(w, &r);
+  if (st < 0) {
+    pthread_mutex_unlock(&w->mu);
+    return st;
   }
   r->op = *op;
   pthread_mutex_unlock(&w->mu);
-  struct rtp_transport *t = local ? rtp__local_transport() : w->host;
-  t->i->submit(t, r);
-  if (out) {
-    *out = r;
-    return RTP_OK;
-  }
-  return rtp_comm_wait(r);
+  return submit(w, r, op_local(op), out);
 }
 
 int rtp__comm_post_stream(struct rtp_comm *c, struct rtp_comm_op *op, void *stream) {

@@ -119,6 +119,16 @@ void rtp__comm_blame(struct rtp_comm_world *w, int rank, const char *why);
 /* Posts op (group ranks) on c's host transport, as every rtp_comm_* operation does:
  * checks it, numbers it and returns a request (or waits for it when req is NULL). */
 int rtp__comm_post(struct rtp_comm *c, struct rtp_comm_op *op, struct rtp_comm_req **req);
+/* rtp__comm_post in two halves, for a post that runs later on another thread (a device
+ * backend's transfer staged through host memory, run by a stream's host function):
+ * number checks op and gives it its sequence numbers now, in the caller's program order,
+ * so that whichever thread posts what first, every rank matches the same operations;
+ * submit then posts the numbered op from any thread (op's buffers as they are then).
+ * A numbered op must be submitted, or the job failed (rtp_comm_abort): its peers wait for
+ * it otherwise. number fails at once if the job has failed. */
+int rtp__comm_number(struct rtp_comm *c, struct rtp_comm_op *op);
+int rtp__comm_submit(struct rtp_comm *c, const struct rtp_comm_op *op,
+                     struct rtp_comm_req **req);
 /* Enqueues op on device buffers on a device stream through c's device transport (nccl);
  * RTP_ENOSYS when c has none. */
 int rtp__comm_post_stream(struct rtp_comm *c, struct rtp_comm_op *op, void *stream);

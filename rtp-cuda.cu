@@ -138,8 +138,8 @@ namespace {
 
 /* ---- the interface -------------------------------------------------------------------- */
 
-/* A single rank's transfers are local: a copy for sendrecv to oneself, nothing for the
- * collectives, which leave the buffer as it is. */
+/* Transfers that need no peer: a copy for sendrecv to oneself, nothing for the collectives
+ * of a single rank, which leave the buffer as it is. */
 int comm_single(cuda_backend *cu, struct rtp_comm *c, const struct rtp_comm_op *op) {
   if (op->kind != RTP_COMM_K_P2P) return RTP_OK;
   int rank = rtp_comm_rank(c);
@@ -155,7 +155,8 @@ int comm_single(cuda_backend *cu, struct rtp_comm *c, const struct rtp_comm_op *
   return RTP_OK;
 }
 
-/* Through the communicator's device transport (nccl) when it has one. */
+/* Through the communicator's device transport (nccl) when it has one, else staged through
+ * host memory over its host transport (rtp-cuda-stage.cu). */
 int cuda_comm(struct rtp_backend *b, struct rtp_comm *c, struct rtp_comm_op *op) {
   cuda_backend *cu = cuda_of(b);
   const char *name = op->what ? op->what : "?";
@@ -165,11 +166,11 @@ int cuda_comm(struct rtp_backend *b, struct rtp_comm *c, struct rtp_comm_op *op)
                       name);
   if (rtp__comm_device(c))
     return rtp__comm_post_stream(c, op, (void *)cu->stream[RTP_STREAM_COMM]);
-  if (rtp_comm_size(c) == 1) return comm_single(cu, c, op);
-  return rtp__error(RTP_EINVAL,
-                    "cuda device %d: comm '%s': device tensors need an nccl communicator "
-                    "(backend \"nccl\" in rtp_comm_params)",
-                    cu->device, name);
+  int rank = rtp_comm_rank(c);
+  if (rtp_comm_size(c) == 1 ||
+      (op->kind == RTP_COMM_K_P2P && (op->dst == rank || op->src == rank)))
+    return comm_single(cu, c, op);
+  return stage_comm(&cu->stage, cu->stream[RTP_STREAM_COMM], c, op);
 }
 
 int cuda_alloc(struct rtp_backend *b, size_t size, void **out) {
@@ -268,19 +269,26 @@ int cuda_wait(struct rtp_backend *b, enum rtp_stream s, int e) {
   return RTP_OK;
 }
 
-/* Waits for both streams, then reports (and clears) a kernel's bad index. */
+/* Waits for both streams, then reports (and clears) a staged transfer's failure and a
+ * kernel's bad index. */
 int cuda_sync(struct rtp_backend *b) {
   cuda_backend *cu = cuda_of(b);
   RTP_CUDA_TRY(cu, cudaSetDevice(cu->device));
   RTP_CUDA_TRY(cu, cudaStreamSynchronize(cu->stream[RTP_STREAM_COMM]));
   RTP_CUDA_TRY(cu, cudaStreamSynchronize(compute_stream(cu)));
+  int staged = stage_settle(&cu->stage);
+  char msg[512];
+  if (staged) snprintf(msg, sizeof(msg), "%s", rtp_last_error());
   int op = 0;
   RTP_CUDA_TRY(cu, cudaMemcpyAsync(&op, cu->err, sizeof(op), cudaMemcpyDeviceToHost,
                                    compute_stream(cu)));
   RTP_CUDA_TRY(cu, cudaStreamSynchronize(compute_stream(cu)));
+  if (op) {
+    RTP_CUDA_TRY(cu, cudaMemsetAsync(cu->err, 0, sizeof(int), compute_stream(cu)));
+    RTP_CUDA_TRY(cu, cudaStreamSynchronize(compute_stream(cu)));
+  }
+  if (staged) return rtp__error(staged, "%s", msg);
   if (!op) return RTP_OK;
-  RTP_CUDA_TRY(cu, cudaMemsetAsync(cu->err, 0, sizeof(int), compute_stream(cu)));
-  RTP_CUDA_TRY(cu, cudaStreamSynchronize(compute_stream(cu)));
   return rtp__error(RTP_EINVAL, "%s: an index is out of range (cuda device %d)",
                     rtp_op_name((enum rtp_op)op), cu->device);
 }
@@ -298,6 +306,7 @@ void cuda_close(cuda_backend *cu) {
     for (int s = 0; s < 2; s++)
       if (cu->stream[s]) (void)cudaStreamDestroy(cu->stream[s]);
   }
+  stage_free(&cu->stage); /* the streams are idle, or could not run anything */
   (void)cudaGetLastError();
   free(cu->ev);
   free(cu);
@@ -414,6 +423,7 @@ extern "C" int rtp__cuda_backend_new(int device, struct rtp_backend **out) {
   cu->base.i = &cuda_iface;
   cu->base.impl = cu;
   cu->device = device;
+  stage_init(&cu->stage, device);
   int rc = cuda_open(cu);
   if (rc) {
     cuda_close(cu); /* the message of the failure stays the thread's last error */

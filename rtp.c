@@ -125,7 +125,11 @@ static int init_device_arena(struct rtp_context *ctx, struct rtp_backend *b, siz
   if (size == 0) return RTP_OK;
   void *mem = NULL;
   int rc = b->i->alloc(b, size, &mem);
-  if (rc) return rc;
+  if (rc) { /* the backend's message names the device and its free memory */
+    char why[400];
+    snprintf(why, sizeof(why), "%s", rtp_last_error());
+    return rtp__error(rc, "rtp_context_new: data_size of %zu bytes: %s", size, why);
+  }
   ctx->data = mem;
   ctx->data_size = size;
   ctx->data_used = (size_t)(-(uintptr_t)ctx->data & (RTP_ALIGN - 1));

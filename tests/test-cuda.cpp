@@ -801,6 +801,27 @@ TEST_F(Cuda, AdamAndSumOfSquares) {
   EXPECT_LE(rel_err(w2, w), 1e-6);
 }
 
+// A device arena larger than the GPU: a clear error naming the bytes asked for and the
+// device's free and total memory, no context, no crash; the device still works after.
+TEST_F(Cuda, ContextLargerThanDeviceFails) {
+  const size_t pib = (size_t)1 << 50;
+  rtp_init_params ip = {1 << 20, nullptr, false, b, pib};
+  rtp_context *ctx = rtp_context_new(ip);
+  EXPECT_EQ(ctx, nullptr);
+  rtp_context_free(ctx);
+  std::string msg = rtp_last_error();
+  EXPECT_TRUE(has(msg, std::to_string(pib) + " bytes")) << msg;
+  EXPECT_TRUE(has(msg, "MiB free")) << msg;
+  EXPECT_TRUE(has(msg, "data_size")) << msg;
+  EXPECT_TRUE(has(msg, "cuda device 0")) << msg;
+  size_t free_b = 0, total_b = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_b, &total_b), cudaSuccess);
+  EXPECT_TRUE(has(msg, "of " + std::to_string(total_b >> 20) + " MiB")) << msg;
+  rtp_context *ok = new_ctx(b, 1 << 20);
+  EXPECT_NE(ok, nullptr) << rtp_last_error();
+  rtp_context_free(ok);
+}
+
 // A single rank's transfers through the executor's stream path: sendrecv to oneself
 // copies on the comm stream, all-reduce leaves the buffer as it is.
 TEST_F(Cuda, SingleRankTransfers) {

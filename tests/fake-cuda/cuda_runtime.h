@@ -1,6 +1,6 @@
-/* A fake CUDA runtime (the subset rtp-nccl.c and test-nccl.cpp use) for testing the NCCL
- * transport without a GPU: names and values as in CUDA 13's headers, behaviour in
- * fake-cuda.cpp (device memory is host memory, a stream is a thread running its queue). */
+/* A fake CUDA runtime (the subset rtp-nccl.c, rtp-cuda-stage.cu and their tests use) for
+ * testing the NCCL transport without a GPU: names and values as in CUDA 13's headers, behaviour
+ * in fake-cuda.cpp (device memory is host memory, a stream is a thread running its queue). */
 #ifndef RTP_FAKE_CUDA_RUNTIME_H
 #define RTP_FAKE_CUDA_RUNTIME_H
 
@@ -61,6 +61,10 @@ struct cudaPointerAttributes {
 };
 
 #define cudaEventDisableTiming 0x02
+#define cudaHostAllocDefault 0x00
+#define CUDART_CB
+
+typedef void (*cudaHostFn_t)(void *user);
 
 const char *cudaGetErrorString(cudaError_t e);
 const char *cudaGetErrorName(cudaError_t e);
@@ -74,6 +78,9 @@ cudaError_t cudaMemset(void *p, int v, size_t n);
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind);
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind,
                             cudaStream_t s);
+cudaError_t cudaHostAlloc(void **p, size_t n, unsigned int flags);
+cudaError_t cudaFreeHost(void *p);
+cudaError_t cudaLaunchHostFunc(cudaStream_t s, cudaHostFn_t fn, void *user);
 cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void *p);
 cudaError_t cudaStreamCreate(cudaStream_t *s);
 cudaError_t cudaStreamDestroy(cudaStream_t s);

@@ -195,6 +195,25 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, enum cudaMemcp
   return cudaSuccess;
 }
 
+cudaError_t cudaHostAlloc(void **p, size_t n, unsigned int flags) {
+  (void)flags;
+  *p = fake.host_alloc_fails ? nullptr : malloc(n ? n : 1);
+  if (!*p) return fail(cudaErrorMemoryAllocation);
+  fake.host_allocs++;
+  return cudaSuccess;
+}
+
+cudaError_t cudaFreeHost(void *p) {
+  free(p);
+  return cudaSuccess;
+}
+
+// Runs fn on the stream's thread, as the driver runs it on a thread of its own.
+cudaError_t cudaLaunchHostFunc(cudaStream_t s, cudaHostFn_t fn, void *user) {
+  stream_of(s)->push([fn, user] { fn(user); });
+  return cudaSuccess;
+}
+
 cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void *p) {
   memset(a, 0, sizeof(*a));
   a->device = -2;

@@ -12,6 +12,8 @@ struct fake_hooks {
   int fail_op = -1;           //   asynchronously (ncclSystemError), then hangs until aborted
   bool loss_reports = false;  // a lost peer sets ncclRemoteError (else its ops just hang)
   int ops = 0;                // NCCL operations (groups) this process ran
+  bool host_alloc_fails = false;  // cudaHostAlloc fails (cudaErrorMemoryAllocation)
+  int host_allocs = 0;            // cudaHostAlloc calls that succeeded in this process
 };
 
 extern fake_hooks fake;
