@@ -1031,8 +1031,9 @@ static int parallelize(struct trainer *tr, struct gpt_config c, const struct opt
   tr->par = rtp_parallel_new(tr->ctx, fwd, tr->m.loss, &pp);
   rc = tr->par ? RTP_OK : rtp_context_error(tr->ctx, NULL);
   if (rc == RTP_ENOSYS) {
-    fprintf(stderr, "train-gpt: --strategy %s on %d ranks%s is not yet supported: %s\n",
-            o->strategy, tr->world, o->pp > 1 ? " with --pp" : "", rtp_last_error());
+    fprintf(stderr, "train-gpt: --strategy %s on %d ranks%s on %s is not yet supported: %s\n",
+            o->strategy, tr->world, o->pp > 1 ? " with --pp" : "", tr->dev->name,
+            rtp_last_error());
     return EXIT_USAGE;
   }
   if (!tr->par)
