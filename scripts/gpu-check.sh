@@ -88,12 +88,12 @@ fi
 if [ -n "${RTP_DEPS_DIR:-}" ]; then
   bash "$src/scripts/deps.sh" --unpack "$RTP_DEPS_DIR" >/dev/null && . "$RTP_DEPS_DIR/env.sh"
 fi
-# NCCL: the toolkit's, or else the one PyTorch's wheel carries.
+# NCCL: the system's or the toolkit's, or else the one PyTorch's wheel carries.
 nccl_flags=()
-if ! ls /usr/include/nccl.h /usr/local/cuda/include/nccl.h >/dev/null 2>&1; then
+if ! { ldconfig -p 2>/dev/null | grep -q 'libnccl\.so '; } && [ ! -e /usr/local/cuda/lib64/libnccl.so ]; then
   nccl=$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null)
-  [ -n "$nccl" ] && nccl_flags=(-DNCCL_INCLUDE_DIR="$nccl/include"
-                                -DNCCL_LIBRARY="$nccl/lib/libnccl.so.2")
+  [ -f "$nccl/include/nccl.h" ] && nccl_flags=(-DNCCL_INCLUDE_DIR="$nccl/include"
+                                               -DNCCL_LIBRARY="$nccl/lib/libnccl.so.2")
 fi
 build=${RTP_GPU_CHECK_BUILD:-$out/build}
 targets=(test-cuda test-nccl test-cuda-ranks train-gpt rtp-run bench-gpu)

@@ -374,9 +374,9 @@ TEST(Errors, HugeSizesAreRefused) {
   EXPECT_GT(gpt_n_params(wide), 0);
   EXPECT_EQ(gpt_arena_size(wide, 1 << 30), SIZE_MAX);
   gpt_config tiny = {256, 32, 64, 2, 4, false, false};
-  EXPECT_EQ(gpt_arena_size(tiny, 4), (size_t)20 * gpt_n_params(tiny) +
-                                         4 * (size_t)128 * (40 * 64 + 6 * 4 * 32) * 2 +
-                                         4 * (size_t)128 * 256 * 4 + (64u << 20));
+  EXPECT_EQ(gpt_arena_size(tiny, 4),
+            (size_t)20 * gpt_n_params(tiny) + 4 * (size_t)128 * (40 * 64 + 6 * 4 * 32) * 2 +
+                4 * (size_t)128 * 256 * 4 + 4 * (size_t)(2 * 256 + 32) * 64 + (64u << 20));
 }
 
 TEST(Errors, StatusNames) {
