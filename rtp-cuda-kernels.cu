@@ -508,44 +508,89 @@ __global__ void k_sum_partials(const double *part, int64_t n, double divisor, fl
   }
 }
 
-/* t (shape ne_t) = a summed over the dims where t has 1 (rne: those dims' sizes in a, 1
- * elsewhere). Blocks of 32 x 8: 32 outputs, each summed by 8 threads whose parts are then
- * added in order. */
-__global__ void k_repeat_back(tview t, tview a, int64_t rne0, int64_t rne1, int64_t rne2,
-                              int64_t rne3) {
-  __shared__ double part[8][33];
-  const int64_t n_out = t.ne[0] * nrows_of(t), n_red = rne0 * rne1 * rne2 * rne3;
-  const int64_t rne[4] = {rne0, rne1, rne2, rne3};
-  for (int64_t j0 = (int64_t)blockIdx.x * 32; j0 < n_out; j0 += (int64_t)gridDim.x * 32) {
+/* repeat's backward: t (shape ne_t) = a summed over the dims where t has 1 (rne: those dims'
+ * sizes in a, 1 elsewhere). The sums of a bias's gradient are long (every token) and few
+ * (the width), so the reduced indices are cut into gridDim.y runs: block (x, y) adds run y
+ * for 32 outputs, 8 threads each taking a stretch of it, whose parts it adds in order into
+ * part[y * n_out + j] (or, with one run, straight into t). k_repeat_back_sum then adds the
+ * runs in order: the same sums on every launch. */
+struct rback {
+  int64_t rne[4];
+  int64_t n_out, n_red;
+};
+
+/* The offset in a (elements) of output j's first addend, and in t of output j. */
+__device__ void rback_offsets(const tview &t, const tview &a, int64_t j, int64_t *base,
+                              int64_t *toff) {
+  int64_t c[4] = {j % t.ne[0], j / t.ne[0] % t.ne[1], j / t.ne[0] / t.ne[1] % t.ne[2],
+                  j / t.ne[0] / t.ne[1] / t.ne[2]};
+  *base = *toff = 0;
+  for (int d = 0; d < 4; d++) {
+    *base += c[d] * a.nb[d]; /* reduced dims have c = 0 */
+    *toff += c[d] * t.nb[d];
+  }
+}
+
+/* Addends q in [q, end) of the sum at x: the index digits are found once, then counted up. */
+__device__ double rback_stretch(const float *x, const tview &a, const rback &r, int64_t q,
+                                int64_t end) {
+  int64_t idx[4], off = 0, rest = q;
+  for (int d = 0; d < 4; d++) {
+    idx[d] = rest % r.rne[d];
+    rest /= r.rne[d];
+    off += idx[d] * a.nb[d];
+  }
+  double s = 0;
+  for (; q < end; q++) {
+    s += x[off];
+    for (int d = 0; d < 4; d++) {
+      if (++idx[d] < r.rne[d]) {
+        off += a.nb[d];
+        break;
+      }
+      off -= (r.rne[d] - 1) * a.nb[d];
+      idx[d] = 0;
+    }
+  }
+  return s;
+}
+
+__global__ void k_repeat_back(tview t, tview a, rback r, double *part) {
+  __shared__ double acc[8][33];
+  const int64_t run = (r.n_red + gridDim.y - 1) / gridDim.y;
+  const int64_t lo = (int64_t)blockIdx.y * run, hi = min(r.n_red, lo + run);
+  const int64_t stretch = hi > lo ? (hi - lo + blockDim.y - 1) / blockDim.y : 0;
+  for (int64_t j0 = (int64_t)blockIdx.x * 32; j0 < r.n_out; j0 += (int64_t)gridDim.x * 32) {
     const int64_t j = j0 + threadIdx.x;
+    int64_t base = 0, toff = 0;
     double s = 0;
-    int64_t toff = 0;
-    if (j < n_out) {
-      int64_t c[4] = {j % t.ne[0], j / t.ne[0] % t.ne[1], j / t.ne[0] / t.ne[1] % t.ne[2],
-                      j / t.ne[0] / t.ne[1] / t.ne[2]};
-      int64_t base = 0;
-      for (int d = 0; d < 4; d++) {
-        base += c[d] * a.nb[d]; /* reduced dims have c = 0 */
-        toff += c[d] * t.nb[d];
-      }
-      const float *x = (const float *)a.data + base;
-      for (int64_t q = threadIdx.y; q < n_red; q += blockDim.y) {
-        int64_t off = 0, rest = q;
-        for (int d = 0; d < 4; d++) {
-          off += rest % rne[d] * a.nb[d];
-          rest /= rne[d];
-        }
-        s += x[off];
-      }
+    if (j < r.n_out) {
+      rback_offsets(t, a, j, &base, &toff);
+      const int64_t q = lo + threadIdx.y * stretch, end = min(hi, q + stretch);
+      if (q < end) s = rback_stretch((const float *)a.data + base, a, r, q, end);
     }
-    part[threadIdx.y][threadIdx.x] = s;
+    acc[threadIdx.y][threadIdx.x] = s;
     __syncthreads();
-    if (threadIdx.y == 0 && j < n_out) {
+    if (threadIdx.y == 0 && j < r.n_out) {
       double total = 0;
-      for (int k = 0; k < 8; k++) total += part[k][threadIdx.x];
-      ((float *)t.data)[toff] = (float)total;
+      for (int k = 0; k < 8; k++) total += acc[k][threadIdx.x];
+      if (part)
+        part[blockIdx.y * r.n_out + j] = total;
+      else
+        ((float *)t.data)[toff] = (float)total;
     }
     __syncthreads();
+  }
+}
+
+__global__ void k_repeat_back_sum(tview t, tview a, rback r, const double *part, int runs) {
+  for (int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; j < r.n_out;
+       j += (int64_t)gridDim.x * blockDim.x) {
+    int64_t base, toff;
+    rback_offsets(t, a, j, &base, &toff);
+    double s = 0;
+    for (int k = 0; k < runs; k++) s += part[k * r.n_out + j];
+    ((float *)t.data)[toff] = (float)s;
   }
 }
 
@@ -725,14 +770,38 @@ int op_repeat(cuda_backend *cu, struct rtp_tensor *t) {
   return RTP_OK;
 }
 
-int op_repeat_back(cuda_backend *cu, struct rtp_tensor *t) {
+/* The runs each sum of repeat_back t is cut into: enough blocks to fill the GPU (about
+ * 1024) when the outputs are few, runs of at least 256 addends, at most 64 runs. */
+rback rback_of(const struct rtp_tensor *t, int *runs) {
+  rback r;
+  r.n_out = rtp_tensor_nelements(t), r.n_red = 1;
+  for (int d = 0; d < 4; d++) {
+    r.rne[d] = t->ne[d] == 1 ? t->src[0]->ne[d] : 1;
+    r.n_red *= r.rne[d];
+  }
+  int64_t col_blocks = (r.n_out + 31) / 32, n = 1024 / (col_blocks > 0 ? col_blocks : 1);
+  if (n > r.n_red / 256) n = r.n_red / 256;
+  *runs = (int)(n < 1 ? 1 : n > 64 ? 64 : n);
+  return r;
+}
+
+size_t repeat_back_work(const struct rtp_tensor *t) {
+  int runs;
+  rback r = rback_of(t, &runs);
+  return runs > 1 ? pad_work((size_t)runs * (size_t)r.n_out * sizeof(double)) : 0;
+}
+
+int op_repeat_back(cuda_backend *cu, struct rtp_tensor *t, void *work) {
   RTP_VIEW(y, t, RTP_TYPE_F32);
   RTP_VIEW(a, t->src[0], RTP_TYPE_F32);
-  int64_t rne[4];
-  for (int d = 0; d < 4; d++) rne[d] = y.ne[d] == 1 ? a.ne[d] : 1;
-  int64_t blocks = (nelem(y) + 31) / 32;
-  k_repeat_back<<<grid_of(blocks), dim3(32, 8), 0, compute_stream(cu)>>>(y, a, rne[0], rne[1],
-                                                                         rne[2], rne[3]);
+  int runs;
+  rback r = rback_of(t, &runs);
+  double *part = runs > 1 ? (double *)work : nullptr;
+  dim3 grid(grid_of((r.n_out + 31) / 32), (unsigned)runs);
+  k_repeat_back<<<grid, dim3(32, 8), 0, compute_stream(cu)>>>(y, a, r, part);
+  if (part)
+    k_repeat_back_sum<<<grid_of((r.n_out + kThreads - 1) / kThreads), kThreads, 0,
+                        compute_stream(cu)>>>(y, a, r, part, runs);
   return RTP_OK;
 }
 
@@ -855,6 +924,7 @@ int op_mul_mat(cuda_backend *cu, struct rtp_tensor *t, void *work) {
   int rc = mm_operand(cu, t->src[0], bf16, &a, &w);
   if (!rc) rc = mm_operand(cu, t->src[1], bf16, &b, &w);
   if (rc) return rc;
+  profile_split(&cu->prof, s, kProfileGemm);
   bool a_rows, b_rows;
   int64_t lda, ldb, ldc = N == 1 ? (M > 1 ? M : 1) : y.nb[1];
   if (!rtp__gemm_layout(M, K, a.nb[1], a.nb[0], &a_rows, &lda) ||
@@ -1072,7 +1142,7 @@ int dispatch(cuda_backend *cu, struct rtp_tensor *t, void *work) {
     case RTP_OP_REPEAT:
       return op_repeat(cu, t);
     case RTP_OP_REPEAT_BACK:
-      return op_repeat_back(cu, t);
+      return op_repeat_back(cu, t, work);
     case RTP_OP_MUL_MAT:
       return op_mul_mat(cu, t, work);
     case RTP_OP_NORM:
@@ -1122,6 +1192,8 @@ size_t cuda_work_size(struct rtp_backend *b, const struct rtp_tensor *t) {
       return pad_work((size_t)rtp_tensor_nrows(t->src[0]) * sizeof(double));
     case RTP_OP_MUL_MAT:
       return mm_work(t);
+    case RTP_OP_REPEAT_BACK:
+      return repeat_back_work(t);
     default:
       return 0;
   }
@@ -1140,7 +1212,9 @@ int cuda_compute(struct rtp_backend *b, struct rtp_tensor *t, void *work) {
                       "cuda device %d: %s '%s' needs %zu bytes of 8-byte aligned scratch, "
                       "got %p",
                       cu->device, rtp_op_name(t->op), t->name, need, work);
+  profile_begin(&cu->prof, compute_stream(cu), t->op);
   int rc = dispatch(cu, t, need ? work : nullptr);
+  profile_end(&cu->prof, compute_stream(cu));
   if (rc) return rc;
   cudaError_t e = cudaGetLastError(); /* a bad launch, or an earlier kernel's failure */
   if (e != cudaSuccess) {
@@ -1155,7 +1229,9 @@ int cuda_adam(struct rtp_backend *b, const struct rtp_adam_args *a) {
   cuda_backend *cu = cuda_of(b);
   if (a->n <= 0) return RTP_OK;
   RTP_CUDA_TRY(cu, cudaSetDevice(cu->device));
+  profile_begin(&cu->prof, compute_stream(cu), kProfileAdam);
   k_adam<<<grid_of((a->n + kThreads - 1) / kThreads), kThreads, 0, compute_stream(cu)>>>(*a);
+  profile_end(&cu->prof, compute_stream(cu));
   RTP_CUDA_TRY(cu, cudaGetLastError());
   return RTP_OK;
 }

@@ -276,6 +276,7 @@ int cuda_sync(struct rtp_backend *b) {
   RTP_CUDA_TRY(cu, cudaSetDevice(cu->device));
   RTP_CUDA_TRY(cu, cudaStreamSynchronize(cu->stream[RTP_STREAM_COMM]));
   RTP_CUDA_TRY(cu, cudaStreamSynchronize(compute_stream(cu)));
+  profile_settle(&cu->prof);
   int staged = stage_settle(&cu->stage);
   char msg[512];
   if (staged) snprintf(msg, sizeof(msg), "%s", rtp_last_error());
@@ -298,6 +299,8 @@ void cuda_close(cuda_backend *cu) {
   if (cudaSetDevice(cu->device) == cudaSuccess) {
     for (int s = 0; s < 2; s++)
       if (cu->stream[s]) (void)cudaStreamSynchronize(cu->stream[s]);
+    profile_settle(&cu->prof);
+    profile_free(&cu->prof, cu->device);
     for (int i = 0; i < cu->n_ev; i++) (void)cudaEventDestroy(cu->ev[i]);
     if (cu->blas) (void)blas_api.destroy(cu->blas);
     if (cu->blas_ws) (void)cudaFree(cu->blas_ws);
@@ -424,6 +427,7 @@ extern "C" int rtp__cuda_backend_new(int device, struct rtp_backend **out) {
   cu->base.impl = cu;
   cu->device = device;
   stage_init(&cu->stage, device);
+  profile_init(&cu->prof);
   int rc = cuda_open(cu);
   if (rc) {
     cuda_close(cu); /* the message of the failure stays the thread's last error */

@@ -14,6 +14,7 @@
 extern "C" {
 #include "rtp-backend.h"
 }
+#include "rtp-cuda-profile.h"
 #include "rtp-cuda-stage.h"
 
 namespace rtp_cuda {
@@ -77,9 +78,10 @@ struct cuda_backend {
   void *blas_ws;          /* cuBLAS's workspace, ours so it is taken once */
   cudaEvent_t *ev;
   int n_ev;
-  int *err;         /* device: the op of the first kernel that met a bad index, or 0 */
-  double *red;      /* device: kRedBlocks partial sums and the total, for sumsq */
-  cuda_stage stage; /* transfers through a tcp communicator */
+  int *err;          /* device: the op of the first kernel that met a bad index, or 0 */
+  double *red;       /* device: kRedBlocks partial sums and the total, for sumsq */
+  cuda_stage stage;  /* transfers through a tcp communicator */
+  cuda_profile prof; /* RTP_CUDA_PROFILE */
 };
 
 inline cuda_backend *cuda_of(struct rtp_backend *b) {

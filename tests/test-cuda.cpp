@@ -346,6 +346,21 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaOps,
                          ::testing::Values(Shape{7}, Shape{5, 3}, Shape{4, 4}, Shape{3, 2, 3},
                                            Shape{6, 3, 2, 2}, Shape{300, 5}, Shape{33, 70, 3}));
 
+// repeat's backward when the sums are long and few (a bias's gradient over every token):
+// cut into runs added in order (several runs, and the one-run path with few addends).
+TEST_F(Cuda, RepeatBackOfLongSums) {
+  const std::pair<Shape, Shape> cases[] = {{{48, 1024, 3}, {48}},
+                                           {{37, 64, 40}, {1, 64, 1}},
+                                           {{5, 3, 700}, {5, 3, 1}},
+                                           {{2048, 16}, {2048, 1}}};
+  for (const auto &[from, to] : cases)
+    compare(b, "repeat_back to " + std::to_string(to.size()) + "-D", {{from}},
+            [to = to](rtp_context *c, auto &x) {
+              return rtp_repeat_back(
+                  c, x[0], rtp_tensor_new(c, RTP_TYPE_F32, (int)to.size(), to.data()));
+            });
+}
+
 TEST_F(Cuda, MulMat) {
   auto mm = [](rtp_context *c, auto &x) { return rtp_mul_mat(c, x[0], x[1]); };
   auto tr = [](rtp_context *c, rtp_tensor *t) { return rtp_transpose(c, t); };
