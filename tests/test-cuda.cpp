@@ -419,6 +419,7 @@ TEST_F(Cuda, MulMatBf16) {
   const double tol = 1e-5;
   compare(b, "bf16 2d", {{{5, 3}}, {{5, 4}}}, mm, tol);
   compare(b, "bf16 large", {{{67, 45}}, {{67, 130}}}, mm, tol);
+  compare(b, "bf16 packed, four at a time", {{{64, 96}}, {{64, 200}}}, mm, tol);
   compare(b, "bf16 batched", {{{4, 3, 2, 3}}, {{4, 5, 2, 3}}}, mm, tol);
   compare(b, "bf16 shared a", {{{4, 3}}, {{4, 5, 2}}}, mm, tol);
   compare(
