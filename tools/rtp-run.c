@@ -123,6 +123,8 @@ static void help(void) {
          "  RTP_DIRECT_COPY=0            ranks on one host send through the loopback\n"
          "                               instead of writing into each other's memory\n"
          "  RTP_PROFILE=1                print the time spent in each op at exit\n"
+         "  RTP_CUDA_PROFILE=1           cuda: print each op's kernel time when the\n"
+         "                               backend is freed\n"
          "  RTP_TRACE=PREFIX             write what each rank ran as a Chrome trace,\n"
          "                               PREFIX.RANK.json\n"
          "\n"
