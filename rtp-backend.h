@@ -17,13 +17,17 @@ enum rtp_stream { RTP_STREAM_COMPUTE = 0, RTP_STREAM_COMM = 1 };
 struct rtp_comm_op;
 
 /* One Adam update of n floats, enqueued on the compute stream (the arithmetic of
- * rtp-opt.c's adam_job, PyTorch's form). */
+ * rtp__adam_update, PyTorch's form). */
 struct rtp_adam_args {
   float *w, *m, *v;
   const float *g;
   int64_t n;
   float gscale, beta1, beta2, eps, decay, lr_t, bc2;
 };
+
+/* Elements [i0, i1) of a's update, on the host: the CPU optimizer's threads and the
+ * simulated device run this one loop, so their results are the same bits (rtp-opt.c). */
+void rtp__adam_update(const struct rtp_adam_args *a, int64_t i0, int64_t i1);
 
 struct rtp_backend;
 

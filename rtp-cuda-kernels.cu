@@ -610,8 +610,8 @@ __global__ void k_repeat_back_sum(tview t, tview a, rback r, const double *part,
 }
 
 /* ---- optimizer ------------------------------------------------------------------------
- * rtp-opt.c's adam_job, operation for operation. The _rn intrinsics keep nvcc from fusing
- * multiply-adds, so every step rounds as the C expression does. */
+ * rtp__adam_update (rtp-opt.c), operation for operation. The _rn intrinsics keep nvcc from
+ * fusing multiply-adds, so every step rounds as the C expression does. */
 __global__ void k_adam(rtp_adam_args a) {
   const float c1 = __fsub_rn(1.0f, a.beta1), c2 = __fsub_rn(1.0f, a.beta2);
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < a.n;

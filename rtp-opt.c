@@ -92,24 +92,38 @@ static float param_decay(const struct rtp_optimizer *opt, int k) {
   return 1.0f - opt->hp.lr * opt->hp.weight_decay;
 }
 
+/* Parameter k's update, wherever its data lives. */
+static struct rtp_adam_args adam_args(const struct rtp_optimizer *opt, int k) {
+  return (struct rtp_adam_args){.w = opt->params[k]->data,
+                                .m = opt->m[k]->data,
+                                .v = opt->v[k]->data,
+                                .g = opt->params[k]->grad->data,
+                                .n = rtp_tensor_nelements(opt->params[k]),
+                                .gscale = opt->gscale,
+                                .beta1 = opt->hp.beta1,
+                                .beta2 = opt->hp.beta2,
+                                .eps = opt->hp.eps,
+                                .decay = param_decay(opt, k),
+                                .lr_t = opt->lr_t,
+                                .bc2 = opt->bc2};
+}
+
+void rtp__adam_update(const struct rtp_adam_args *a, int64_t i0, int64_t i1) {
+  for (int64_t i = i0; i < i1; i++) {
+    float gi = a->g[i] * a->gscale;
+    a->m[i] = a->beta1 * a->m[i] + (1.0f - a->beta1) * gi;
+    a->v[i] = a->beta2 * a->v[i] + (1.0f - a->beta2) * gi * gi;
+    float denom = sqrtf(a->v[i]) / a->bc2 + a->eps;
+    a->w[i] = a->w[i] * a->decay - a->lr_t * a->m[i] / denom;
+  }
+}
+
 /* Each thread takes the same share of every parameter, so the split stays balanced. */
 static void adam_job(const struct rtp_compute_params *p, void *arg) {
   const struct rtp_optimizer *opt = arg;
-  float b1 = opt->hp.beta1, b2 = opt->hp.beta2, eps = opt->hp.eps;
   for (int k = 0; k < opt->n; k++) {
-    float decay = param_decay(opt, k);
-    int64_t n = rtp_tensor_nelements(opt->params[k]);
-    int64_t i0 = n * p->ith / p->nth, i1 = n * (p->ith + 1) / p->nth;
-    float *w = opt->params[k]->data, *m = opt->m[k]->data, *v = opt->v[k]->data;
-    const float *g = opt->params[k]->grad->data;
-    float gs = opt->gscale;
-    for (int64_t i = i0; i < i1; i++) {
-      float gi = g[i] * gs;
-      m[i] = b1 * m[i] + (1.0f - b1) * gi;
-      v[i] = b2 * v[i] + (1.0f - b2) * gi * gi;
-      float denom = sqrtf(v[i]) / opt->bc2 + eps;
-      w[i] = w[i] * decay - opt->lr_t * m[i] / denom;
-    }
+    struct rtp_adam_args a = adam_args(opt, k);
+    rtp__adam_update(&a, a.n * p->ith / p->nth, a.n * (p->ith + 1) / p->nth);
   }
 }
 
@@ -142,18 +156,7 @@ static int sumsq_device(struct rtp_optimizer *opt, double *s) {
 
 static int adam_device(struct rtp_optimizer *opt) {
   for (int k = 0; k < opt->n; k++) {
-    struct rtp_adam_args a = {opt->params[k]->data,
-                              opt->m[k]->data,
-                              opt->v[k]->data,
-                              opt->params[k]->grad->data,
-                              rtp_tensor_nelements(opt->params[k]),
-                              opt->gscale,
-                              opt->hp.beta1,
-                              opt->hp.beta2,
-                              opt->hp.eps,
-                              param_decay(opt, k),
-                              opt->lr_t,
-                              opt->bc2};
+    struct rtp_adam_args a = adam_args(opt, k);
     int rc = opt->backend->i->adam(opt->backend, &a);
     if (rc) return rc;
   }

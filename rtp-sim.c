@@ -15,7 +15,6 @@
  * drain has returned and the memory is protected again). Single-threaded by design: the
  * protection is per backend, and two threads driving one backend would race on it. */
 #define _DEFAULT_SOURCE /* MAP_ANONYMOUS */
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -225,18 +224,6 @@ static int run_compute(struct sim *s, struct sim_item *it) {
              : RTP_OK;
 }
 
-/* The arithmetic of rtp-opt.c's adam_job (PyTorch's form). */
-static int run_adam(const struct rtp_adam_args *a) {
-  for (int64_t i = 0; i < a->n; i++) {
-    float gi = a->g[i] * a->gscale;
-    a->m[i] = a->beta1 * a->m[i] + (1.0f - a->beta1) * gi;
-    a->v[i] = a->beta2 * a->v[i] + (1.0f - a->beta2) * gi * gi;
-    float denom = sqrtf(a->v[i]) / a->bc2 + a->eps;
-    a->w[i] = a->w[i] * a->decay - a->lr_t * a->m[i] / denom;
-  }
-  return RTP_OK;
-}
-
 static int run_item(struct sim *s, struct sim_item *it) {
   switch (it->kind) {
     case SIM_COMPUTE:
@@ -244,7 +231,8 @@ static int run_item(struct sim *s, struct sim_item *it) {
     case SIM_COMM:
       return rtp__comm_post(it->c, &it->op, NULL);
     case SIM_ADAM:
-      return run_adam(&it->adam);
+      rtp__adam_update(&it->adam, 0, it->adam.n);
+      return RTP_OK;
     case SIM_RECORD:
       s->last_done[it->event] = it->seq;
       return RTP_OK;
