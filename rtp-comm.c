@@ -217,6 +217,11 @@ static int check_rank(struct rtp_comm *c, int peer, const char *what) {
   return RTP_OK;
 }
 
+/* Whether op (placed) needs no peer. */
+static bool op_local(const struct rtp_comm_op *op) {
+  return op->size == 1 || (op->tx_peer < 0 && op->rx_peer < 0);
+}
+
 /* Fills op's group part; whether it needs no peer (one rank, or a copy to oneself). */
 static bool op_place(const struct rtp_comm *c, struct rtp_comm_op *op) {
   op->group = c->group;
@@ -226,7 +231,7 @@ static bool op_place(const struct rtp_comm *c, struct rtp_comm_op *op) {
   rtp__coll_peers(op, &to, &from);
   op->tx_peer = to >= 0 && to != c->rank ? c->members[to] : -1;
   op->rx_peer = from >= 0 && from != c->rank ? c->members[from] : -1;
-  return c->size == 1 || (op->tx_peer < 0 && op->rx_peer < 0);
+  return op_local(op);
 }
 
 /* What every operation must satisfy, however it was made (graph nodes too). */
@@ -264,11 +269,6 @@ static void number_locked(struct rtp_comm *c, struct rtp_comm_op *op, bool local
     if (op->dst >= 0) op->seq = c->p2p_tx_seq[op->dst]++;
     if (op->src >= 0) op->rx_seq = c->p2p_rx_seq[op->src]++;
   }
-}
-
-/* Whether op (placed) needs no peer. */
-static bool op_local(const struct rtp_comm_op *op) {
-  return op->size == 1 || (op->tx_peer < 0 && op->rx_peer < 0);
 }
 
 /* Hands the request r, taken and filled under w->mu, to its transport. */
