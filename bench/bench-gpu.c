@@ -224,7 +224,7 @@ static int bench_new(struct bench *b, const struct options *o, struct gpt_config
   *b = (struct bench){0};
   if (!strcmp(o->device, "cuda") && rtp_backend_cuda_new(0, &b->be))
     return fail("--device cuda");
-  int nodes = 512 + 256 * c.n_layer; /* as train-gpt's graph_size */
+  int nodes = gpt_graph_size(c);
   b->meta = rtp_context_new((struct rtp_init_params){
       .mem_size = (size_t)nodes * 2048 + (8u << 20), .no_alloc = true});
   struct rtp_graph *fwd = b->meta ? rtp_graph_new(b->meta, nodes) : NULL;

@@ -1,5 +1,5 @@
 /* plan-model.c - one rank of a train-gpt job, real or dry (plan-model.h). The sizes and
- * parameters below are train-gpt's (examples/train-gpt/train-gpt.c: graph_size,
+ * parameters below are train-gpt's (examples/train-gpt/train-gpt.c:
  * parallel_graph_size, arena_size, parallel_params, parallelize, build_graphs), so that a
  * dry build reports what train-gpt's context holds; keep them in step. */
 #include "plan-model.h"
@@ -14,12 +14,9 @@
 #include "rtp-impl.h"
 #include "rtp-strategy.h"
 
-static int64_t graph_size(struct gpt_config c) {
-  return 512 + 256 * (int64_t)c.n_layer;
-}
-
 static int64_t parallel_graph_size(const struct plan_model *pm, int world) {
-  return graph_size(pm->cfg) * (1 + world) * pm->micro_batches * (pm->recompute ? 2 : 1);
+  return (int64_t)gpt_graph_size(pm->cfg) * (1 + world) * pm->micro_batches *
+         (pm->recompute ? 2 : 1);
 }
 
 /* train-gpt's arena: the model's data and activations, then 1 KiB per graph node. */
@@ -162,7 +159,7 @@ static int dry_comms(struct plan_rank *r, const struct plan_layout *l, int rank)
 }
 
 static int contexts_new(struct plan_rank *r, const struct plan_model *pm, int world, bool dry) {
-  size_t meta_bytes = (size_t)graph_size(pm->cfg) * 2048 + (8u << 20);
+  size_t meta_bytes = (size_t)gpt_graph_size(pm->cfg) * 2048 + (8u << 20);
   r->meta = rtp_context_new((struct rtp_init_params){.mem_size = meta_bytes, .no_alloc = true});
   struct rtp_init_params ip = {.mem_size = (size_t)arena_bytes(pm, world)};
   if (dry) { /* the host arena keeps headers, graphs and plans; the data goes to `dry` */
@@ -203,7 +200,7 @@ int plan_rank_build(struct plan_rank *r, const struct plan_model *pm,
   if (dry) group = r->dry_group, pipe = r->dry_pipe;
   if (!rc) rc = contexts_new(r, pm, l->ranks, dry);
   if (rc) return rc;
-  struct rtp_graph *fwd = rtp_graph_new(r->meta, (int)graph_size(pm->cfg));
+  struct rtp_graph *fwd = rtp_graph_new(r->meta, gpt_graph_size(pm->cfg));
   if (!fwd || gpt_build(r->meta, &r->m, pm->cfg, pm->batch / pm->micro_batches) ||
       rtp_graph_build(fwd, r->m.loss))
     return rtp__error(RTP_EINVAL, "building the model: %s", rtp_last_error());

@@ -57,6 +57,10 @@ size_t gpt_arena_size(struct gpt_config c, int batch) {
   return bytes < 0x1p63 ? (size_t)bytes : SIZE_MAX;
 }
 
+int gpt_graph_size(struct gpt_config c) {
+  return 512 + 256 * c.n_layer;
+}
+
 double gpt_bf16_scratch_size(struct gpt_config c, int batch) {
   double d = c.d_model, tokens = (double)c.seq_len * batch;
   double floats =

@@ -65,6 +65,9 @@ int64_t gpt_n_params(struct gpt_config cfg);
 /* Arena bytes that building, differentiating, planning and an optimizer need; SIZE_MAX
  * when that is past what 64 bits count (no machine holds it, so allocating it fails). */
 size_t gpt_arena_size(struct gpt_config cfg, int batch);
+/* Nodes of the one-device model's graph, forward to the loss (rtp_graph_new's size), with
+ * room to spare; a config gpt_config_check accepts. */
+int gpt_graph_size(struct gpt_config cfg);
 /* What bf16 products (compute_type bf16) add to that: the scratch a product rounds its two
  * operands into, for the largest product (an MLP layer's, the head's backward with the
  * logits' gradient, or attention's with the scores), bounded by the sum of them all; once

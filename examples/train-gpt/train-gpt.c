@@ -784,15 +784,11 @@ static int64_t global_batch(const struct trainer *tr) {
   return (int64_t)tr->accum * data_ranks(tr) * tr->batch;
 }
 
-static int graph_size(struct gpt_config c) {
-  return 512 + 256 * c.n_layer;
-}
-
 /* rtp and fsdp turn each op on a parameter into a few nodes per rank, forward and back
  * (rtp on 4 ranks: about 2.3 times the one-device graph), for each micro-batch, twice over
  * with recomputation. */
 static int64_t parallel_graph_size(struct gpt_config c, int world, const struct options *o) {
-  return (int64_t)graph_size(c) * (1 + world) * o->micro_batches * (o->recompute ? 2 : 1);
+  return (int64_t)gpt_graph_size(c) * (1 + world) * o->micro_batches * (o->recompute ? 2 : 1);
 }
 
 /* The rank's tensor data (gpt_arena_size) and its graphs with their tensor headers, which
@@ -1006,7 +1002,7 @@ static const float *logits_at(struct trainer *tr, int b, int t) {
 /* The model once, as for one device and one micro-batch, then this rank's training graph
  * for the strategy (inside its stage with --pp). */
 static int parallelize(struct trainer *tr, struct gpt_config c, const struct options *o) {
-  size_t meta_bytes = (size_t)graph_size(c) * 2048 + (8u << 20);
+  size_t meta_bytes = (size_t)gpt_graph_size(c) * 2048 + (8u << 20);
   int rc = check_sizes(c, tr->world, o);
   if (rc) return rc;
   tr->batch = o->batch;
@@ -1018,7 +1014,7 @@ static int parallelize(struct trainer *tr, struct gpt_config c, const struct opt
   if (!tr->meta || !tr->ctx)
     return fail(RTP_ENOMEM, "creating the arena%s%s", tr->dev->b ? " on " : "",
                 tr->dev->b ? tr->dev->name : "");
-  struct rtp_graph *fwd = rtp_graph_new(tr->meta, graph_size(c));
+  struct rtp_graph *fwd = rtp_graph_new(tr->meta, gpt_graph_size(c));
   if (!fwd || gpt_build(tr->meta, &tr->m, c, o->batch / o->micro_batches) ||
       rtp_graph_build(fwd, tr->m.loss))
     return fail(RTP_EINVAL, "building the model");
