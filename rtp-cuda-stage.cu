@@ -53,6 +53,8 @@ size_t pad(size_t n) {
   return (n + kAlign - 1) / kAlign * kAlign;
 }
 
+/* rtp-cuda.h's RTP_CUDA_TRY, again: this file is also compiled against the fake runtime
+ * (test-cuda-stage-fake), which has no cuBLAS or kernels for rtp-cuda.h to declare. */
 #define STAGE_TRY(s, call)                                                     \
   do {                                                                         \
     cudaError_t e_ = (call);                                                   \
