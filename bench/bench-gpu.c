@@ -280,13 +280,8 @@ static float loss_of(const struct bench *b) {
   return l;
 }
 
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
 static double median_of(double *v, int n) { /* sorts v */
-  qsort(v, (size_t)n, sizeof(double), cmp_double);
+  qsort(v, (size_t)n, sizeof(double), bench_cmp_double);
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
@@ -302,7 +297,7 @@ static void median_interval(const double *v, int n, double *lo, double *hi) {
     meds[r] = median_of(s, n);
   }
   free(s);
-  qsort(meds, R, sizeof(double), cmp_double);
+  qsort(meds, R, sizeof(double), bench_cmp_double);
   *lo = meds[(int)(0.025 * R)];
   *hi = meds[(int)(0.975 * R) - 1];
 }
