@@ -697,12 +697,6 @@ int view_of(const cuda_backend *cu, const struct rtp_tensor *t, const struct rtp
 }
 
 /* A contiguous tensor of x's shape at p. */
-/* Whether v's elements lie one after another in their order (strides in elements). */
-bool is_packed(const tview &v) {
-  return v.nb[0] == 1 && v.nb[1] == v.ne[0] && v.nb[2] == v.ne[0] * v.ne[1] &&
-         v.nb[3] == v.ne[0] * v.ne[1] * v.ne[2];
-}
-
 tview packed_view(void *p, const int64_t ne[4]) {
   tview v = {p, {ne[0], ne[1], ne[2], ne[3]}, {1, ne[0], ne[0] * ne[1], ne[0] * ne[1] * ne[2]}};
   return v;
@@ -871,7 +865,7 @@ int mm_operand(cuda_backend *cu, const struct rtp_tensor *x, bool bf16, tview *v
   tview c = packed_view(*w, v->ne);
   geom g = geom_2d(c.ne[0], nrows_host(c));
   const int64_t n = nelem(c);
-  if (bf16 && is_packed(*v) && n % 4 == 0 && (uintptr_t)v->data % 16 == 0 &&
+  if (bf16 && rtp_tensor_is_contiguous(x) && n % 4 == 0 && (uintptr_t)v->data % 16 == 0 &&
       (uintptr_t)c.data % 8 == 0)
     k_cast_to_bf16_x4<<<grid_of((n / 4 + kThreads - 1) / kThreads), kThreads, 0,
                         compute_stream(cu)>>>((uint2 *)c.data, (const float4 *)v->data, n / 4);
