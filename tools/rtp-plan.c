@@ -13,9 +13,10 @@
  * Memory is not estimated: every layout's rank is built dry by the library, exactly as
  * train-gpt builds it (tools/plan-model.c), so the figures are its memory report
  * (tests/test-plan.cpp checks them against ranks that train). The step time is an estimate:
- * the rank's FLOPs over the rate a short one-process step reaches on this machine
- * (--flops to give it), the bytes it sends over the link, overlapped as the strategy
- * overlaps them. docs/planner.md explains each column.
+ * the rank's blocks, the rest of its model and its Adam update at the costs that short
+ * one-process steps of the model at the real shapes take on this machine (or its FLOPs
+ * over --flops), the bytes it sends over the link, overlapped as the strategy overlaps
+ * them. docs/planner.md explains each column.
  */
 #include <ctype.h>
 #include <math.h>
@@ -71,7 +72,8 @@ static void help(void) {
       "bytes/s\n"
       "                       (default 1gbit)\n"
       "  --local-link SPEED   between ranks on one host (default 20gbit)\n"
-      "  --flops RATE         FLOP/s of one rank (default: measured by a one-process step)\n"
+      "  --flops RATE         FLOP/s of one rank (default: one-process steps measure the "
+      "costs)\n"
       "  --threads N          the calibration's threads (default: the cores / -n)\n"
       "  --json               one JSON line per layout, then the recommendation\n");
 }
@@ -328,52 +330,111 @@ static int cmp_double(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
-/* FLOP/s of a one-process step of the model cut to two blocks and batch 1 (and the sequence
- * halved while a step is over 4 GFLOP): the fastest of three after a warm-up, so that a
- * machine busy with other work at the moment is not taken for a slow one. */
-static double calibrate(const struct opts *o, struct gpt_config *cal) {
-  struct plan_model pm = {.cfg = o->pm.cfg, .batch = 1, .micro_batches = 1, .bf16 = o->pm.bf16};
-  pm.cfg.n_layer = pm.cfg.n_layer < 2 ? pm.cfg.n_layer : 2;
-  while (pm.cfg.seq_len > 16 && gpt_step_flops(pm.cfg, 1) > 4e9) pm.cfg.seq_len /= 2;
-  *cal = pm.cfg;
+/* What a rank's compute costs on this machine: seconds per token of one block's forward and
+ * backward (with recomputation's second forward when asked), per token of the rest of the
+ * model (embeddings, head, loss), and per parameter of Adam's update. */
+struct rates {
+  double block_s, rest_s, adam_s;
+  struct gpt_config cal; /* the calibration's model (n_layer 0: --flops gave the rate) */
+  int cal_batch;
+  double flops; /* what the calibration's larger model reached, FLOP/s */
+};
+
+/* The compute and Adam times of a one-process step of c at batch b: the fastest of three
+ * after a warm-up, so that a moment's load from other work is not taken for the
+ * machine's speed. 0, or a status with rtp_last_error. */
+static int time_steps(const struct opts *o, struct gpt_config c, int b, double *step_s,
+                      double *adam_s) {
+  struct plan_model pm = {.cfg = c,
+                          .batch = b,
+                          .micro_batches = 1,
+                          .bf16 = o->pm.bf16,
+                          .recompute = o->pm.recompute};
   struct plan_layout l = {RTP_STRATEGY_NONE, 1, 1};
-  struct plan_rank r;
+  struct plan_rank r = {0};
   struct rtp_threadpool *tp = rtp_threadpool_new(o->threads);
-  double t[4] = {0};
-  int rc = plan_rank_build(&r, &pm, &l, 0, false, NULL, NULL);
+  double t[4] = {0}, u[4] = {0};
+  int rc = tp ? plan_rank_build(&r, &pm, &l, 0, false, NULL, NULL) : RTP_ENOMEM;
   for (int i = 0; i < r.m.n_params && !rc; i++)
-    rtp_tensor_fill_f32(rtp_parallel_tensor(r.par, r.m.params[i]), 0.01f);
+    rc = rtp_tensor_fill_f32(rtp_parallel_tensor(r.par, r.m.params[i]), 0.01f);
   for (int s = 0; s < 4 && !rc; s++) {
     double t0 = now_s();
     rc = rtp_graph_compute(r.train, tp);
-    t[s] = now_s() - t0;
+    double t1 = now_s();
+    if (!rc) rc = rtp_optimizer_step(r.opt, tp);
+    t[s] = t1 - t0, u[s] = now_s() - t1;
   }
   plan_rank_free(&r);
   rtp_threadpool_free(tp);
-  if (rc) return 0;
   qsort(t + 1, 3, sizeof(double), cmp_double);
-  return gpt_step_flops(pm.cfg, 1) / t[1];
+  qsort(u + 1, 3, sizeof(double), cmp_double);
+  *step_s = t[1], *adam_s = u[1];
+  return rc;
 }
 
-/* A step's FLOPs on the busiest rank, with recomputation's second forward of the blocks;
- * tp splits the blocks between the ranks, a pipeline between the stages (the head on the
- * last one), which also idle (S - 1) / M of the step (1F1B's bubble). */
-static double rank_flops(const struct opts *o, const struct plan_layout *l) {
+/* Times one-process steps of the model with 1 and 3 blocks at the micro-batch's shape (the
+ * batch, then the sequence, halved while the larger step is over 16 GFLOP): their
+ * difference is two blocks, the rest is the rest. The products then have the shapes of the
+ * real step's, and the ops that FLOPs leave out (LayerNorm, softmax, GELU, the loss) are
+ * in the times. */
+static int calibrate(const struct opts *o, struct rates *k) {
+  struct gpt_config c = o->pm.cfg;
+  int b = o->pm.batch / o->pm.micro_batches;
+  c.n_layer = 3;
+  while (gpt_step_flops(c, b) > 16e9 && (b > 1 || c.seq_len > 16))
+    b > 1 ? (b /= 2) : (c.seq_len /= 2);
+  double t1, t3, a1, a3, tokens = (double)c.seq_len * b;
+  struct gpt_config one = c;
+  one.n_layer = 1;
+  int rc = time_steps(o, one, b, &t1, &a1);
+  if (!rc) rc = time_steps(o, c, b, &t3, &a3);
+  if (rc) return rc;
+  k->cal = c, k->cal_batch = b;
+  k->flops = gpt_step_flops(c, b) * (o->pm.recompute ? 4.0 / 3 : 1) / t3;
+  k->block_s = fmax(t3 - t1, 0) / (2 * tokens);
+  k->rest_s = fmax(t1 / tokens - k->block_s, 0);
+  k->adam_s = a3 / (double)gpt_n_params(c);
+  return RTP_OK;
+}
+
+/* The same costs from a FLOP rate alone: the blocks' and the head's FLOPs over it. */
+static void rates_from_flops(const struct opts *o, struct rates *k) {
   struct gpt_config c = o->pm.cfg;
   double tokens = (double)c.seq_len * o->pm.batch;
   double all = gpt_step_flops(c, o->pm.batch), head = 6.0 * c.vocab * c.d_model * tokens;
   double blocks = (all - head) * (o->pm.recompute ? 4.0 / 3 : 1);
-  if (l->strategy == RTP_STRATEGY_TP) return blocks / l->ranks + head;
-  double m = o->pm.micro_batches;
-  return (blocks / l->stages + head) * (m + l->stages - 1) / m;
+  *k = (struct rates){.block_s = blocks / c.n_layer / tokens / o->flops,
+                      .rest_s = head / tokens / o->flops,
+                      .flops = o->flops};
 }
 
-static void predict_time(const struct opts *o, struct row *r) {
+/* The busiest rank's compute for one compute of the graph: tp splits the blocks between
+ * the ranks, a pipeline between the stages (the head on the last one), which also idle
+ * (S - 1) / M of the step (1F1B's bubble). */
+static double rank_compute_s(const struct opts *o, const struct plan_layout *l,
+                             const struct rates *k) {
+  double tokens = (double)o->pm.cfg.seq_len * o->pm.batch;
+  double blocks = o->pm.cfg.n_layer * k->block_s;
+  if (l->strategy == RTP_STRATEGY_TP) return tokens * (blocks / l->ranks + k->rest_s);
+  double m = o->pm.micro_batches;
+  return tokens * (blocks / l->stages + k->rest_s) * (m + l->stages - 1) / m;
+}
+
+/* Ranks of one host that share its cores: each gets cores / (ranks x threads) of them. */
+static double oversubscription(const struct opts *o, const struct plan_layout *l) {
+  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  double busy = (double)(l->ranks < o->per_host ? l->ranks : o->per_host) * o->threads;
+  return cores > 0 && busy > (double)cores ? busy / (double)cores : 1;
+}
+
+static void predict_time(const struct opts *o, const struct rates *k, struct row *r) {
   struct gpt_config c = o->pm.cfg;
   bool one_host = o->hosts == 1 || r->l.ranks == 1;
   double bw = one_host || o->local_link < o->link ? o->local_link : o->link;
-  int k = o->pm.accumulate > 1 ? o->pm.accumulate : 1;
-  r->compute_s = k * rank_flops(o, &r->l) / o->flops;
+  int acc = o->pm.accumulate > 1 ? o->pm.accumulate : 1;
+  double params = (double)r->mem.bytes[RTP_ROLE_PARAM] / sizeof(float);
+  r->compute_s =
+      (acc * rank_compute_s(o, &r->l, k) + params * k->adam_s) * oversubscription(o, &r->l);
   r->comm_s = r->sent / bw;
   /* tp's all-reduces wait for the activations they sum; the others' transfers run during
    * the compute (ddp's buckets, fsdp's prefetched gathers, rtp's rotations, the stages),
@@ -383,7 +444,7 @@ static void predict_time(const struct opts *o, struct row *r) {
   r->step_s =
       r->overlap ? fmax(r->compute_s, r->comm_s - sync_s) + sync_s : r->compute_s + r->comm_s;
   int data_ranks = r->l.strategy == RTP_STRATEGY_TP ? 1 : r->l.ranks / r->l.stages;
-  r->tokens = (double)c.seq_len * o->pm.batch * data_ranks * k;
+  r->tokens = (double)c.seq_len * o->pm.batch * data_ranks * acc;
   r->tokens_per_s = r->tokens / r->step_s;
 }
 
@@ -426,7 +487,7 @@ static int recommend(const struct row *rows, int n, int ranks) {
   return best;
 }
 
-static void print_header(const struct opts *o, int ranks, const struct gpt_config *cal,
+static void print_header(const struct opts *o, int ranks, const struct rates *k,
                          size_t baseline) {
   struct gpt_config c = o->pm.cfg;
   char a[NUM], b[NUM], m[NUM], accum[48] = "";
@@ -442,9 +503,12 @@ static void print_header(const struct opts *o, int ranks, const struct gpt_confi
          ranks > 1 ? "s" : "", o->hosts, o->hosts > 1 ? "s" : "", o->per_host,
          o->mem_per_rank > 0 ? mib(o->mem_per_rank, m) : "unlimited", bits(o->link, a),
          bits(o->local_link, b));
-  if (cal)
-    printf("compute: %.1f GFLOP/s per rank, measured on %d thread%s (L %d, T %d, batch 1)\n",
-           o->flops / 1e9, o->threads, o->threads > 1 ? "s" : "", cal->n_layer, cal->seq_len);
+  if (k->cal.n_layer)
+    printf(
+        "compute: a block %.1f us and the rest %.1f us a token, Adam %.2f ns a parameter "
+        "(%.1f GFLOP/s; measured on %d thread%s, L 1 and %d, T %d, batch %d)\n",
+        k->block_s * 1e6, k->rest_s * 1e6, k->adam_s * 1e9, k->flops / 1e9, o->threads,
+        o->threads > 1 ? "s" : "", k->cal.n_layer, k->cal.seq_len, k->cal_batch);
   else
     printf("compute: %.1f GFLOP/s per rank (--flops)\n", o->flops / 1e9);
   printf(
@@ -529,15 +593,16 @@ int main(int argc, char **argv) {
       fprintf(stderr, "rtp-plan: %s: %s\n", rows[i].name, rtp_last_error());
       return 1;
     }
-  struct gpt_config cal;
-  bool measured = o.flops <= 0;
-  if (measured && !(o.flops = calibrate(&o, &cal))) {
+  struct rates k = {0};
+  if (o.flops > 0) {
+    rates_from_flops(&o, &k);
+  } else if (calibrate(&o, &k)) {
     fprintf(stderr, "rtp-plan: the calibration step failed: %s\n", rtp_last_error());
     return 1;
   }
-  for (int i = 0; i < n; i++) predict_time(&o, &rows[i]);
+  for (int i = 0; i < n; i++) predict_time(&o, &k, &rows[i]);
   int best = recommend(rows, n, ranks);
-  if (!o.json) print_header(&o, ranks, measured ? &cal : NULL, baseline);
+  if (!o.json) print_header(&o, ranks, &k, baseline);
   for (int i = 0; i < n; i++)
     o.json ? print_json(&rows[i], i == best) : print_row(&rows[i], i == best);
   print_verdict(&o, rows, n, best);
