@@ -188,3 +188,23 @@ assert len(summary) == 1 and summary[0]["rtp"]["rounds"] == 1, summary
 assert summary[0]["rtp_vs_torch_eager"]["pairs"] == (1 if torch else 0), summary
 print(f"bench-gpu, torch-gpu.py (torch: {torch}), gpu-speed.sh: ok")
 PY
+
+# bench/plan-time: one round, 2 ranks of the tiny model; a line per strategy and round with
+# rtp-plan's prediction beside the measured step and peak, and a summary per strategy.
+/usr/bin/python3 "$(dirname "$0")/../bench/plan-time" --build "$build" -n 2 --rounds 1 \
+  --steps 3 --warmup 1 --strategies none,rtp,tp -- --config tiny --batch 2 \
+  > "$scratch/plan-time.jsonl"
+/usr/bin/python3 - "$scratch/plan-time.jsonl" <<'PY'
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1])]
+runs = [l for l in lines if "round" in l]
+assert [l["strategy"] for l in runs] == ["none", "rtp", "tp"], runs
+for l in runs:
+    assert l["predicted_ms"] > 0 and l["measured_ms"] > 0, l
+    # the milliseconds are rounded to 0.1, the ratio taken before
+    assert abs(l["predicted_over_measured"] * l["measured_ms"] / l["predicted_ms"] - 1) < 0.05, l
+    assert 0.5 < l["rss_ratio"] < 2, l  # test-plan checks the memory; here, that it is read
+summary = [l for l in lines if "median_predicted_over_measured" in l]
+assert [l["strategy"] for l in summary] == ["none", "rtp", "tp"], summary
+print(f"plan-time: {len(lines)} lines ok")
+PY
