@@ -143,8 +143,6 @@ static int inplace_src(const struct rtp_tensor *t) {
     case RTP_OP_SCALE:
     case RTP_OP_GELU:
     case RTP_OP_GELU_BACK:
-    case RTP_OP_ADD_GELU:
-    case RTP_OP_ADD_GELU_BACK:
     case RTP_OP_NORM_BACK:
     case RTP_OP_SOFT_MAX_BACK:
       return 0;

@@ -403,17 +403,6 @@ static void k_norm_back(const struct rtp_compute_params *p, struct rtp_tensor *t
 
 #define GELU_C 0.7978845608028654f /* sqrt(2 / pi) */
 
-static inline float gelu(float v) {
-  return 0.5f * v * (1.0f + fast_tanhf(GELU_C * (v + 0.044715f * v * v * v)));
-}
-
-/* d gelu(v) / dv */
-static inline float gelu_grad(float v) {
-  float th = fast_tanhf(GELU_C * (v + 0.044715f * v * v * v));
-  float du = GELU_C * (1.0f + 3.0f * 0.044715f * v * v);
-  return 0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * du;
-}
-
 static void k_gelu(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   const int64_t ne0 = t->ne[0];
   int64_t r0, r1;
@@ -421,7 +410,10 @@ static void k_gelu(const struct rtp_compute_params *p, struct rtp_tensor *t) {
   for (int64_t r = r0; r < r1; r++) {
     const float *x = (const float *)row_ptr(t->src[0], r);
     float *y = (float *)row_ptr(t, r);
-    for (int64_t i = 0; i < ne0; i++) y[i] = gelu(x[i]);
+    for (int64_t i = 0; i < ne0; i++) {
+      float v = x[i];
+      y[i] = 0.5f * v * (1.0f + fast_tanhf(GELU_C * (v + 0.044715f * v * v * v)));
+    }
   }
 }
 
@@ -433,44 +425,11 @@ static void k_gelu_back(const struct rtp_compute_params *p, struct rtp_tensor *t
     const float *dy = (const float *)row_ptr(t->src[0], r);
     const float *x = (const float *)row_ptr(t->src[1], r);
     float *dx = (float *)row_ptr(t, r);
-    for (int64_t i = 0; i < ne0; i++) dx[i] = dy[i] * gelu_grad(x[i]);
-  }
-}
-
-/* gelu(a + b), b a broadcast row or a whole one: the sum stays in registers. */
-static void k_add_gelu(const struct rtp_compute_params *p, struct rtp_tensor *t) {
-  const struct rtp_tensor *a = t->src[0], *b = t->src[1];
-  const int64_t ne0 = t->ne[0];
-  const bool full = b->ne[0] == ne0;
-  int64_t r0, r1;
-  split(rtp_tensor_nrows(t), p, &r0, &r1);
-  for (int64_t r = r0; r < r1; r++) {
-    const float *x = (const float *)row_ptr(a, r);
-    const float *z = (const float *)bcast_row_ptr(b, t->ne, r);
-    float *y = (float *)row_ptr(t, r);
-    if (full)
-      for (int64_t i = 0; i < ne0; i++) y[i] = gelu(x[i] + z[i]);
-    else
-      for (int64_t i = 0; i < ne0; i++) y[i] = gelu(x[i] + z[0]);
-  }
-}
-
-/* d(a + b) = dy * gelu'(a + b), with the sum formed again as forward formed it. */
-static void k_add_gelu_back(const struct rtp_compute_params *p, struct rtp_tensor *t) {
-  const struct rtp_tensor *a = t->src[1], *b = t->src[2];
-  const int64_t ne0 = t->ne[0];
-  const bool full = b->ne[0] == ne0;
-  int64_t r0, r1;
-  split(rtp_tensor_nrows(t), p, &r0, &r1);
-  for (int64_t r = r0; r < r1; r++) {
-    const float *dy = (const float *)row_ptr(t->src[0], r);
-    const float *x = (const float *)row_ptr(a, r);
-    const float *z = (const float *)bcast_row_ptr(b, t->ne, r);
-    float *dx = (float *)row_ptr(t, r);
-    if (full)
-      for (int64_t i = 0; i < ne0; i++) dx[i] = dy[i] * gelu_grad(x[i] + z[i]);
-    else
-      for (int64_t i = 0; i < ne0; i++) dx[i] = dy[i] * gelu_grad(x[i] + z[0]);
+    for (int64_t i = 0; i < ne0; i++) {
+      float v = x[i], u = GELU_C * (v + 0.044715f * v * v * v);
+      float th = fast_tanhf(u), du = GELU_C * (1.0f + 3.0f * 0.044715f * v * v);
+      dx[i] = dy[i] * (0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * du);
+    }
   }
 }
 
@@ -705,12 +664,6 @@ void rtp__compute_forward(const struct rtp_compute_params *p, struct rtp_tensor 
       break;
     case RTP_OP_GELU_BACK:
       k_gelu_back(p, t);
-      break;
-    case RTP_OP_ADD_GELU:
-      k_add_gelu(p, t);
-      break;
-    case RTP_OP_ADD_GELU_BACK:
-      k_add_gelu_back(p, t);
       break;
     case RTP_OP_SOFT_MAX:
       k_soft_max(p, t);

@@ -220,23 +220,15 @@ __global__ void k_repeat(tview t, tview a) {
 
 #define RTP_GELU_C 0.7978845608028654f /* sqrt(2 / pi) */
 
-__device__ __forceinline__ float gelu(float v) {
-  return 0.5f * v * (1.0f + tanhf(RTP_GELU_C * (v + 0.044715f * v * v * v)));
-}
-
-/* d gelu(v) / dv */
-__device__ __forceinline__ float gelu_grad(float v) {
-  float th = tanhf(RTP_GELU_C * (v + 0.044715f * v * v * v));
-  float du = RTP_GELU_C * (1.0f + 3.0f * 0.044715f * v * v);
-  return 0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * du;
-}
-
 __global__ void k_gelu(tview t, tview a) {
   const int64_t rows = nrows_of(t), n = t.ne[0];
   for (int64_t r = row0_2d(); r < rows; r += rowstep_2d()) {
     float *y = frow(t, r);
     const float *x = frow(a, r);
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) y[i * t.nb[0]] = gelu(x[i * a.nb[0]]);
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+      float v = x[i * a.nb[0]];
+      y[i * t.nb[0]] = 0.5f * v * (1.0f + tanhf(RTP_GELU_C * (v + 0.044715f * v * v * v)));
+    }
   }
 }
 
@@ -245,34 +237,12 @@ __global__ void k_gelu_back(tview t, tview dy, tview a) {
   for (int64_t r = row0_2d(); r < rows; r += rowstep_2d()) {
     float *dx = frow(t, r);
     const float *g = frow(dy, r), *x = frow(a, r);
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
-      dx[i * t.nb[0]] = g[i * dy.nb[0]] * gelu_grad(x[i * a.nb[0]]);
-  }
-}
-
-/* gelu(a + b), b broadcast (rtp_add_gelu); in place as k_binary. */
-__global__ void k_add_gelu(tview t, tview a, tview b) {
-  const int64_t rows = nrows_of(t), n = t.ne[0];
-  const bool full = b.ne[0] == n;
-  for (int64_t r = row0_2d(); r < rows; r += rowstep_2d()) {
-    float *y = frow(t, r);
-    const float *x = frow(a, r);
-    const float *z = (const float *)b.data + bcast_row_off(b, t.ne, r);
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
-      y[i * t.nb[0]] = gelu(x[i * a.nb[0]] + z[full ? i * b.nb[0] : 0]);
-  }
-}
-
-/* dy * gelu'(a + b), the sum formed again. */
-__global__ void k_add_gelu_back(tview t, tview dy, tview a, tview b) {
-  const int64_t rows = nrows_of(t), n = t.ne[0];
-  const bool full = b.ne[0] == n;
-  for (int64_t r = row0_2d(); r < rows; r += rowstep_2d()) {
-    float *dx = frow(t, r);
-    const float *g = frow(dy, r), *x = frow(a, r);
-    const float *z = (const float *)b.data + bcast_row_off(b, t.ne, r);
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
-      dx[i * t.nb[0]] = g[i * dy.nb[0]] * gelu_grad(x[i * a.nb[0]] + z[full ? i * b.nb[0] : 0]);
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+      float v = x[i * a.nb[0]], u = RTP_GELU_C * (v + 0.044715f * v * v * v);
+      float th = tanhf(u), du = RTP_GELU_C * (1.0f + 3.0f * 0.044715f * v * v);
+      dx[i * t.nb[0]] =
+          g[i * dy.nb[0]] * (0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * du);
+    }
   }
 }
 
@@ -1056,25 +1026,6 @@ int op_gelu_back(cuda_backend *cu, struct rtp_tensor *t) {
   return RTP_OK;
 }
 
-int op_add_gelu(cuda_backend *cu, struct rtp_tensor *t) {
-  RTP_VIEW(y, t, RTP_TYPE_F32);
-  RTP_VIEW(a, t->src[0], RTP_TYPE_F32);
-  RTP_VIEW(b, t->src[1], RTP_TYPE_F32);
-  geom g = geom_2d(y.ne[0], nrows_host(y));
-  k_add_gelu<<<g.grid, g.block, 0, compute_stream(cu)>>>(y, a, b);
-  return RTP_OK;
-}
-
-int op_add_gelu_back(cuda_backend *cu, struct rtp_tensor *t) {
-  RTP_VIEW(y, t, RTP_TYPE_F32);
-  RTP_VIEW(dy, t->src[0], RTP_TYPE_F32);
-  RTP_VIEW(a, t->src[1], RTP_TYPE_F32);
-  RTP_VIEW(b, t->src[2], RTP_TYPE_F32);
-  geom g = geom_2d(y.ne[0], nrows_host(y));
-  k_add_gelu_back<<<g.grid, g.block, 0, compute_stream(cu)>>>(y, dy, a, b);
-  return RTP_OK;
-}
-
 int op_soft_max(cuda_backend *cu, struct rtp_tensor *t) {
   RTP_VIEW(y, t, RTP_TYPE_F32);
   RTP_VIEW(a, t->src[0], RTP_TYPE_F32);
@@ -1222,10 +1173,6 @@ int dispatch(cuda_backend *cu, struct rtp_tensor *t, void *work) {
       return op_gelu(cu, t);
     case RTP_OP_GELU_BACK:
       return op_gelu_back(cu, t);
-    case RTP_OP_ADD_GELU:
-      return op_add_gelu(cu, t);
-    case RTP_OP_ADD_GELU_BACK:
-      return op_add_gelu_back(cu, t);
     case RTP_OP_SOFT_MAX:
       return op_soft_max(cu, t);
     case RTP_OP_SOFT_MAX_BACK:

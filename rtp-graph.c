@@ -232,13 +232,6 @@ static void backward_node(struct backward *bw, struct rtp_tensor *t) {
     case RTP_OP_GELU:
       add_grad(bw, a, rtp__op3(ctx, RTP_OP_GELU_BACK, a->ne, dy, a, NULL));
       break;
-    case RTP_OP_ADD_GELU: { /* d(a + b), from the sum recomputed */
-      struct rtp_tensor *g = rtp__op3(ctx, RTP_OP_ADD_GELU_BACK, a->ne, dy, a, b);
-      add_grad(bw, a, g);
-      if (needs_grad(bw, b))
-        add_grad(bw, b, rtp_tensor_same_shape(a, b) ? g : rtp_repeat_back(ctx, g, b));
-      break;
-    }
     case RTP_OP_SOFT_MAX: {
       struct rtp_tensor *g = rtp__op3(ctx, RTP_OP_SOFT_MAX_BACK, a->ne, dy, t, NULL);
       if (g) rtp__set_param_f32(g, 0, rtp__get_param_f32(t, 0));

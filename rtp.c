@@ -753,11 +753,6 @@ struct rtp_tensor *rtp_gelu(struct rtp_context *ctx, struct rtp_tensor *a) {
   return unary(ctx, RTP_OP_GELU, a);
 }
 
-struct rtp_tensor *rtp_add_gelu(struct rtp_context *ctx, struct rtp_tensor *a,
-                                struct rtp_tensor *b) {
-  return binary(ctx, RTP_OP_ADD_GELU, a, b);
-}
-
 struct rtp_tensor *rtp_soft_max(struct rtp_context *ctx, struct rtp_tensor *a, float scale,
                                 bool causal) {
   if (a && causal && a->ne[0] < a->ne[1])

@@ -117,8 +117,6 @@ enum rtp_type {
   XX(NORM_BACK, "norm_back")                                       \
   XX(GELU, "gelu") /* tanh approximation */                        \
   XX(GELU_BACK, "gelu_back")                                       \
-  XX(ADD_GELU, "add_gelu") /* gelu(a + b), b broadcast */          \
-  XX(ADD_GELU_BACK, "add_gelu_back")                               \
   XX(SOFT_MAX, "soft_max") /* scaled, optionally causal */         \
   XX(SOFT_MAX_BACK, "soft_max_back")                               \
   XX(ATTENTION, "attention") /* fused, causal */                   \
@@ -328,10 +326,6 @@ RTP_API struct rtp_tensor *rtp_layer_norm(struct rtp_context *ctx, struct rtp_te
                                           struct rtp_tensor *w, struct rtp_tensor *b,
                                           float eps);
 RTP_API struct rtp_tensor *rtp_gelu(struct rtp_context *ctx, struct rtp_tensor *a);
-/* gelu(a + b), b broadcast as in rtp_add (a bias row), in one pass: the sum is never
- * stored, and backward recomputes it (docs/core.md, "Fused bias and GELU"). */
-RTP_API struct rtp_tensor *rtp_add_gelu(struct rtp_context *ctx, struct rtp_tensor *a,
-                                        struct rtp_tensor *b);
 /* softmax(a * scale) over ne[0]; causal masks column j > i + (ne[0] - ne[1]) of row i. */
 RTP_API struct rtp_tensor *rtp_soft_max(struct rtp_context *ctx, struct rtp_tensor *a,
                                         float scale, bool causal);

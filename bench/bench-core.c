@@ -23,7 +23,6 @@
 #include <string.h>
 #include <time.h>
 
-#include "bench-util.h"
 #include "gpt.h"
 #include "rtp-impl.h"
 #include "rtp.h"
@@ -298,7 +297,7 @@ static void bench_step(struct gpt_config cfg, int batch, int threads, int steps,
 
 /* The model's attention alone, forward and backward: one graph from qkv {3d, T, B} to a
  * scalar sum(out * r) and back to qkv's gradient, fused or as the GPT's unfused chain. */
-struct op_graph {
+struct attn_graph {
   struct rtp_context *ctx;
   struct rtp_graph *g;
 };
@@ -316,7 +315,7 @@ static struct rtp_tensor *attn_unfused(struct rtp_context *c, struct rtp_tensor 
   return rtp_reshape_3d(c, rtp_cont(c, rtp_permute(c, out, 0, 2, 1, 3)), d, T, B);
 }
 
-static void attn_graph_new(struct op_graph *a, struct gpt_config cfg, int batch, bool fused) {
+static void attn_graph_new(struct attn_graph *a, struct gpt_config cfg, int batch, bool fused) {
   int64_t d = cfg.d_model, T = cfg.seq_len, H = cfg.n_head;
   a->ctx = rtp_context_new((struct rtp_init_params){.mem_size = (size_t)1 << 30});
   struct rtp_tensor *qkv =
@@ -343,7 +342,7 @@ static void attn_graph_new(struct op_graph *a, struct gpt_config cfg, int batch,
  * alternated. FLOPs: the unfused chain's 4 T x T x hd products per head forward and
  * backward (2 + 4, counting the causal half too, as its GEMMs do). */
 static void bench_attention_op(struct gpt_config cfg, int batch, int threads, int reps) {
-  struct op_graph a[2];
+  struct attn_graph a[2];
   for (int f = 0; f < 2; f++) attn_graph_new(&a[f], cfg, batch, f);
   struct rtp_threadpool *tp = rtp_threadpool_new(threads);
   double best[2] = {1e30, 1e30};
@@ -396,123 +395,9 @@ static void bench_attention(struct gpt_config cfg, int batch, int threads, int s
   for (int f = 0; f < 2; f++) trainer_free(&tr[f]);
 }
 
-/* The MLP's bias and GELU of one layer: h = gelu(y + b) from the c_fc product's output
- * y {4d, T*B} and its bias b {4d}, as add then gelu or as the fused add_gelu; with
- * `backward`, on to a scalar sum(h * r) and back to the gradients of y and b. */
-static void bias_gelu_graph_new(struct op_graph *a, struct gpt_config cfg, int batch,
-                                bool fused, bool backward) {
-  int64_t n = 4 * (int64_t)cfg.d_model, rows = (int64_t)cfg.seq_len * batch;
-  a->ctx = rtp_context_new((struct rtp_init_params){.mem_size = (size_t)1 << 28});
-  struct rtp_tensor *y = a->ctx ? rtp_tensor_new_2d(a->ctx, RTP_TYPE_F32, n, rows) : NULL;
-  struct rtp_tensor *b = a->ctx ? rtp_tensor_new_1d(a->ctx, RTP_TYPE_F32, n) : NULL;
-  struct rtp_tensor *r = a->ctx ? rtp_tensor_new_2d(a->ctx, RTP_TYPE_F32, n, rows) : NULL;
-  if (y && b && r) {
-    fill(y->data, rtp_tensor_nelements(y), 1);
-    fill(b->data, n, 2);
-    fill(r->data, rtp_tensor_nelements(r), 3);
-    rtp_tensor_set_param(y);
-    rtp_tensor_set_param(b);
-  }
-  struct rtp_tensor *h =
-      fused ? rtp_add_gelu(a->ctx, y, b) : rtp_gelu(a->ctx, rtp_add(a->ctx, y, b));
-  struct rtp_tensor *out = backward ? rtp_sum(a->ctx, rtp_mul(a->ctx, h, r)) : h;
-  a->g = rtp_graph_new(a->ctx, 64);
-  if (!out || rtp_graph_build(a->g, out) ||
-      (backward && rtp_graph_build_backward(a->ctx, a->g, out)) ||
-      rtp_graph_plan(a->ctx, a->g)) {
-    fprintf(stderr, "bench-core: bias_gelu: %s\n", rtp_last_error());
-    exit(1);
-  }
-}
-
-/* Best seconds of bias + GELU alone, [backward][fused], each pair alternated. */
-static void bench_bias_gelu_op(struct gpt_config cfg, int batch, int threads, int reps,
-                               double best[2][2]) {
-  struct rtp_threadpool *tp = rtp_threadpool_new(threads);
-  for (int bw = 0; bw < 2; bw++) {
-    struct op_graph a[2];
-    for (int f = 0; f < 2; f++) bias_gelu_graph_new(&a[f], cfg, batch, f, bw);
-    best[bw][0] = best[bw][1] = 1e30;
-    for (int r = 0; r <= reps; r++)
-      for (int f = 0; f < 2; f++) {
-        double t0 = now_s();
-        if (rtp_graph_compute(a[f].g, tp)) {
-          fprintf(stderr, "bench-core: bias_gelu: %s\n", rtp_last_error());
-          exit(1);
-        }
-        double t = now_s() - t0;
-        if (r > 0 && t < best[bw][f]) best[bw][f] = t;
-      }
-    for (int f = 0; f < 2; f++) rtp_context_free(a[f].ctx);
-  }
-  rtp_threadpool_free(tp);
-}
-
-static double cpu_now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-/* Fused against unfused bias + GELU: one layer's op alone, then the whole `small` step
- * (fused attention in both), alternated step by step (and which goes first). Per step
- * the wall time and the process's CPU time: on a shared machine the wall time also counts
- * the other jobs' turns on the cores, the CPU time only ours (one thread: no idle
- * workers spin). Medians of each and of the step-by-step ratios. */
-static void bench_bias_gelu(struct gpt_config cfg, int batch, int threads, int reps,
-                            int steps) {
-  double op[2][2];
-  bench_bias_gelu_op(cfg, batch, threads, reps, op);
-  struct trainer tr[2]; /* unfused, fused */
-  cfg.fused_attention = true;
-  for (int f = 0; f < 2; f++) {
-    cfg.fused_bias_gelu = f;
-    trainer_new(&tr[f], cfg, batch, threads);
-  }
-  /* [wall, cpu][unfused, fused, ratio][step] */
-  double *v = calloc(6 * (size_t)steps, sizeof(double));
-  if (!v) exit(1);
-  for (int s = 0; s <= steps; s++) {
-    double wall[2], cpu[2];
-    for (int k = 0; k < 2; k++) {
-      int f = (k + s) % 2;
-      double c0 = cpu_now_s();
-      wall[f] = trainer_step(&tr[f]);
-      cpu[f] = cpu_now_s() - c0;
-    }
-    if (s == 0) continue; /* warms caches and pages */
-    for (int m = 0; m < 2; m++) {
-      const double *t = m ? cpu : wall;
-      double *row = v + (size_t)m * 3 * steps;
-      row[s - 1] = t[0] * 1e3;
-      row[steps + s - 1] = t[1] * 1e3;
-      row[2 * steps + s - 1] = t[0] / t[1];
-    }
-  }
-  printf(
-      "{\"bench\":\"bias_gelu\",\"model\":\"small\",\"batch\":%d,\"threads\":%d,"
-      "\"fwd_unfused_ms\":%.3f,\"fwd_fused_ms\":%.3f,\"fwd_bwd_unfused_ms\":%.3f,"
-      "\"fwd_bwd_fused_ms\":%.3f,\"steps\":%d",
-      batch, threads, op[0][0] * 1e3, op[0][1] * 1e3, op[1][0] * 1e3, op[1][1] * 1e3, steps);
-  for (int m = 0; m < 2; m++) {
-    double *row = v + (size_t)m * 3 * steps, *ratio = row + 2 * steps;
-    const char *what = m ? "cpu" : "wall";
-    qsort(ratio, (size_t)steps, sizeof(double), bench_cmp_double);
-    printf(
-        ",\"%s_unfused_ms\":%.1f,\"%s_fused_ms\":%.1f,\"%s_speedup\":%.4f,"
-        "\"%s_speedup_q1\":%.4f,\"%s_speedup_q3\":%.4f",
-        what, bench_median(row, steps), what, bench_median(row + steps, steps), what,
-        bench_median(ratio, steps), what, ratio[steps / 4], what, ratio[3 * steps / 4]);
-  }
-  printf("}\n");
-  fflush(stdout);
-  free(v);
-  for (int f = 0; f < 2; f++) trainer_free(&tr[f]);
-}
-
 int main(int argc, char **argv) {
   int batch = 8, reps = 5, steps = 3;
-  bool attention_only = false, step_only = false, fusions_only = false;
+  bool attention_only = false, step_only = false;
   const char *threads_arg = "1 2";
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--batch") && i + 1 < argc)
@@ -527,12 +412,10 @@ int main(int argc, char **argv) {
       attention_only = true;
     else if (!strcmp(argv[i], "--step-only"))
       step_only = true;
-    else if (!strcmp(argv[i], "--fusions-only"))
-      fusions_only = true;
     else {
       fprintf(stderr,
               "usage: bench-core [--batch B] [--threads \"1 2\"] [--reps R] [--steps S] "
-              "[--step-only] [--attention-only] [--fusions-only]\n");
+              "[--step-only] [--attention-only]\n");
       return 2;
     }
   }
@@ -551,10 +434,6 @@ int main(int argc, char **argv) {
   snprintf(buf, sizeof(buf), "%s", threads_arg);
   for (char *tok = strtok(buf, " ,"); tok; tok = strtok(NULL, " ,")) {
     int threads = atoi(tok);
-    if (fusions_only) {
-      bench_bias_gelu(cfg, batch, threads, 4 * reps, steps);
-      continue;
-    }
     double flops = 0, secs = 0;
     for (int i = 0; i < n_shapes && !attention_only && !step_only; i++) {
       double rate = bench_gemm(&shapes[i], threads, reps);

@@ -42,10 +42,10 @@ static int find_config(const char *name, struct gpt_config *c, int *batch) {
     *c = gpt_config_medium();
     *batch = 32;
   } else if (!strcmp(name, "gpt2")) {
-    *c = (struct gpt_config){50304, 1024, 768, 12, 12, true, false, false};
+    *c = (struct gpt_config){50304, 1024, 768, 12, 12, true, false};
     *batch = 8;
   } else if (!strcmp(name, "tiny")) {
-    *c = (struct gpt_config){256, 32, 64, 2, 4, false, false, false};
+    *c = (struct gpt_config){256, 32, 64, 2, 4, false, false};
     *batch = 2;
   } else {
     return -1;

@@ -76,7 +76,7 @@ static inline int bench_model(const char *name, struct gpt_config *c) {
   else if (!strcmp(name, "medium"))
     *c = gpt_config_medium();
   else if (!strcmp(name, "tiny"))
-    *c = (struct gpt_config){256, 64, 128, 2, 4, false, false, false};
+    *c = (struct gpt_config){256, 64, 128, 2, 4, false, false};
   else
     return -1;
   return 0;

@@ -48,7 +48,7 @@ const rtp_tensor *base(const rtp_tensor *t) {
 class PlannerGpt : public ::testing::TestWithParam<bool> {};
 
 TEST_P(PlannerGpt, LiveTensorsNeverOverlap) {
-  gpt_config cfg = {256, 40, 64, 2, 4, false, GetParam(), false};
+  gpt_config cfg = {256, 40, 64, 2, 4, false, GetParam()};
   Built b;
   ASSERT_NO_FATAL_FAILURE(build(b, cfg, 3));
   rtp_graph *g = b.g;
@@ -145,7 +145,7 @@ TEST(Planner, SmallModelPeakFarBelowSum) {
 }
 
 TEST(MemReport, CountsEveryRole) {
-  gpt_config cfg = {256, 16, 32, 2, 4, false, false, false};
+  gpt_config cfg = {256, 16, 32, 2, 4, false, false};
   Built b;
   ASSERT_NO_FATAL_FAILURE(build(b, cfg, 2));
   rtp_mem_report before;
@@ -169,7 +169,7 @@ TEST(MemReport, CountsEveryRole) {
 
 // Computing again allocates nothing: the arena does not grow after planning.
 TEST(Planner, ComputeDoesNotAllocate) {
-  gpt_config cfg = {256, 16, 32, 2, 4, false, false, false};
+  gpt_config cfg = {256, 16, 32, 2, 4, false, false};
   Built b;
   ASSERT_NO_FATAL_FAILURE(build(b, cfg, 2));
   rtp_optimizer *opt = rtp_optimizer_new(b.ctx, b.g, rtp_adamw_params_default());

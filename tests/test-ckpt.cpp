@@ -994,7 +994,7 @@ TEST(CkptIndex, FuzzedIndexesNeverCrash) {
 namespace {
 
 // The GPT of examples/gpt with 4 blocks, marked as a pipeline cuts them (test-pipeline's).
-const gpt_config kGptCfg = {64, 8, 16, 4, 2, false, false, false};
+const gpt_config kGptCfg = {64, 8, 16, 4, 2, false, false};
 const int kGptBatch = 2, kGptMicro = 2, kGptSteps = 2;  // per data-parallel rank and step
 
 // S stages of D ranks each (rank = s * D + d: rtp_comm_mesh_2d), the strategy running

@@ -668,7 +668,7 @@ struct Model {
   }
 };
 
-const gpt_config kTiny = {64, 16, 32, 2, 4, false, false, false};
+const gpt_config kTiny = {64, 16, 32, 2, 4, false, false};
 const int kBatch = 3;
 
 std::vector<int32_t> random_tokens(const gpt_config &cfg, int batch, uint32_t seed) {

@@ -92,7 +92,7 @@ TEST(Errors, ArenaFullSaysHowMuch) {
   EXPECT_NE(m.find("of 65536 are left"), std::string::npos) << m;
   rtp_context_free(ctx);
   // Planning a model into an arena too small for its activations fails the same way.
-  gpt_config cfg = {256, 16, 32, 2, 4, false, false, false};
+  gpt_config cfg = {256, 16, 32, 2, 4, false, false};
   for (size_t bytes : {16u << 10, 256u << 10, 1u << 20}) {
     ctx = new_ctx(bytes);
     gpt m{};
@@ -149,7 +149,7 @@ TEST(Errors, ParallelMarks) {
 TEST(Errors, BadTokensAreReportedNotRead) {
   rtp_context *ctx = new_ctx(64 << 20);
   gpt m{};
-  gpt_config cfg = {256, 16, 32, 2, 4, false, false, false};
+  gpt_config cfg = {256, 16, 32, 2, 4, false, false};
   ASSERT_EQ(gpt_build(ctx, &m, cfg, 2), 0);
   rtp_graph *g = rtp_graph_new(ctx, 4096);
   ASSERT_EQ(rtp_graph_build(g, m.loss), 0);
@@ -210,7 +210,7 @@ TEST(Errors, MulMatPrecision) {
 
 // compute_type is f32 or bf16, and never lowers a product the model made bf16.
 TEST(Errors, ParallelComputeType) {
-  gpt_config cfg = {256, 16, 32, 2, 4, false, false, false};
+  gpt_config cfg = {256, 16, 32, 2, 4, false, false};
   for (int c = 0; c < 3; c++) {
     gpt m{};
     rtp_graph *fwd;
@@ -362,7 +362,7 @@ TEST(Errors, HugeSizesAreRefused) {
   EXPECT_EQ(rtp_context_new(ip), nullptr);
   EXPECT_NE(std::string(rtp_last_error()).find("cannot allocate an arena"), std::string::npos);
   // d_model^2 overflows the parameter count
-  gpt_config huge = {256, 32, 1 << 30, 2, 1, false, false, false};
+  gpt_config huge = {256, 32, 1 << 30, 2, 1, false, false};
   EXPECT_EQ(gpt_config_check(huge), RTP_EINVAL);
   rtp_context *ctx = new_ctx();
   gpt m{};
@@ -373,7 +373,7 @@ TEST(Errors, HugeSizesAreRefused) {
   ASSERT_EQ(gpt_config_check(wide), RTP_OK);
   EXPECT_GT(gpt_n_params(wide), 0);
   EXPECT_EQ(gpt_arena_size(wide, 1 << 30), SIZE_MAX);
-  gpt_config tiny = {256, 32, 64, 2, 4, false, false, false};
+  gpt_config tiny = {256, 32, 64, 2, 4, false, false};
   EXPECT_EQ(gpt_arena_size(tiny, 4),
             (size_t)20 * gpt_n_params(tiny) + 4 * (size_t)128 * (40 * 64 + 6 * 4 * 32) * 2 +
                 4 * (size_t)128 * 256 * 4 + 4 * (size_t)(2 * 256 + 32) * 64 + (64u << 20));

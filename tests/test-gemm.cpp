@@ -135,7 +135,7 @@ TEST(Gemm, ProviderEqualsBuiltinOnStridedShares) {
 // rtp_graph_plan, and the provider takes every product (none left to the built-in kernel).
 
 void plan_makes_every_primitive(bool bf16) {
-  struct gpt_config cfg = {64, 16, 32, 2, 2, false, false, false};
+  struct gpt_config cfg = {64, 16, 32, 2, 2, false, false};
   const int batch = 2;
   struct rtp_init_params ip = {};
   ip.mem_size = gpt_arena_size(cfg, batch);

@@ -26,7 +26,7 @@ inline rtp_context *gpt_forward(gpt_config cfg, int batch, gpt *m, rtp_graph **f
   return meta;
 }
 
-const gpt_config kRanksCfg = {64, 16, 32, 2, 4, false, false, false};
+const gpt_config kRanksCfg = {64, 16, 32, 2, 4, false, false};
 const int kRanksBatch = 2, kRanksSteps = 3;
 const float kRanksLr = 1e-2f;
 

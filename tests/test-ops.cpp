@@ -142,10 +142,6 @@ TEST_P(OpGrad, Reductions) {
 TEST_P(OpGrad, Activations) {
   Shape s = GetParam();
   check_grad("gelu", {{s}}, [](rtp_context *c, auto &x) { return rtp_gelu(c, x[0]); });
-  check_grad("add_gelu", {{s}, {s}},
-             [](rtp_context *c, auto &x) { return rtp_add_gelu(c, x[0], x[1]); });
-  check_grad("add_gelu row", {{s}, {{s[0]}}},
-             [](rtp_context *c, auto &x) { return rtp_add_gelu(c, x[0], x[1]); });
   check_grad("norm", {{s}}, [](rtp_context *c, auto &x) { return rtp_norm(c, x[0], 1e-5f); });
   check_grad("layer_norm", {{s}, {{s[0]}}, {{s[0]}}}, [](rtp_context *c, auto &x) {
     return rtp_layer_norm(c, x[0], x[1], x[2], 1e-5f);
@@ -300,84 +296,6 @@ TEST(OpGradComposite, AttentionHeads) {
         return rtp_cont(c, rtp_permute(c, out, 0, 2, 1, 3));
       },
       2);
-}
-
-// ---- fused bias and GELU -----------------------------------------------------------------
-
-// gelu(a + b) (fused or as add then gelu) of random a and b (b a row when `row`), with the
-// loss sum(out * R): the output and the gradients of a and b, on `threads` threads.
-void add_gelu_run(const Shape &s, bool row, bool fused, int threads,
-                  std::vector<float> (&v)[3]) {
-  rtp_init_params ip = {64 << 20, nullptr, false, nullptr, 0};
-  rtp_context *ctx = rtp_context_new(ip);
-  ASSERT_NE(ctx, nullptr);
-  std::mt19937 rng(11);
-  std::uniform_real_distribution<float> u(-4.0f, 4.0f);  // GELU's bend and both tails
-  rtp_tensor *a = rtp_tensor_new(ctx, RTP_TYPE_F32, (int)s.size(), s.data());
-  rtp_tensor *b = row ? rtp_tensor_new_1d(ctx, RTP_TYPE_F32, s[0])
-                      : rtp_tensor_new(ctx, RTP_TYPE_F32, (int)s.size(), s.data());
-  rtp_tensor *r = rtp_tensor_new(ctx, RTP_TYPE_F32, (int)s.size(), s.data());
-  ASSERT_TRUE(a && b && r);
-  for (rtp_tensor *t : {a, b, r})
-    for (int64_t i = 0; i < rtp_tensor_nelements(t); i++) ((float *)t->data)[i] = u(rng);
-  rtp_tensor_set_param(a);
-  rtp_tensor_set_param(b);
-  rtp_tensor *y = fused ? rtp_add_gelu(ctx, a, b) : rtp_gelu(ctx, rtp_add(ctx, a, b));
-  const char *msg = nullptr;
-  ASSERT_NE(y, nullptr) << (rtp_context_error(ctx, &msg), msg);
-  rtp_tensor_set_output(y);
-  rtp_tensor *loss = rtp_sum(ctx, rtp_mul(ctx, y, r));
-  rtp_graph *g = rtp_graph_new(ctx, 64);
-  ASSERT_EQ(rtp_graph_build(g, loss), 0) << rtp_last_error();
-  ASSERT_EQ(rtp_graph_build_backward(ctx, g, loss), 0) << rtp_last_error();
-  ASSERT_EQ(rtp_graph_plan(ctx, g), 0) << rtp_last_error();
-  rtp_threadpool *tp = rtp_threadpool_new(threads);
-  ASSERT_EQ(rtp_graph_compute(g, tp), 0) << rtp_last_error();
-  const rtp_tensor *out[3] = {y, a->grad, b->grad};
-  for (int k = 0; k < 3; k++)
-    v[k].assign((const float *)out[k]->data,
-                (const float *)out[k]->data + rtp_tensor_nelements(out[k]));
-  rtp_threadpool_free(tp);
-  rtp_context_free(ctx);
-}
-
-// The fused op against add then gelu: output and both gradients within 1e-5, for a bias
-// row and a whole addend, odd sizes, 1 and 3 threads.
-TEST(AddGelu, EqualsUnfusedOps) {
-  const Shape shapes[] = {{1}, {7, 5}, {33, 4, 3}, {1536, 6}};
-  const char *what[3] = {"output", "d a", "d b"};
-  for (const Shape &s : shapes)
-    for (bool row : {true, false})
-      for (int threads : {1, 3}) {
-        SCOPED_TRACE(::testing::Message() << "ne[0] " << s[0] << " dims " << s.size() << " row "
-                                          << row << " threads " << threads);
-        std::vector<float> f[3], u[3];
-        ASSERT_NO_FATAL_FAILURE(add_gelu_run(s, row, true, threads, f));
-        ASSERT_NO_FATAL_FAILURE(add_gelu_run(s, row, false, threads, u));
-        for (int k = 0; k < 3; k++) {
-          ASSERT_EQ(f[k].size(), u[k].size());
-          for (size_t i = 0; i < f[k].size(); i++)
-            ASSERT_NEAR(f[k][i], u[k][i], 1e-5f * (1.0f + std::fabs(u[k][i])))
-                << what[k] << " " << i;
-        }
-      }
-}
-
-TEST(AddGelu, RefusesBadInput) {
-  rtp_init_params ip = {1 << 20, nullptr, false, nullptr, 0};
-  for (int bf16 : {0, 1}) {
-    rtp_context *ctx = rtp_context_new(ip);
-    ASSERT_NE(ctx, nullptr);
-    rtp_tensor *a = rtp_tensor_new_2d(ctx, RTP_TYPE_F32, 4, 3);
-    rtp_tensor *b = bf16 ? rtp_tensor_new_1d(ctx, RTP_TYPE_BF16, 4)
-                         : rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 5);  // does not broadcast
-    const char *msg = nullptr;
-    EXPECT_EQ(rtp_add_gelu(ctx, a, b), nullptr);
-    EXPECT_EQ(rtp_context_error(ctx, &msg), RTP_ESHAPE);
-    EXPECT_NE(std::string(msg).find("add_gelu"), std::string::npos) << msg;
-    EXPECT_NE(std::string(msg).find(bf16 ? "f32" : "broadcast"), std::string::npos) << msg;
-    rtp_context_free(ctx);
-  }
 }
 
 // ---- fused causal attention ------------------------------------------------------------

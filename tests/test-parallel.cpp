@@ -21,7 +21,7 @@
 
 namespace {
 
-const gpt_config kCfg = {256, 16, 32, 2, 4, false, false, false};
+const gpt_config kCfg = {256, 16, 32, 2, 4, false, false};
 const int kBatch = 2, kSteps = 3;
 
 // Adam with gradient clipping low enough to act: the norm must be global over shards.
@@ -1073,7 +1073,7 @@ TEST(Memory, RtpStatesAreOneNthPlusPool) {
   for (rtp_type type : {RTP_TYPE_F32, RTP_TYPE_BF16})
     for (int world : {2, 4})
       for (int layers : {2, 6}) {
-        gpt_config cfg = {256, 16, 48, layers, 4, false, false, false};
+        gpt_config cfg = {256, 16, 48, layers, 4, false, false};
         size_t largest = 0, single = one_process_states(cfg, &largest, world);
         int port = rtptest::free_port();
         auto res = rtptest::run_procs(world, [&](int r) {
@@ -1173,7 +1173,7 @@ TEST(ParallelErrors, TpHeadsNotDivisible) {
     if (rtp_comm_init(&cp, &comm)) return 60;
     int code = 0;
     for (int fused = 0; fused < 2 && !code; fused++) {
-      gpt_config cfg = {256, 16, 48, 1, 4, false, fused == 1, false};
+      gpt_config cfg = {256, 16, 48, 1, 4, false, fused == 1};
       gpt m{};
       rtp_graph *g;
       rtp_context *meta = rtptest::gpt_forward(cfg, 2, &m, &g);

@@ -17,7 +17,7 @@
 
 namespace {
 
-const gpt_config kCfg = {256, 16, 32, 4, 4, false, false, false};  // 4 blocks: up to 4 stages
+const gpt_config kCfg = {256, 16, 32, 4, 4, false, false};  // 4 blocks: up to 4 stages
 const int kBatch = 4, kSteps = 3;  // sequences per data-parallel rank and step
 
 rtp_adamw_params adam() {

@@ -26,7 +26,7 @@ void reset_peak() {
 // A model a bit larger than tiny, so that its arena (tens of MiB) dominates the process.
 plan_model test_model() {
   plan_model pm{};
-  pm.cfg = {256, 64, 256, 4, 4, false, false, false};
+  pm.cfg = {256, 64, 256, 4, 4, false, false};
   pm.batch = 4;
   pm.micro_batches = 1;
   pm.schedule = RTP_SCHEDULE_1F1B;

@@ -121,7 +121,7 @@ void train_gpt(gpt_config cfg, int batch, int steps, float lr, int threads, floa
 
 TEST(Train, TinyGptLearnsText) {
   float first = 0, last = 0;
-  train_gpt({256, 32, 64, 2, 4, false, false, false}, 4, 150, 3e-3f, 2, &first, &last);
+  train_gpt({256, 32, 64, 2, 4, false, false}, 4, 150, 3e-3f, 2, &first, &last);
   EXPECT_NEAR(first, std::log(256.0f), 0.5f);
   EXPECT_LT(last, 0.1f * first) << "first " << first << " last " << last;
 }

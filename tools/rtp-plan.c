@@ -137,7 +137,7 @@ static int parse_int(const char *s, int lo, int hi, int *out) {
 
 static int set_config(struct opts *o, const char *v) {
   if (!strcmp(v, "tiny"))
-    o->pm.cfg = (struct gpt_config){256, 32, 64, 2, 4, false, false, false}; /* train-gpt's */
+    o->pm.cfg = (struct gpt_config){256, 32, 64, 2, 4, false, false}; /* train-gpt's */
   else if (!strcmp(v, "small"))
     o->pm.cfg = gpt_config_small();
   else if (!strcmp(v, "medium"))

@@ -18,11 +18,11 @@ static int rtp__gpt_error(const char *fmt, ...) {
 }
 
 struct gpt_config gpt_config_small(void) {
-  return (struct gpt_config){256, 128, 384, 6, 6, false, false, false};
+  return (struct gpt_config){256, 128, 384, 6, 6, false, false};
 }
 
 struct gpt_config gpt_config_medium(void) {
-  return (struct gpt_config){256, 256, 768, 12, 12, false, false, false};
+  return (struct gpt_config){256, 256, 768, 12, 12, false, false};
 }
 
 int gpt_config_check(struct gpt_config c) {
@@ -115,11 +115,9 @@ static struct rtp_tensor *attention(struct rtp_context *ctx, const struct gpt *m
   return linear(ctx, rtp_reshape_2d(ctx, out, d, T * B), blk->attn_proj_w, blk->attn_proj_b);
 }
 
-static struct rtp_tensor *mlp(struct rtp_context *ctx, const struct gpt_config *c,
-                              const struct gpt_block *blk, struct rtp_tensor *x) {
-  struct rtp_tensor *h = c->fused_bias_gelu
-                             ? rtp_add_gelu(ctx, rtp_mul_mat(ctx, blk->c_fc_w, x), blk->c_fc_b)
-                             : rtp_gelu(ctx, linear(ctx, x, blk->c_fc_w, blk->c_fc_b));
+static struct rtp_tensor *mlp(struct rtp_context *ctx, const struct gpt_block *blk,
+                              struct rtp_tensor *x) {
+  struct rtp_tensor *h = rtp_gelu(ctx, linear(ctx, x, blk->c_fc_w, blk->c_fc_b));
   return linear(ctx, h, blk->mlp_proj_w, blk->mlp_proj_b);
 }
 
@@ -194,7 +192,7 @@ int gpt_build(struct rtp_context *ctx, struct gpt *m, struct gpt_config cfg, int
     h = attention(ctx, m, blk, rtp_reshape_2d(ctx, h, d, T * batch));
     x = rtp_add(ctx, x, rtp_reshape_3d(ctx, h, d, T, batch));
     h = rtp_layer_norm(ctx, x, blk->ln_2_w, blk->ln_2_b, 1e-5f);
-    h = mlp(ctx, &m->cfg, blk, rtp_reshape_2d(ctx, h, d, T * batch));
+    h = mlp(ctx, blk, rtp_reshape_2d(ctx, h, d, T * batch));
     x = rtp_add(ctx, x, rtp_reshape_3d(ctx, h, d, T, batch));
   }
   x = rtp_layer_norm(ctx, x, m->ln_f_w, m->ln_f_b, 1e-5f);
@@ -289,7 +287,7 @@ int gpt_build_decode(struct rtp_context *ctx, struct gpt_decode *dec, const stru
     struct rtp_tensor *h = rtp_layer_norm(ctx, x, blk->ln_1_w, blk->ln_1_b, 1e-5f);
     x = rtp_add(ctx, x, decode_attention(ctx, dec, blk, l, h));
     h = rtp_layer_norm(ctx, x, blk->ln_2_w, blk->ln_2_b, 1e-5f);
-    x = rtp_add(ctx, x, mlp(ctx, &c, blk, h));
+    x = rtp_add(ctx, x, mlp(ctx, blk, h));
     if (dec->qkv[l]) rtp_tensor_set_output(dec->qkv[l]); /* read by gpt_decode_commit */
   }
   x = rtp_layer_norm(ctx, x, m->ln_f_w, m->ln_f_b, 1e-5f);

@@ -26,10 +26,6 @@ struct gpt_config {
   /* attention as one fused op (rtp_attention_causal: no T x T probabilities in memory)
    * instead of views, soft_max and mul_mat; the same model and values. The CPU only. */
   bool fused_attention;
-  /* the MLP's bias and GELU as one op (rtp_add_gelu) instead of add then gelu; the same
-   * model and values. Not for the rtp and fsdp strategies, which split the bias only
-   * where a plain add reads it. */
-  bool fused_bias_gelu;
 };
 
 struct gpt_config gpt_config_small(void);  /* T=128 d=384 L=6 H=6 */

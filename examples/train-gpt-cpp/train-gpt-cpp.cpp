@@ -29,7 +29,7 @@ void fill_batch(const std::string &text, unsigned step, gpt &m) {
 }
 
 void train(int steps, const char *out) {
-  const gpt_config cfg = {256, 32, 64, 2, 4, false, false, false};
+  const gpt_config cfg = {256, 32, 64, 2, 4, false, false};
   const int batch = 4;
   rtp::context ctx(gpt_arena_size(cfg, batch));
   gpt m{};

@@ -474,7 +474,7 @@ struct preset {
 
 static const struct preset *find_preset(const char *name) {
   static struct preset presets[3];
-  presets[0] = (struct preset){"tiny", {256, 32, 64, 2, 4, false, false, false}, 1e-3f};
+  presets[0] = (struct preset){"tiny", {256, 32, 64, 2, 4, false, false}, 1e-3f};
   presets[1] = (struct preset){"small", gpt_config_small(), 3e-4f};
   presets[2] = (struct preset){"medium", gpt_config_medium(), 3e-4f};
   for (int i = 0; i < 3; i++)
