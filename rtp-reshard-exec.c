@@ -46,8 +46,7 @@ void rtp__reshard_map_free(struct rtp__reshard_map *m) {
   for (int d = 0; d < RTP_MAX_DIMS; d++) free(m->first[d]);
 }
 
-/* The map of the slices rank holds (holders) or receives. false when out of memory;
- * m->n[0] == 0 when the rank is in none. */
+/* rtp-impl.h: the checkpoint's load places what it reads by the same map. */
 bool rtp__reshard_map_init(struct rtp__reshard_map *m, const struct rtp_reshard *r, int rank,
                            bool holders) {
   memset(m, 0, sizeof(*m));
@@ -102,7 +101,6 @@ static int64_t map_local(const struct rtp__reshard_map *m, int d, int64_t x) {
   return p[2 * lo + 1] + (x - p[2 * lo]);
 }
 
-/* Where box (global first, len) lies in local tensor t of map m: byte offset. */
 size_t rtp__reshard_map_offset(const struct rtp__reshard_map *m, const struct rtp_tensor *t,
                                const int64_t *first) {
   size_t off = 0;
