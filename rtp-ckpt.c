@@ -26,11 +26,13 @@
  * blocks rtp's would (rtp_comm_block of the outermost dimension), rebuilt from every
  * rank's pieces by all-gathers, so the files have one layout whatever the strategy.
  *
- * Loading reads, for each parameter this rank holds, the rows it needs from whichever rank
- * files hold them (their row ranges follow from the files' shapes, in rank order; a file
- * without the tensor, another stage's, holds none of it), so a checkpoint loads onto any
- * world size, strategy and pipeline; a rank that holds a parameter in other pieces (tp)
- * reads it whole and keeps its part (rtp_parallel_shard_copy). Each file's checksum is
+ * Loading is a reshard from the saved layout to the loading plan's, through the cross-mesh
+ * planner (rtp_reshard_plan): the source is a mesh of the files that hold a parameter (the
+ * rows rtp_comm_block gives each; ddp's one file holds all, a pipeline's files only their
+ * stage's parameters), the destination the plan's layout of it (rtp_parallel_layout), and
+ * each slice this rank receives is a box it reads from the one file that holds it (rows,
+ * and under tp's split weights columns), so a checkpoint loads onto any world size,
+ * strategy and pipeline. Each file's checksum is
  * verified before its first read; before that, at its open, its size, its metadata (the
  * save's id among it) and its tensors' shapes are checked against the index, and the
  * index's tensors against the model's parameters, all of them and no others.
@@ -77,7 +79,7 @@ struct ck_file {
 /* What index.json says of a tensor: its global shape and the rows each file holds. */
 struct ck_block {
   int rank;
-  int64_t rows;
+  int64_t first, rows;
 };
 struct ck_tensor {
   char name[RTP_MAX_NAME];
@@ -862,6 +864,25 @@ static int ck_check_block_rank(const struct rtp_ckpt *c, const char *bat, int64_
   return RTP_OK;
 }
 
+/* The blocks of t must split its rows as rtp_comm_block does over the files that hold it:
+ * what every save writes (each strategy's blocks of rows; tp's files rtp's; ddp's one file
+ * all), and the one layout of files that loading, a reshard through the planner, reads. */
+static int ck_check_partition(const struct rtp_ckpt *c, const char *at,
+                              const struct ck_tensor *t) {
+  for (int j = 0; j < t->n_blocks; j++) {
+    size_t first, len;
+    rtp_comm_block((size_t)t->ne[t->n_dims - 1], t->n_blocks, j, &first, &len);
+    if (t->blocks[j].first != (int64_t)first || t->blocks[j].rows != (int64_t)len)
+      return rtp__error(RTP_EFORMAT,
+                        "%s/index.json: %s ('%s'): blocks[%d]: rows [%" PRId64 ", %" PRId64
+                        "), expected [%zu, %zu) (the files split the rows as rtp_comm_block "
+                        "does, as every save writes them)",
+                        c->dir, at, t->name, j, t->blocks[j].first,
+                        t->blocks[j].first + t->blocks[j].rows, first, first + len);
+  }
+  return RTP_OK;
+}
+
 /* One entry of "tensors" into t: its global shape, and blocks of rows that the listed
  * files hold in rank order and that tile its outermost dimension (every file's, or in a
  * pipeline those of the files that hold it). */
@@ -913,7 +934,7 @@ static int ck_check_tensor(const struct rtp_ckpt *c, const struct rtp__json *doc
                         " (the blocks tile the rows in rank order)",
                         c->dir, bat, first, next);
     next += n;
-    t->blocks[t->n_blocks] = (struct ck_block){(int)rank, n};
+    t->blocks[t->n_blocks] = (struct ck_block){(int)rank, first, n};
   }
   int64_t rows = t->ne[t->n_dims - 1];
   if (!rc && (next != rows || (c->stages == 1 && t->n_blocks != ck_count_files(c))))
@@ -922,7 +943,7 @@ static int ck_check_tensor(const struct rtp_ckpt *c, const struct rtp__json *doc
                     " rows for "
                     "%d files and %" PRId64 " rows",
                     c->dir, at, name, t->n_blocks, next, ck_count_files(c), rows);
-  return rc;
+  return rc ? rc : ck_check_partition(c, at, t);
 }
 
 /* "tensors": each well formed, no name twice. */
@@ -1186,11 +1207,11 @@ static int ck_check_model(const struct rtp_ckpt *c, const struct rtp_ckpt_params
   return RTP_OK;
 }
 
-/* The rows of t that file r holds by the index, or -1 if none. */
-static int64_t ck_index_rows(const struct ck_tensor *t, int r) {
+/* The block of t that file r holds by the index, or NULL if none. */
+static const struct ck_block *ck_index_block(const struct ck_tensor *t, int r) {
   for (int j = 0; j < t->n_blocks; j++)
-    if (t->blocks[j].rank == r) return t->blocks[j].rows;
-  return -1;
+    if (t->blocks[j].rank == r) return &t->blocks[j];
+  return NULL;
 }
 
 /* Rank r's file must be of this save and hold what the index says it does: its metadata
@@ -1211,7 +1232,7 @@ static int ck_check_file(const struct rtp_ckpt *c, const struct rtp_safetensors 
                         i == 2 ? " (index.json's: the file is of another save)" : "");
   }
   int listed = 0;
-  for (int k = 0; k < c->n_tensors; k++) listed += ck_index_rows(&c->tensors[k], r) >= 0;
+  for (int k = 0; k < c->n_tensors; k++) listed += ck_index_block(&c->tensors[k], r) != NULL;
   for (int k = 0; k < rtp_safetensors_count(st); k++) {
     const char *name;
     enum rtp_type type;
@@ -1221,12 +1242,13 @@ static int ck_check_file(const struct rtp_ckpt *c, const struct rtp_safetensors 
         strncmp(name, "adam.", 5) == 0 && (name[5] == 'm' || name[5] == 'v') && name[6] == '.';
     const struct ck_tensor *t = ck_find_tensor(c, name);
     if (!t && state) t = ck_find_tensor(c, name + 7);
-    int64_t rows = t ? ck_index_rows(t, r) : -1, expect[RTP_MAX_DIMS];
-    if (rows < 0)
+    const struct ck_block *blk = t ? ck_index_block(t, r) : NULL;
+    int64_t expect[RTP_MAX_DIMS];
+    if (!blk)
       return rtp__error(RTP_EFORMAT, "%s: tensor '%s' is not among the %d index.json gives it",
                         path, name, listed);
     memcpy(expect, t->ne, sizeof(expect));
-    expect[t->n_dims - 1] = rows;
+    expect[t->n_dims - 1] = blk->rows;
     if (type != RTP_TYPE_F32 || memcmp(ne, expect, sizeof(ne)))
       return rtp__error(RTP_EFORMAT, "%s: tensor '%s' is %s %s, index.json says F32 %s", path,
                         name, type == RTP_TYPE_F32 ? "F32" : "I32",
@@ -1234,8 +1256,7 @@ static int ck_check_file(const struct rtp_ckpt *c, const struct rtp_safetensors 
                         rtp__file_shape_str(expect, t->n_dims, b, sizeof(b)));
   }
   for (int k = 0; k < c->n_tensors; k++)
-    if (ck_index_rows(&c->tensors[k], r) >= 0 &&
-        rtp_safetensors_find(st, c->tensors[k].name) < 0)
+    if (ck_index_block(&c->tensors[k], r) && rtp_safetensors_find(st, c->tensors[k].name) < 0)
       return rtp__error(RTP_EFORMAT, "%s: no tensor '%s', which index.json says it holds", path,
                         c->tensors[k].name);
   return RTP_OK;
@@ -1279,84 +1300,113 @@ static int ck_verify_file(struct ck_files *f, int r) {
   return rc;
 }
 
-/* The rows of name that file r holds along the outermost dimension (0 if absent). */
-static int64_t ck_file_rows(const struct ck_files *f, int r, const char *name, int dim) {
-  int64_t ne[RTP_MAX_DIMS];
-  int i = f->st[r] ? rtp_safetensors_find(f->st[r], name) : -1;
-  if (i < 0 || rtp_safetensors_info(f->st[r], i, NULL, NULL, NULL, ne)) return 0;
-  return ne[dim];
+/* The saved layout of t: a mesh of the files that hold it, in rank order (ddp's one file,
+ * or in a pipeline those of its stage), its outermost dimension chunked over them as
+ * rtp_comm_block cuts it (ck_check_partition). Files are read, not sent: one host. */
+static int ck_saved_layout(const struct rtp_ckpt *c, const struct ck_tensor *t,
+                           struct rtp_mesh *m, struct rtp_layout *l) {
+  int ranks[RTP_MESH_MAX_RANKS], hosts[RTP_MESH_MAX_RANKS] = {0};
+  if (t->n_blocks > RTP_MESH_MAX_RANKS)
+    return rtp__error(RTP_ENOSYS,
+                      "%s: '%s' is in %d files; a load reads at most %d (the resharding "
+                      "planner's meshes)",
+                      c->dir, t->name, t->n_blocks, RTP_MESH_MAX_RANKS);
+  for (int j = 0; j < t->n_blocks; j++) ranks[j] = t->blocks[j].rank;
+  *l = rtp_layout_replicated();
+  int rc = rtp_mesh_init_1d(m, t->n_blocks, ranks, hosts);
+  return rc ? rc : rtp_layout_chunk(l, t->n_dims - 1, 0, 1);
 }
 
-/* Reads rows [first, first + len) of the saved tensor name into t (rank block of the global
- * tensor g), from whichever files hold them. */
-static int ck_read_block(struct ck_files *f, struct rtp_context *views, const char *name,
-                         const struct rtp_tensor *g, struct rtp_tensor *t, int64_t first) {
-  int dim = rtp_tensor_n_dims(g) - 1;
-  int64_t len = t->ne[dim], off = 0;
-  for (int r = 0; r < f->n; r++) {
-    int64_t n = ck_file_rows(f, r, name, dim);
-    int64_t lo = first > off ? first : off, hi = first + len < off + n ? first + len : off + n;
-    if (lo < hi) {
-      struct rtp_tensor *v = rtp_view_rows(views, t, lo - first, hi - lo);
-      int rc = v ? ck_verify_file(f, r) : rtp__error(RTP_ENOMEM, "out of memory");
-      if (!rc) rc = rtp_safetensors_read_rows(f->st[r], name, lo - off, v);
-      if (rc) return rc;
-    }
-    off += n;
-  }
-  if (off != g->ne[dim])
-    return rtp__error(RTP_ESHAPE,
-                      "%s: '%s' has %" PRId64 " rows in its files, the model %" PRId64,
-                      f->c->dir, name, off, g->ne[dim]);
-  return RTP_OK;
+/* g's layout in the plan, on a mesh of the plan's group whose ranks are numbered after the
+ * files' (a file is never taken for a rank, so every slice is read); *me is this rank. */
+static int ck_plan_layout(const struct rtp_ckpt *c, const struct rtp_parallel *par,
+                          const struct rtp_tensor *g, struct rtp_mesh *m, struct rtp_layout *l,
+                          int *me) {
+  int n = par->comm ? rtp_comm_size(par->comm) : 1;
+  int ranks[RTP_MESH_MAX_RANKS], hosts[RTP_MESH_MAX_RANKS] = {0};
+  if (n > RTP_MESH_MAX_RANKS)
+    return rtp__error(RTP_ENOSYS,
+                      "rtp_ckpt_load: a group of %d ranks; a load reads onto at most %d (the "
+                      "resharding planner's meshes)",
+                      n, RTP_MESH_MAX_RANKS);
+  for (int i = 0; i < n; i++) ranks[i] = c->world + i;
+  *me = c->world + (par->comm ? rtp_comm_rank(par->comm) : 0);
+  int rc = rtp_mesh_init_1d(m, n, ranks, hosts);
+  return rc ? rc : rtp_parallel_layout(par, g, l);
 }
 
-/* A tensor this rank holds in pieces other than one block of rows (tp): the whole saved
- * tensor, read into a scratch tensor, then this rank's part of it. */
-static int ck_read_piece(const struct rtp_ckpt_params *p, struct ck_files *f,
-                         struct rtp_context *views, const char *name,
-                         const struct rtp_tensor *g, struct rtp_tensor *t) {
-  struct rtp_tensor *whole = rtp_tensor_new(views, RTP_TYPE_F32, rtp_tensor_n_dims(g), g->ne);
-  float *buf = whole ? malloc((size_t)rtp_tensor_nelements(g) * sizeof(float)) : NULL;
-  float *part = buf ? malloc(rtp_tensor_nbytes(t)) : NULL; /* t may live in device memory */
-  int rc =
-      part ? RTP_OK : rtp__error(RTP_ENOMEM, "rtp_ckpt_load: out of memory for '%s'", name);
-  if (!rc) {
-    whole->data = buf;
-    rc = ck_read_block(f, views, name, g, whole, 0);
+static bool ck_receives(const struct rtp_reshard_slice *s, int me) {
+  for (int k = 0; k < s->n_receivers; k++)
+    if (s->receivers[k] == me) return true;
+  return false;
+}
+
+/* Slice s of the saved tensor name (t in the index) into its place in dst, this rank's
+ * block (map): read from its one holder (the saved blocks do not overlap), whose rows start
+ * at its block's first. */
+static int ck_read_slice(struct ck_files *f, struct rtp_context *views, const char *name,
+                         const struct ck_tensor *t, const struct rtp_reshard_slice *s,
+                         const struct rtp__reshard_map *map, struct rtp_tensor *dst) {
+  int r = s->holders[0];
+  int64_t at[RTP_MAX_DIMS];
+  memcpy(at, s->first, sizeof(at));
+  at[t->n_dims - 1] -= ck_index_block(t, r)->first;
+  struct rtp_tensor *v = rtp_view(views, dst, RTP_MAX_DIMS, s->len, dst->nb,
+                                  rtp__reshard_map_offset(map, dst, s->first));
+  int rc = v ? ck_verify_file(f, r) : rtp__error(RTP_ENOMEM, "rtp_ckpt_load: out of memory");
+  return rc ? rc : rtp__safetensors_read_box(f->st[r], name, at, v);
+}
+
+/* Parameter g's value and Adam states (st, as this rank holds them): loading is a reshard
+ * from the saved layout to the plan's, whose slices say which file holds each box this
+ * rank needs. */
+static int ck_load_param(const struct rtp_ckpt_params *p, struct ck_files *f,
+                         const struct rtp_tensor *g, struct rtp_tensor *st[3]) {
+  const struct ck_tensor *t = ck_find_tensor(f->c, g->name);
+  struct rtp_mesh mesh[2];
+  struct rtp_layout lay[2];
+  struct rtp_reshard_params rp = {.src_mesh = &mesh[0],
+                                  .dst_mesh = &mesh[1],
+                                  .src = &lay[0],
+                                  .dst = &lay[1],
+                                  .elem_size = sizeof(float)};
+  memcpy(rp.ne, g->ne, sizeof(rp.ne));
+  struct rtp_reshard *plan = NULL;
+  struct rtp__reshard_map map = {0};
+  struct rtp_context *views = NULL;
+  int me = -1, rc = ck_saved_layout(f->c, t, &mesh[0], &lay[0]);
+  if (!rc) rc = ck_plan_layout(f->c, p->par, g, &mesh[1], &lay[1], &me);
+  if (!rc) rc = rtp_reshard_plan(&rp, &plan);
+  if (!rc && rtp__reshard_map_init(&map, plan, me, false))
+    views = rtp_context_new((struct rtp_init_params){
+        .mem_size = ((size_t)plan->n_slices * 3 + 8) * 1024, .no_alloc = true});
+  if (!rc && !views) rc = rtp__error(RTP_ENOMEM, "rtp_ckpt_load: out of memory");
+  for (int j = 0; j < 3 && st[j] && !rc; j++) {
+    char name[RTP_MAX_NAME + 8];
+    snprintf(name, sizeof(name), "%s%s", j ? (j == 1 ? "adam.m." : "adam.v.") : "", g->name);
+    if (map.n[0] && memcmp(st[j]->ne, map.ne, sizeof(map.ne)))
+      rc = rtp__error(RTP_ESHAPE,
+                      "rtp_ckpt_load: this rank's '%s' is not its block of the plan's layout",
+                      name);
+    for (int k = 0; k < plan->n_slices && !rc; k++)
+      if (ck_receives(&plan->slices[k], me))
+        rc = ck_read_slice(f, views, name, t, &plan->slices[k], &map, st[j]);
   }
-  if (!rc) rc = rtp_parallel_shard_copy(p->par, g, buf, part);
-  if (!rc) rc = rtp_tensor_set(t, part, 0, rtp_tensor_nbytes(t));
-  free(part);
-  free(buf);
+  rtp_context_free(views);
+  rtp__reshard_map_free(&map);
+  rtp_reshard_free(plan);
   return rc;
 }
 
 static int ck_load_tensors(const struct rtp_ckpt_params *p, struct ck_files *f) {
-  /* at most one view per file for each of the 3 tensors of a parameter, and a whole one */
-  size_t hdr = ((size_t)3 * p->n_params * (f->n + 1) + 8) * 1024;
-  struct rtp_context *views =
-      rtp_context_new((struct rtp_init_params){.mem_size = hdr, .no_alloc = true});
-  if (!views) return rtp__error(RTP_ENOMEM, "rtp_ckpt_load: out of memory");
   int rc = RTP_OK;
   for (int i = 0; i < p->n_params && !rc; i++) {
     const struct rtp_tensor *g = p->params[i];
-    struct rtp_tensor *t = rtp_parallel_tensor(p->par, g), *st[3] = {t};
-    int64_t first, len;
-    int dim;
-    if (!t) continue; /* another pipeline stage's */
-    /* A block of rows is read in place; anything else (tp) through the whole tensor. */
-    bool rows = rtp_parallel_block(p->par, g, &first, &len, &dim) == RTP_OK &&
-                dim == rtp_tensor_n_dims(g) - 1;
-    rtp__optimizer_find(p->opt, t, &st[1], &st[2]);
-    for (int j = 0; j < 3 && st[j] && !rc; j++) {
-      char name[RTP_MAX_NAME + 8];
-      snprintf(name, sizeof(name), "%s%s", j ? (j == 1 ? "adam.m." : "adam.v.") : "", g->name);
-      rc = rows ? ck_read_block(f, views, name, g, st[j], first)
-                : ck_read_piece(p, f, views, name, g, st[j]);
-    }
+    struct rtp_tensor *st[3] = {rtp_parallel_tensor(p->par, g)};
+    if (!st[0] || rtp_tensor_nelements(g) == 0) continue; /* another stage's, or nothing */
+    rtp__optimizer_find(p->opt, st[0], &st[1], &st[2]);
+    rc = ck_load_param(p, f, g, st);
   }
-  rtp_context_free(views);
   return rc;
 }
 

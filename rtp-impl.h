@@ -335,5 +335,29 @@ const char *rtp__file_shape_str(const int64_t *ne, int n_dims, char *buf, size_t
 /* rtp_safetensors_open of a file that must be `bytes` long (UINT64_MAX: any), checked
  * before its header is read (RTP_EFORMAT). */
 int rtp__safetensors_open(const char *path, uint64_t bytes, struct rtp_safetensors **out);
+/* Reads the box of the named tensor that starts at element `at` (ggml order) and has t's
+ * shape into t (a view of any strides; in device memory, with contiguous rows). RTP_ESHAPE
+ * for a box that is not inside the tensor or of another type. */
+int rtp__safetensors_read_box(struct rtp_safetensors *st, const char *name, const int64_t *at,
+                              struct rtp_tensor *t);
+
+/* ---- rtp-reshard-exec.c: where a rank's local tensor holds the global one ---- */
+/* Per dimension, the distinct intervals of the slices of a plan (rtp_reshard_plan) that a
+ * rank holds (or receives), sorted: its local tensor is their concatenation, as the
+ * layouts' blocks (and groups) are. */
+struct rtp__reshard_map {
+  int n[RTP_MAX_DIMS];
+  int64_t *first[RTP_MAX_DIMS]; /* n pairs: an interval's global first, its local first */
+  int64_t ne[RTP_MAX_DIMS];     /* the local tensor's shape */
+};
+/* The map of the slices of r that rank holds (holders) or receives. false when out of
+ * memory; m->n[0] == 0 when the rank is in none. */
+bool rtp__reshard_map_init(struct rtp__reshard_map *m, const struct rtp_reshard *r, int rank,
+                           bool holders);
+void rtp__reshard_map_free(struct rtp__reshard_map *m);
+/* The byte offset in local tensor t (of map m) of a box whose global first element is
+ * `first` (a slice's, or inside one). */
+size_t rtp__reshard_map_offset(const struct rtp__reshard_map *m, const struct rtp_tensor *t,
+                               const int64_t *first);
 
 #endif /* RTP_IMPL_H */

@@ -672,6 +672,75 @@ static int st_write_device(int fd, const char *tmp, struct rtp_tensor *t, size_t
 
 /* ---- reading --------------------------------------------------------------------- */
 
+/* The file offset of element `at` of e. */
+static uint64_t st_elem_off(const struct rtp_safetensors *st, const struct st_entry *e,
+                            const int64_t *at) {
+  uint64_t i = 0;
+  for (int d = RTP_MAX_DIMS - 1; d >= 0; d--) i = i * (uint64_t)e->ne[d] + (uint64_t)at[d];
+  return st->data_start + e->begin + i * st_type_size(e->type);
+}
+
+/* Whether the box of shape ne is one run of the file: whole below its outermost dimension
+ * longer than 1. */
+static bool st_box_is_run(const struct st_entry *e, const int64_t *ne) {
+  int top = RTP_MAX_DIMS - 1;
+  while (top > 0 && ne[top] == 1) top--;
+  for (int d = 0; d < top; d++)
+    if (ne[d] != e->ne[d]) return false;
+  return true;
+}
+
+/* Reads the box of e that starts at `at` and has t's shape into t (checked by the caller).
+ * A box that is one run of the file goes in one read (in chunks for device memory); any
+ * other row by row (a row: t->ne[0] elements), ST_CHUNK bytes of rows at a time, rows that
+ * follow each other in the file read together. */
+static int st_read_box(struct rtp_safetensors *st, const struct st_entry *e, const int64_t *at,
+                       struct rtp_tensor *t) {
+  size_t row = (size_t)t->ne[0] * st_type_size(t->type);
+  int64_t nrows = t->ne[1] * t->ne[2] * t->ne[3];
+  uint64_t off = st_elem_off(st, e, at), bytes = (uint64_t)row * (uint64_t)nrows;
+  if (bytes == 0) return RTP_OK;
+  struct rtp_backend *be = rtp__tensor_backend(t);
+  if (be) {
+    int rc = st_device_check(t, st->path, e->name);
+    if (rc) return rc;
+  }
+  if (st_is_packed(t) && st_box_is_run(e, t->ne))
+    return be ? st_read_device(st, t, off, (size_t)bytes)
+              : st_pread(st, t->data, (size_t)bytes, off);
+
+  int64_t chunk = row >= ST_CHUNK ? 1 : (int64_t)(ST_CHUNK / row);
+  if (chunk > nrows) chunk = nrows;
+  char *buf = malloc((size_t)chunk * row);
+  if (!buf) return rtp__error(RTP_ENOMEM, "%s: out of memory reading '%s'", st->path, e->name);
+  int rc = RTP_OK;
+  for (int64_t r = 0; r < nrows && !rc; r += chunk) {
+    int64_t nr = nrows - r < chunk ? nrows - r : chunk;
+    uint64_t run_off = 0, run_len = 0;
+    size_t run_at = 0;
+    for (int64_t k = r; k <= r + nr && !rc; k++) {
+      uint64_t o = 0;
+      if (k < r + nr) {
+        int64_t x[RTP_MAX_DIMS] = {at[0], at[1] + k % t->ne[1],
+                                   at[2] + (k / t->ne[1]) % t->ne[2],
+                                   at[3] + k / t->ne[1] / t->ne[2]};
+        o = st_elem_off(st, e, x);
+        if (run_len && o == run_off + run_len) {
+          run_len += row;
+          continue;
+        }
+      }
+      if (run_len) rc = st_pread(st, buf + run_at, (size_t)run_len, run_off);
+      run_off = o;
+      run_len = row;
+      run_at = (size_t)(k - r) * row;
+    }
+    if (!rc) rc = st_copy_rows(t, be, r, nr, buf, true);
+  }
+  free(buf);
+  return rc;
+}
+
 int rtp_safetensors_read_rows(struct rtp_safetensors *st, const char *name, int64_t first,
                               struct rtp_tensor *t) {
   if (!st || !name || !t) return rtp__error(RTP_EINVAL, "rtp_safetensors_read: NULL argument");
@@ -704,38 +773,31 @@ int rtp_safetensors_read_rows(struct rtp_safetensors *st, const char *name, int6
                       st_fmt_ne(e->ne, b, sizeof(b)), st_type_name(t->type),
                       st_fmt_ne(t->ne, c, sizeof(c)), first, first + n, outer);
   }
-  /* Bytes of one step along the outermost dimension; everything fits, as checked at open. */
-  uint64_t step = st_type_size(e->type);
-  for (int d = 0; d < outer; d++) step *= (uint64_t)e->ne[d];
-  uint64_t off = st->data_start + e->begin + (uint64_t)first * step;
-  uint64_t bytes = (uint64_t)n * step;
-  if (bytes == 0) return RTP_OK;
-  struct rtp_backend *be = rtp__tensor_backend(t);
-  if (be) {
-    int rc = st_device_check(t, st->path, name);
-    if (rc || st_is_packed(t)) return rc ? rc : st_read_device(st, t, off, (size_t)bytes);
-  } else if (st_is_packed(t)) {
-    return st_pread(st, t->data, (size_t)bytes, off);
-  }
-
-  size_t row = (size_t)t->ne[0] * st_type_size(t->type);
-  int64_t nrows = t->ne[1] * t->ne[2] * t->ne[3];
-  int64_t chunk = row >= ST_CHUNK ? 1 : (int64_t)(ST_CHUNK / row);
-  if (chunk > nrows) chunk = nrows;
-  char *buf = malloc((size_t)chunk * row);
-  if (!buf) return rtp__error(RTP_ENOMEM, "%s: out of memory reading '%s'", st->path, name);
-  int rc = RTP_OK;
-  for (int64_t r = 0; r < nrows && !rc; r += chunk) {
-    int64_t nr = nrows - r < chunk ? nrows - r : chunk;
-    rc = st_pread(st, buf, (size_t)nr * row, off + (uint64_t)r * row);
-    if (!rc) rc = st_copy_rows(t, be, r, nr, buf, true);
-  }
-  free(buf);
-  return rc;
+  int64_t at[RTP_MAX_DIMS] = {0};
+  at[outer] = first;
+  return st_read_box(st, e, at, t);
 }
 
 int rtp_safetensors_read(struct rtp_safetensors *st, const char *name, struct rtp_tensor *t) {
   return rtp_safetensors_read_rows(st, name, 0, t);
+}
+
+int rtp__safetensors_read_box(struct rtp_safetensors *st, const char *name, const int64_t *at,
+                              struct rtp_tensor *t) {
+  int i = rtp_safetensors_find(st, name);
+  if (i < 0) return rtp__error(RTP_EINVAL, "%s: no tensor '%s'", st->path, name);
+  const struct st_entry *e = &st->e[i];
+  bool ok = t->data && t->type == e->type;
+  for (int d = 0; d < RTP_MAX_DIMS; d++)
+    ok = ok && at[d] >= 0 && at[d] <= e->ne[d] && t->ne[d] >= 0 && t->ne[d] <= e->ne[d] - at[d];
+  if (!ok) {
+    char a[96], b[96], c[96];
+    return rtp__error(
+        RTP_ESHAPE, "%s: tensor '%s' is %s %s in the file: no box of %s %s at %s in it",
+        st->path, name, st_type_name(e->type), st_fmt_ne(e->ne, a, sizeof(a)),
+        st_type_name(t->type), st_fmt_ne(t->ne, b, sizeof(b)), st_fmt_ne(at, c, sizeof(c)));
+  }
+  return st_read_box(st, e, at, t);
 }
 
 struct rtp_tensor *rtp_safetensors_load(struct rtp_context *ctx, struct rtp_safetensors *st,

@@ -31,14 +31,6 @@
 
 /* ---- where this rank's local tensor holds the global one ------------------------------ */
 
-/* Per dimension, the distinct intervals of the slices a rank holds (or receives), sorted:
- * its local tensor is their concatenation, as the layouts' blocks (and groups) are. */
-struct local_map {
-  int n[RTP_MAX_DIMS];
-  int64_t *first[RTP_MAX_DIMS]; /* n pairs: an interval's global first, its local first */
-  int64_t ne[RTP_MAX_DIMS];     /* the local tensor's shape */
-};
-
 static int cmp_pair(const void *a, const void *b) {
   int64_t x = ((const int64_t *)a)[0], y = ((const int64_t *)b)[0];
   return (x > y) - (x < y);
@@ -50,18 +42,18 @@ static bool has_rank(const int *ranks, int n, int rank) {
   return false;
 }
 
-static void map_free(struct local_map *m) {
+void rtp__reshard_map_free(struct rtp__reshard_map *m) {
   for (int d = 0; d < RTP_MAX_DIMS; d++) free(m->first[d]);
 }
 
-/* The map of the slices rank holds (holders) or receives. false when out of memory;
- * m->n[0] == 0 when the rank is in none. */
-static bool map_init(struct local_map *m, const struct rtp_reshard *r, int rank, bool holders) {
+/* rtp-impl.h: the checkpoint's load places what it reads by the same map. */
+bool rtp__reshard_map_init(struct rtp__reshard_map *m, const struct rtp_reshard *r, int rank,
+                           bool holders) {
   memset(m, 0, sizeof(*m));
   for (int d = 0; d < RTP_MAX_DIMS; d++) {
     int64_t *pairs = malloc(sizeof(int64_t) * 2 * (size_t)(r->n_slices + 1));
     if (!pairs) {
-      map_free(m);
+      rtp__reshard_map_free(m);
       return false;
     }
     int k = 0;
@@ -96,7 +88,7 @@ static bool map_init(struct local_map *m, const struct rtp_reshard *r, int rank,
 }
 
 /* The local index of global index x of dimension d (x in one of the map's intervals). */
-static int64_t map_local(const struct local_map *m, int d, int64_t x) {
+static int64_t map_local(const struct rtp__reshard_map *m, int d, int64_t x) {
   const int64_t *p = m->first[d];
   int lo = 0, hi = m->n[d] - 1;
   while (lo < hi) { /* the last interval that starts at or before x */
@@ -107,6 +99,13 @@ static int64_t map_local(const struct local_map *m, int d, int64_t x) {
       hi = mid - 1;
   }
   return p[2 * lo + 1] + (x - p[2 * lo]);
+}
+
+size_t rtp__reshard_map_offset(const struct rtp__reshard_map *m, const struct rtp_tensor *t,
+                               const int64_t *first) {
+  size_t off = 0;
+  for (int d = 0; d < RTP_MAX_DIMS; d++) off += (size_t)map_local(m, d, first[d]) * t->nb[d];
+  return off;
 }
 
 /* ---- chunks -------------------------------------------------------------------------- */
@@ -159,7 +158,7 @@ struct exec {
   struct rtp_comm *comm;
   const struct rtp_reshard *r;
   struct rtp_tensor *src, *dst;
-  struct local_map smap, dmap;
+  struct rtp__reshard_map smap, dmap;
   size_t esize, chunk_bytes;
   int me;         /* this rank's job rank */
   int *comm_rank; /* job rank -> rank in comm (-1: not in it), for ranks < n_job */
@@ -181,19 +180,11 @@ static struct rtp_tensor *add(struct exec *x, struct rtp_tensor *t) {
   return t;
 }
 
-/* Where box (global first, len) lies in local tensor t of map m: byte offset. */
-static size_t box_offset(const struct local_map *m, const struct rtp_tensor *t,
-                         const int64_t *first) {
-  size_t off = 0;
-  for (int d = 0; d < RTP_MAX_DIMS; d++) off += (size_t)map_local(m, d, first[d]) * t->nb[d];
-  return off;
-}
-
 /* A view of the box of this rank's source tensor. */
 static struct rtp_tensor *src_box(struct exec *x, const int64_t *first, const int64_t *len) {
   if (x->rc) return NULL;
   return rtp_view(x->ctx, x->src, RTP_MAX_DIMS, len, x->src->nb,
-                  box_offset(&x->smap, x->src, first));
+                  rtp__reshard_map_offset(&x->smap, x->src, first));
 }
 
 /* The oldest unread sends, for a pack or copy to wait for through its spare sources (up
@@ -225,7 +216,7 @@ static struct rtp_tensor *copy_into_dst(struct exec *x, struct rtp_tensor *from,
   if (!t) return add(x, NULL);
   memcpy(t->nb, x->dst->nb, sizeof(t->nb));
   t->view_src = base;
-  t->view_offs = x->dst->view_offs + box_offset(&x->dmap, x->dst, first);
+  t->view_offs = x->dst->view_offs + rtp__reshard_map_offset(&x->dmap, x->dst, first);
   if (base->data) t->data = (char *)base->data + t->view_offs;
   rtp_tensor_set_name(t, "reshard.%s.%d.%lld", what, s, (long long)k);
   take_unread(x, t, 2, 1);
@@ -373,7 +364,7 @@ static int wave_of(const struct rtp_reshard *r, const int *order, int i, int n_r
 
 /* t (src or dst: `which`, which this rank needs to `need`, or NULL) against the plan. */
 static int check_tensor(struct exec *x, const char *which, const struct rtp_tensor *t,
-                        const struct local_map *m, const char *need) {
+                        const struct rtp__reshard_map *m, const char *need) {
   if (!t) {
     if (!need) return RTP_OK;
     return rtp__ctx_error(x->ctx, RTP_EINVAL,
@@ -452,9 +443,9 @@ int rtp_reshard_build(struct rtp_context *ctx, struct rtp_graph *g, struct rtp_c
   bool sends = false, receives = false, maps = false;
   if (!rc) {
     roles(&x, &sends, &receives);
-    maps = map_init(&x.smap, r, x.me, true);
-    if (maps && !map_init(&x.dmap, r, x.me, false)) {
-      map_free(&x.smap);
+    maps = rtp__reshard_map_init(&x.smap, r, x.me, true);
+    if (maps && !rtp__reshard_map_init(&x.dmap, r, x.me, false)) {
+      rtp__reshard_map_free(&x.smap);
       maps = false;
     }
     if (!maps) rc = rtp__ctx_error(ctx, RTP_ENOMEM, "rtp_reshard_build: out of memory");
@@ -489,8 +480,8 @@ int rtp_reshard_build(struct rtp_context *ctx, struct rtp_graph *g, struct rtp_c
   free(order);
   free(x.comm_rank);
   if (maps) {
-    map_free(&x.smap);
-    map_free(&x.dmap);
+    rtp__reshard_map_free(&x.smap);
+    rtp__reshard_map_free(&x.dmap);
   }
   return rc;
 }

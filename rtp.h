@@ -1154,8 +1154,10 @@ RTP_API int rtp_parallel_reshard(const struct rtp_parallel_reshard_params *p);
  * Saving never endangers the previous checkpoint: every file is written to a temporary
  * name, fsynced and renamed; latest moves only after every rank has written and the
  * marker is on disk; the older checkpoints beyond the keep newest are deleted after that.
- * A checkpoint loads onto any world size, strategy and pipeline: each rank reads the rows
- * it needs from the files that hold them, after checking those files' sizes and checksums.
+ * A checkpoint loads onto any world size, strategy and pipeline: loading is a reshard from
+ * the saved layout (the files' row blocks) to the plan's through rtp_reshard_plan, each
+ * rank reading the boxes it needs from the files that hold them, after checking those
+ * files' sizes and checksums.
  * A pipeline's ranks must be laid out as rtp_comm_mesh_2d lays them out (rank = stage x
  * ranks per stage + rank in the stage), with comm the job's communicator: a save refuses
  * any other layout (RTP_ENOSYS). Every

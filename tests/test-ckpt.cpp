@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <random>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -1370,6 +1371,21 @@ TEST(CkptPipeline, TwoByTwoRtpLoadsOnFourStagesAndFlatFsdp) {
   // Blocks in rank order, each of a rank that wrote a file.
   expect_index_refused(dir, "{\"rank\": 1, \"first\"", "{\"rank\": 0, \"first\"",
                        "rank 0 after rank 0");
+  // Blocks that tile the rows, but not as rtp_comm_block splits them: no save writes them,
+  // and loading, a reshard from the saved layout, stands on that split.
+  std::smatch m;
+  std::string text = slurp(step + "/index.json");
+  ASSERT_TRUE(std::regex_search(
+      text, m,
+      std::regex("\"rows\": (\\d+)\\}, \\{\"rank\": 1, \"first\": \\d+, \"rows\": (\\d+)\\}")));
+  int a = std::stoi(m[1]), b = std::stoi(m[2]);
+  std::string to = "\"rows\": " + std::to_string(a - 1) +
+                   "}, {\"rank\": 1, \"first\": " + std::to_string(a - 1) +
+                   ", \"rows\": " + std::to_string(b + 1) + "}";
+  expect_index_refused(dir, m[0], to,
+                       ("blocks[0]: rows [0, " + std::to_string(a - 1) + "), expected [0, " +
+                        std::to_string(a) + ") (the files split the rows as rtp_comm_block")
+                           .c_str());
 }
 
 // A flat job of 2 rtp ranks loads on 2 stages of 2 ddp ranks; 2 x 2 ddp saves from each

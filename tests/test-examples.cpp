@@ -1243,30 +1243,44 @@ TEST(TrainGptCkpt, TwoRanksResumeWithTheSameLosses) {
   }
 }
 
-// Checkpoints hold whole tensors' rows whatever the strategy: 2 tp ranks' resume in one
-// process and on 2 rtp ranks with the same global batch (4), and 2 rtp ranks' under tp,
-// with the losses of one process never stopped (to float rounding: the ranks sum in
-// another order).
-TEST(TrainGptCkpt, CheckpointsResumeUnderAnotherStrategy) {
-  std::string ref = tmp_dir() + "ckx-ref.jsonl";
-  ASSERT_EQ(run(train_gpt(kCkptFlags + " --batch 4 --steps 20", {"--metrics", ref})).code, 0);
-  const std::string tp = " --batch 4 --strategy tp", rtp = " --batch 2 --strategy rtp";
-  for (const std::string &s : {tp, rtp}) {
-    Result r = run(on_ranks(2, kCkptFlags + s + " --steps 10",
-                            {"--ckpt-dir", tmp_dir() + "ckx" + (s == tp ? "-tp" : "-rtp")}));
-    ASSERT_EQ(r.code, 0) << s << ": " << r.err;
+// Checkpoints hold whole tensors' rows whatever the strategy, and loading reshards them
+// from the saved layout to the plan's (rtp_reshard_plan): 2 tp ranks' resume in one process
+// and on 2 rtp ranks, 2 rtp ranks' under tp, and 4 rtp ranks' on fewer ranks, as after
+// losing one (3 rtp, 3 fsdp, 2 tp), all with the same global batch (12) and the losses of
+// the saving layout's run never stopped (to float rounding: the ranks sum in another
+// order).
+TEST(TrainGptCkpt, CheckpointsResumeUnderAnotherStrategyAndOnFewerRanks) {
+  const std::string tp = " --batch 12 --strategy tp", rtp2 = " --batch 6 --strategy rtp",
+                    rtp4 = " --batch 3 --strategy rtp", on3 = " --batch 4 --strategy ";
+  const struct {
+    std::string name;
+    int ranks;
+    std::string flags;
+  } saves[] = {{"-tp", 2, tp}, {"-rtp", 2, rtp2}, {"-rtp4", 4, rtp4}};
+  // Each saving layout's run to step 20 (the reference) and to its checkpoint at step 10.
+  for (const auto &sv : saves) {
+    std::string ref = tmp_dir() + "ckx-ref" + sv.name + ".jsonl";
+    Result r =
+        run(on_ranks(sv.ranks, kCkptFlags + sv.flags + " --steps 20", {"--metrics", ref}));
+    ASSERT_EQ(r.code, 0) << sv.name << ": " << r.err;
+    r = run(on_ranks(sv.ranks, kCkptFlags + sv.flags + " --steps 10",
+                     {"--ckpt-dir", tmp_dir() + "ckx" + sv.name}));
+    ASSERT_EQ(r.code, 0) << sv.name << ": " << r.err;
   }
   struct Case {
     std::string saved, what;
     int ranks;
     std::string flags;
   };
-  const Case cases[] = {{"-tp", "tp's, in one process", 1, " --batch 4"},
-                        {"-tp", "tp's, on 2 rtp ranks", 2, rtp},
-                        {"-rtp", "rtp's, on 2 tp ranks", 2, tp}};
-  std::vector<double> want = losses_after(ref, 10);
-  ASSERT_EQ(want.size(), 10u);
+  const Case cases[] = {{"-tp", "tp's, in one process", 1, " --batch 12"},
+                        {"-tp", "tp's, on 2 rtp ranks", 2, rtp2},
+                        {"-rtp", "rtp's, on 2 tp ranks", 2, tp},
+                        {"-rtp4", "4 rtp ranks', on 3 rtp ranks", 3, on3 + "rtp"},
+                        {"-rtp4", "4 rtp ranks', on 3 fsdp ranks", 3, on3 + "fsdp"},
+                        {"-rtp4", "4 rtp ranks', on 2 tp ranks", 2, tp}};
   for (const Case &c : cases) {
+    std::vector<double> want = losses_after(tmp_dir() + "ckx-ref" + c.saved + ".jsonl", 10);
+    ASSERT_EQ(want.size(), 10u);
     std::string dir = tmp_dir() + "ckx-resume", m = tmp_dir() + "ckx-resumed.jsonl";
     ASSERT_EQ(std::system(("rm -rf " + quote(dir) + " && cp -r " +
                            quote(tmp_dir() + "ckx" + c.saved) + " " + quote(dir))
@@ -1277,10 +1291,18 @@ TEST(TrainGptCkpt, CheckpointsResumeUnderAnotherStrategy) {
     Result r = run(c.ranks == 1 ? train_gpt(flags, extra) : on_ranks(c.ranks, flags, extra));
     ASSERT_EQ(r.code, 0) << c.what << ": " << r.err;
     EXPECT_NE(r.out.find("resumed from"), std::string::npos) << c.what << ": " << r.out;
+    if (c.saved == "-rtp4") {
+      EXPECT_NE(r.out.find("saved on 4 ranks with rtp"), std::string::npos) << c.what;
+    }
     std::vector<double> got = metric(m, "loss");
     ASSERT_EQ(got.size(), want.size()) << c.what;
-    for (size_t i = 0; i < want.size(); i++)
+    double worst = 0;
+    for (size_t i = 0; i < want.size(); i++) {
       EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << c.what << ", step " << i + 11;
+      worst = std::max(worst, std::fabs(got[i] - want[i]) / want[i]);
+    }
+    std::printf("%s: %zu losses, largest relative difference %.2g\n", c.what.c_str(),
+                got.size(), worst);
   }
 }
 

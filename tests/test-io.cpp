@@ -18,6 +18,9 @@
 #include <vector>
 
 #include "rtp.h"
+extern "C" {
+#include "rtp-impl.h" /* rtp__safetensors_read_box */
+}
 #include "rtp-json.h"
 #include "test-util.h"
 
@@ -317,6 +320,55 @@ TEST_F(IoTest, ReadRows) {
   rtp_tensor *part = rtp_tensor_new_1d(ctx_, RTP_TYPE_I32, 4);
   ASSERT_EQ(rtp_safetensors_read_rows(st, "v", 5, part), RTP_OK) << rtp_last_error();
   EXPECT_EQ(memcmp(part->data, (int32_t *)v->data + 5, 4 * sizeof(int32_t)), 0);
+  rtp_safetensors_close(st);
+}
+
+// Boxes of a 3-D tensor (checkpoint loading reads a tp rank's columns so): each read into
+// a packed tensor and into a view of a larger one, compared element by element with the
+// tensor; a box not inside it is refused.
+TEST_F(IoTest, ReadBoxes) {
+  const int64_t ne[3] = {5, 4, 3};
+  rtp_tensor *w = F32({ne[0], ne[1], ne[2]}, "w");
+  std::string path = Path("boxes.safetensors");
+  ASSERT_EQ(rtp_safetensors_save(path.c_str(), &w, 1, nullptr), RTP_OK) << rtp_last_error();
+  rtp_safetensors *st = nullptr;
+  ASSERT_EQ(rtp_safetensors_open(path.c_str(), &st), RTP_OK) << rtp_last_error();
+  const float *all = (const float *)w->data;
+  rtp_tensor *big = rtp_tensor_new_3d(ctx_, RTP_TYPE_F32, 7, 6, 5);
+  int boxes = 0;
+  for (int64_t a0 = 0; a0 < ne[0]; a0 += 2)
+    for (int64_t l0 : {1, 3, 5})
+      for (int64_t a1 : {0, 1})
+        for (int64_t l1 : {1, 3})
+          for (int64_t a2 : {0, 2})
+            for (int64_t l2 : {1, 3}) {
+              if (a0 + l0 > ne[0] || a1 + l1 > ne[1] || a2 + l2 > ne[2]) continue;
+              const int64_t at[4] = {a0, a1, a2, 0}, len[4] = {l0, l1, l2, 1};
+              rtp_tensor *packed = rtp_tensor_new(ctx_, RTP_TYPE_F32, 3, len);
+              rtp_tensor *view = rtp_view(ctx_, big, 3, len, big->nb, big->nb[0] + big->nb[1]);
+              for (rtp_tensor *t : {packed, view}) {
+                ASSERT_EQ(rtp__safetensors_read_box(st, "w", at, t), RTP_OK)
+                    << rtp_last_error();
+                int bad = 0;
+                for (int64_t k = 0; k < l2; k++)
+                  for (int64_t j = 0; j < l1; j++)
+                    for (int64_t i = 0; i < l0; i++) {
+                      float got = *(const float *)((const char *)t->data + i * t->nb[0] +
+                                                   j * t->nb[1] + k * t->nb[2]);
+                      bad += got != all[((a2 + k) * ne[1] + a1 + j) * ne[0] + a0 + i];
+                    }
+                EXPECT_EQ(bad, 0) << "box at " << a0 << "," << a1 << "," << a2 << " of " << l0
+                                  << "x" << l1 << "x" << l2;
+              }
+              boxes++;
+            }
+  EXPECT_GT(boxes, 40);
+  const int64_t out[4] = {4, 0, 0, 0}, neg[4] = {0, -1, 0, 0};
+  rtp_tensor *two = rtp_tensor_new_1d(ctx_, RTP_TYPE_F32, 2);
+  EXPECT_EQ(rtp__safetensors_read_box(st, "w", out, two), RTP_ESHAPE);
+  EXPECT_TRUE(Contains(rtp_last_error(), "no box of F32")) << rtp_last_error();
+  EXPECT_EQ(rtp__safetensors_read_box(st, "w", neg, two), RTP_ESHAPE);
+  EXPECT_EQ(rtp__safetensors_read_box(st, "x", out, two), RTP_EINVAL);
   rtp_safetensors_close(st);
 }
 

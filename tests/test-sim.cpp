@@ -498,7 +498,7 @@ int resume_agrees(int rank, int world, int port, rtp_strategy s, const std::stri
 }
 
 // rtp on 1 and 2 ranks; on 2, also fsdp (its blocks live in a pool) and tp (saved from
-// gathered pieces, loaded through a whole tensor).
+// gathered pieces, loaded as the boxes of its part that the files hold, device views).
 TEST(SimCkpt, GptTrainedOnTheDeviceResumesExactlyOnCpuAndDevice) {
   const std::pair<int, rtp_strategy> runs[] = {{1, RTP_STRATEGY_RTP},
                                                {2, RTP_STRATEGY_RTP},
