@@ -338,16 +338,49 @@ static int pipe_loss(struct rtp_parallel *p, struct rtp_pipe *pp) {
   return rtp_graph_build(p->graph, p->global_loss);
 }
 
-int rtp__pipeline_build(struct rtp_parallel *p, struct rtp_comm *pipe, enum rtp_schedule sched,
-                        int unit, bool recompute, const int *stage_blocks, int graph_size) {
+/* Stages of different sizes: the last stage's sum over its micro-batches (over its group
+ * too where the units are shared out), its first rank's share of the mean over the U
+ * units, summed over the job (every other rank adds zero). */
+static int hetero_loss(struct rtp_parallel *p, struct rtp_pipe *pp) {
+  struct rtp_context *ctx = p->ctx;
+  const struct rtp_hetero *h = pp->het;
+  struct rtp_tensor *mine = NULL;
+  if (pp->s == pp->S - 1) {
+    struct rtp_tensor *sum = pp->losses[0];
+    for (int m = 1; m < pp->M; m++) sum = rtp_add(ctx, sum, pp->losses[m]);
+    if (!rtp__hetero_whole(h, pp->s))
+      sum = rtp_allreduce(ctx, p->comm, rtp_dup(ctx, sum), NULL);
+    mine = rtp_scale(ctx, sum, h->g == 0 ? 1.0f / (float)h->U : 0.0f);
+  } else {
+    struct rtp_tensor *zero = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 1);
+    if (zero && !zero->data && !rtp__tensor_alloc(ctx, zero, RTP_ROLE_INPUT)) zero = NULL;
+    if (zero && rtp_tensor_set_zero(zero))
+      return rtp__ctx_error(ctx, RTP_EIO, "pipeline: %s", rtp_last_error());
+    mine = zero ? rtp_dup(ctx, zero) : NULL;
+  }
+  struct rtp_tensor *all = mine ? rtp_allreduce(ctx, pp->comm, mine, NULL) : NULL;
+  p->global_loss = all ? rtp_tensor_set_name(rtp_scale(ctx, all, 1.0f), "loss.global") : NULL;
+  if (!p->global_loss) return rtp_context_error(ctx, NULL);
+  rtp_tensor_set_output(p->global_loss);
+  return rtp_graph_build(p->graph, p->global_loss);
+}
+
+int rtp__pipeline_build(struct rtp_parallel *p, struct rtp_comm *pipe, struct rtp_hetero *het,
+                        enum rtp_schedule sched, int unit, bool recompute,
+                        const int *stage_blocks, int graph_size) {
   struct rtp_context *ctx = p->ctx;
   const struct rtp_graph *src = p->src;
   struct rtp_pipe *pp = rtp__ctx_alloc(ctx, sizeof(*pp), "the pipeline");
   if (!pp) return rtp_context_error(ctx, NULL);
   int M = p->micro_batches, U = sched == RTP_SCHEDULE_ZEROPP && unit > 1 ? unit : 1;
   *pp = (struct rtp_pipe){.comm = pipe,
-                          .S = pipe ? rtp_comm_size(pipe) : 1,
-                          .s = pipe ? rtp_comm_rank(pipe) : 0,
+                          .het = het,
+                          .S = het    ? het->S
+                               : pipe ? rtp_comm_size(pipe)
+                                      : 1,
+                          .s = het    ? het->s
+                               : pipe ? rtp_comm_rank(pipe)
+                                      : 0,
                           .M = M,
                           .U = U,
                           .schedule = sched,
@@ -380,6 +413,8 @@ int rtp__pipeline_build(struct rtp_parallel *p, struct rtp_comm *pipe, enum rtp_
       rtp__ctx_alloc(ctx, sizeof(*pp->last_grad_send) * (size_t)pp->S, "pipeline gradients");
   if (pp->last_grad_send)
     memset(pp->last_grad_send, 0, sizeof(*pp->last_grad_send) * (size_t)pp->S);
+  if (pp->out_send) /* het: the planner's moves leave them NULL */
+    memset(pp->out_send, 0, sizeof(*pp->out_send) * (size_t)(M * pp->n_out) * (size_t)pp->S);
   int *acts = malloc(sizeof(int) * 2 * (size_t)M);
   if (!pp->in_recv || !pp->out_send || !pp->out_grad || !pp->last_grad_send || !acts) {
     free(acts);
@@ -400,7 +435,7 @@ int rtp__pipeline_build(struct rtp_parallel *p, struct rtp_comm *pipe, enum rtp_
   pp->xs = NULL;
   p->map = p->maps;
   if (!rc && p->iface->finish) rc = p->iface->finish(p);
-  if (!rc) rc = pipe_loss(p, pp);
+  if (!rc) rc = het ? hetero_loss(p, pp) : pipe_loss(p, pp);
   return rc;
 }
 
@@ -423,6 +458,21 @@ int rtp__pipeline_forward(const struct rtp_parallel *p, int i, struct rtp_graph 
                               (size_t)c]);
   }
   return rc || pp->s < at ? rc : rtp_graph_build(g, p->maps[i]);
+}
+
+int rtp_parallel_micro_batches(const struct rtp_parallel *p) {
+  return p ? p->micro_batches : 0;
+}
+
+int rtp_parallel_micro_unit(const struct rtp_parallel *p, int m) {
+  if (!p || m < 0 || m >= p->micro_batches)
+    return rtp__error(RTP_EINVAL, "rtp_parallel_micro_unit: micro-batch %d of %d", m,
+                      p ? p->micro_batches : 0),
+           -1;
+  if (p->pipe && p->pipe->het)
+    return rtp__hetero_unit(p->pipe->het, p->pipe->s, p->pipe->het->g, m);
+  int d = p->comm && !p->iface->whole_batch ? rtp_comm_rank(p->comm) : 0;
+  return d * p->micro_batches + m;
 }
 
 int rtp_parallel_stage(const struct rtp_parallel *p) {
