@@ -116,12 +116,6 @@ struct rtp_graph *rtp_parallel_forward_graph(struct rtp_parallel *p,
     rtp__error(RTP_EINVAL, "rtp_parallel_forward_graph: not a forward node of the model");
     return NULL;
   }
-  if (p->pipe && p->pipe->het) { /* micro-batch 0 is another unit on each stage */
-    rtp__error(RTP_ENOSYS,
-               "rtp_parallel_forward_graph: not on stages of different sizes or strategies "
-               "(yet)");
-    return NULL;
-  }
   struct rtp_graph *g = rtp_graph_new(p->ctx, p->graph->n_nodes + 1);
   int rc = !g        ? rtp_context_error(p->ctx, NULL)
            : p->pipe ? rtp__pipeline_forward(p, i, g)

@@ -415,6 +415,14 @@ int rtp__pipeline_build(struct rtp_parallel *p, struct rtp_comm *pipe, struct rt
     memset(pp->last_grad_send, 0, sizeof(*pp->last_grad_send) * (size_t)pp->S);
   if (pp->out_send) /* het: the planner's moves leave them NULL */
     memset(pp->out_send, 0, sizeof(*pp->out_send) * (size_t)(M * pp->n_out) * (size_t)pp->S);
+  if (het) {
+    size_t n_in = (size_t)(M * pp->n_in) + 1, n_out = (size_t)(M * pp->n_out * pp->S) + 1;
+    pp->in_nodes = rtp__ctx_alloc(ctx, sizeof(*pp->in_nodes) * n_in, "pipeline receives");
+    pp->out_nodes = rtp__ctx_alloc(ctx, sizeof(*pp->out_nodes) * n_out, "pipeline sends");
+    if (!pp->in_nodes || !pp->out_nodes) return rtp_context_error(ctx, NULL);
+    memset(pp->in_nodes, 0, sizeof(*pp->in_nodes) * n_in);
+    memset(pp->out_nodes, 0, sizeof(*pp->out_nodes) * n_out);
+  }
   int *acts = malloc(sizeof(int) * 2 * (size_t)M);
   if (!pp->in_recv || !pp->out_send || !pp->out_grad || !pp->last_grad_send || !acts) {
     free(acts);
@@ -443,10 +451,40 @@ int rtp__pipeline_build(struct rtp_parallel *p, struct rtp_comm *pipe, struct rt
  * i or not: each send in one stage's graph then meets its recv in the other's, however a
  * stage orders a unit's micro-batches (under zeropp, micro-batch 0's forward may wait on
  * micro-batch 1's recv). */
+static int build_nodes(struct rtp_graph *g, const struct rtp_nodes *l) {
+  int rc = RTP_OK;
+  for (int k = 0; k < l->n && !rc; k++) rc = rtp_graph_build(g, l->v[k]);
+  return rc;
+}
+
+/* Stages of different sizes: micro-batch 0 is another unit on each stage, so the forward
+ * graph runs the fewest units that every stage can run alone (rtp__hetero_forward_micro),
+ * with every move between stages up to node i's. */
+static int hetero_forward(const struct rtp_parallel *p, int i, struct rtp_graph *g) {
+  const struct rtp_pipe *pp = p->pipe;
+  int at = pp->node_stage[i], rc = RTP_OK, n = rtp__hetero_forward_micro(pp->het);
+  size_t rows = (size_t)(p->src->n_nodes + p->src->n_leafs);
+  for (int m = 0; m < n && !rc; m++) {
+    for (int k = 0; k < pp->n_in && !rc; k++)
+      rc = build_nodes(g, &pp->in_nodes[(size_t)m * (size_t)pp->n_in + (size_t)k]);
+    for (int k = 0; k < pp->n_out && pp->s < at && !rc; k++) {
+      /* on a replica that sends nothing too (a tp stage's others compute with it) */
+      rc = rtp_graph_build(g, p->maps[(size_t)m * rows + (size_t)pp->out[k]]);
+      for (int c = pp->s + 1; c <= at && !rc; c++)
+        if (pp->out_to[k] >> c & 1)
+          rc = build_nodes(
+              g, &pp->out_nodes[((size_t)m * (size_t)pp->n_out + (size_t)k) * (size_t)pp->S +
+                                (size_t)c]);
+    }
+  }
+  return rc || pp->s < at ? rc : rtp_graph_build(g, p->maps[i]);
+}
+
 int rtp__pipeline_forward(const struct rtp_parallel *p, int i, struct rtp_graph *g) {
   const struct rtp_pipe *pp = p->pipe;
   int at = pp->node_stage[i], rc = RTP_OK;
   if (pp->s > at) return RTP_OK;
+  if (pp->het) return hetero_forward(p, i, g);
   for (int m = 0; m < pp->U && !rc; m++) {
     for (int k = 0; k < pp->n_in && !rc; k++)
       rc = rtp_graph_build(g, pp->in_recv[(size_t)m * (size_t)pp->n_in + (size_t)k]);

@@ -236,8 +236,39 @@ static int my_rank(const struct rtp_pipe *pp) {
   return rtp_comm_world_rank(pp->comm, rtp_comm_rank(pp->comm));
 }
 
+/* rtp_reshard_build's nodes for this rank, listed in *rec (if not NULL). */
+static int build(struct rtp_parallel *p, struct rtp_pipe *pp,
+                 const struct rtp_reshard_slice *sl, struct rtp_tensor *src,
+                 struct rtp_tensor *dst, struct rtp_nodes *rec) {
+  struct rtp_reshard r = {
+      .slices = (struct rtp_reshard_slice *)sl, .n_slices = 1, .n_rounds = sl->round >= 0};
+  int n0 = p->graph->n_nodes;
+  int rc = rtp_reshard_build(p->ctx, p->graph, pp->comm, &r, src, dst, chunk_of(sl));
+  if (rc || !rec) return rc;
+  rec->n = p->graph->n_nodes - n0;
+  rec->v = rtp__ctx_alloc(p->ctx, sizeof(*rec->v) * (size_t)rec->n + 1, "moves");
+  if (!rec->v) return rtp_context_error(p->ctx, NULL);
+  memcpy(rec->v, p->graph->nodes + n0, sizeof(*rec->v) * (size_t)rec->n);
+  return RTP_OK;
+}
+
+int rtp__hetero_forward_micro(const struct rtp_hetero *h) {
+  int64_t L = 1;
+  for (int s = 0; s < h->S; s++) {
+    if (rtp__hetero_whole(h, s)) continue;
+    int64_t G = stage_size(h, s), a = L, b = G;
+    while (b) { /* a = gcd(L, G) */
+      int64_t t = a % b;
+      a = b;
+      b = t;
+    }
+    L = L / a * G;
+  }
+  return rtp__hetero_whole(h, h->s) ? (int)L : (int)(L / stage_size(h, h->s));
+}
+
 int rtp__hetero_send(struct rtp_parallel *p, struct rtp_pipe *pp, int j, int a, int c,
-                     bool grad, int m, struct rtp_tensor *x) {
+                     bool grad, int m, struct rtp_tensor *x, struct rtp_nodes *rec) {
   const struct rtp_reshard_slice *sl = slice_of(p, pp, j, a, c, grad, m);
   if (!sl) return rtp_context_error(p->ctx, NULL);
   if (sl->sender != my_rank(pp)) return RTP_OK; /* another replica sends this unit */
@@ -246,14 +277,11 @@ int rtp__hetero_send(struct rtp_parallel *p, struct rtp_pipe *pp, int j, int a, 
   int64_t ne[4] = {rtp_tensor_nelements(x), 1, 1, 1};
   size_t row = sizeof(float) * (size_t)ne[0], nb[4] = {sizeof(float), row, row, row};
   struct rtp_tensor *flat = rtp_view(p->ctx, x, RTP_MAX_DIMS, ne, nb, 0);
-  if (!flat) return rtp_context_error(p->ctx, NULL);
-  struct rtp_reshard r = {
-      .slices = (struct rtp_reshard_slice *)sl, .n_slices = 1, .n_rounds = sl->round >= 0};
-  return rtp_reshard_build(p->ctx, p->graph, pp->comm, &r, flat, NULL, chunk_of(sl));
+  return flat ? build(p, pp, sl, flat, NULL, rec) : rtp_context_error(p->ctx, NULL);
 }
 
 struct rtp_tensor *rtp__hetero_recv(struct rtp_parallel *p, struct rtp_pipe *pp, int j, int a,
-                                    int c, bool grad, int m) {
+                                    int c, bool grad, int m, struct rtp_nodes *rec) {
   const struct rtp_tensor *t = p->src->nodes[j];
   const struct rtp_reshard_slice *sl = slice_of(p, pp, j, a, c, grad, m);
   if (!sl) return NULL;
@@ -268,9 +296,7 @@ struct rtp_tensor *rtp__hetero_recv(struct rtp_parallel *p, struct rtp_pipe *pp,
   struct rtp_tensor *buf = rtp__new_node(p->ctx, RTP_OP_EMPTY, RTP_TYPE_F32, ne, NULL, NULL);
   if (!buf) return NULL;
   rtp_tensor_set_name(buf, "%s.%d.%.40s", grad ? "pipe.grad" : "pipe.in", m, t->name);
-  struct rtp_reshard r = {
-      .slices = (struct rtp_reshard_slice *)sl, .n_slices = 1, .n_rounds = sl->round >= 0};
-  if (rtp_reshard_build(p->ctx, p->graph, pp->comm, &r, NULL, buf, chunk_of(sl))) return NULL;
+  if (build(p, pp, sl, NULL, buf, rec)) return NULL;
   size_t nb[4] = {rtp_type_size(t->type)};
   for (int d = 1; d < 4; d++) nb[d] = nb[d - 1] * (size_t)t->ne[d - 1];
   return rtp_view(p->ctx, buf, RTP_MAX_DIMS, t->ne, nb, 0);

@@ -237,10 +237,11 @@ int rtp__stage_forward_begin(struct rtp_parallel *p, struct rtp_pipe *pp, int m)
   for (int k = 0; k < pp->n_in && !rc; k++) {
     int i = pp->in[k];
     struct rtp_tensor *buf = pp->het ? NULL : buffer_like(p, src->nodes[i], "pipe.in", m);
-    struct rtp_tensor *r = pp->het
-                               ? rtp__hetero_recv(p, pp, i, pp->node_stage[i], pp->s, false, m)
-                           : buf ? rtp_recv(p->ctx, pp->comm, buf, pp->node_stage[i], NULL)
-                                 : NULL;
+    struct rtp_tensor *r =
+        pp->het ? rtp__hetero_recv(p, pp, i, pp->node_stage[i], pp->s, false, m,
+                                   &pp->in_nodes[(size_t)m * (size_t)pp->n_in + (size_t)k])
+        : buf   ? rtp_recv(p->ctx, pp->comm, buf, pp->node_stage[i], NULL)
+                : NULL;
     if (!r) return rtp_context_error(p->ctx, NULL);
     p->map[i] = pp->in_recv[(size_t)m * (size_t)pp->n_in + (size_t)k] = r;
   }
@@ -277,7 +278,10 @@ int rtp__stage_forward_end(struct rtp_parallel *p, struct rtp_pipe *pp, int m) {
     for (int c = 0; c < pp->S && !rc; c++) {
       if (!(pp->out_to[k] >> c & 1)) continue;
       if (pp->het) { /* the planner's move (it copies what it sends); nothing reads it */
-        rc = rtp__hetero_send(p, pp, pp->out[k], pp->s, c, false, m, map[pp->out[k]]);
+        rc = rtp__hetero_send(
+            p, pp, pp->out[k], pp->s, c, false, m, map[pp->out[k]],
+            &pp->out_nodes[((size_t)m * (size_t)pp->n_out + (size_t)k) * (size_t)pp->S +
+                           (size_t)c]);
         continue;
       }
       struct rtp_tensor *snd = rtp_send(ctx, pp->comm, y, c, NULL);
@@ -311,9 +315,10 @@ int rtp__stage_backward_begin(struct rtp_parallel *p, struct rtp_pipe *pp, int m
           pp->out_send[((size_t)m * (size_t)pp->n_out + (size_t)k) * (size_t)pp->S + (size_t)c];
       struct rtp_tensor *buf =
           pp->het ? NULL : buffer_like(p, src->nodes[pp->out[k]], "pipe.grad", m);
-      struct rtp_tensor *g = pp->het ? rtp__hetero_recv(p, pp, pp->out[k], pp->s, c, true, m)
-                             : buf   ? rtp_recv(ctx, pp->comm, buf, c, after)
-                                     : NULL;
+      struct rtp_tensor *g = pp->het
+                                 ? rtp__hetero_recv(p, pp, pp->out[k], pp->s, c, true, m, NULL)
+                             : buf ? rtp_recv(ctx, pp->comm, buf, c, after)
+                                   : NULL;
       sum = !g ? NULL : sum ? rtp_add(ctx, sum, g) : g;
       if (!sum) rc = rtp_context_error(ctx, NULL);
     }
@@ -431,7 +436,8 @@ int rtp__stage_backward_end(struct rtp_parallel *p, struct rtp_pipe *pp, int m) 
     }
     if (!d) d = rtp_scale(ctx, r, 0.0f); /* read by nothing that needs a gradient */
     if (pp->het) {
-      rc = d ? rtp__hetero_send(p, pp, pp->in[k], pp->node_stage[pp->in[k]], pp->s, true, m, d)
+      rc = d ? rtp__hetero_send(p, pp, pp->in[k], pp->node_stage[pp->in[k]], pp->s, true, m, d,
+                                NULL)
              : rtp_context_error(ctx, NULL);
       continue;
     }

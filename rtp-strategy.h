@@ -133,14 +133,24 @@ int rtp__hetero_micro(const struct rtp_hetero *h, int s);
 int rtp__hetero_unit(const struct rtp_hetero *h, int s, int g, int m);
 /* Whether stage s holds every unit on each of its ranks (tp, one rank). */
 bool rtp__hetero_whole(const struct rtp_hetero *h, int s);
+/* The nodes one move appended to the rank's graph (what a forward graph takes along). */
+struct rtp_nodes {
+  int n;
+  struct rtp_tensor **v;
+};
 /* One-device node j's value for micro-batch m, made on stage a and read on stage c (grad:
- * its gradient, from c back to a): this rank's part of moving it, appended to p->graph.
- * Send: x is this rank's copy (a stage's rank that is not the chosen sender appends
- * nothing). Recv: the tensor received, shaped as node j; NULL with the error in ctx. */
+ * its gradient, from c back to a): this rank's part of moving it, appended to p->graph
+ * (and listed in *rec unless NULL). Send: x is this rank's copy (a stage's rank that is not
+ * the chosen sender appends nothing). Recv: the tensor received, shaped as node j; NULL
+ * with the error in ctx. */
 int rtp__hetero_send(struct rtp_parallel *p, struct rtp_pipe *pp, int j, int a, int c,
-                     bool grad, int m, struct rtp_tensor *x);
+                     bool grad, int m, struct rtp_tensor *x, struct rtp_nodes *rec);
 struct rtp_tensor *rtp__hetero_recv(struct rtp_parallel *p, struct rtp_pipe *pp, int j, int a,
-                                    int c, bool grad, int m);
+                                    int c, bool grad, int m, struct rtp_nodes *rec);
+/* The micro-batches of this rank's stage whose units are below the least common multiple
+ * of the data-parallel stages' sizes: the fewest units whose forwards every stage can run
+ * alone, each transfer's two ends both there. */
+int rtp__hetero_forward_micro(const struct rtp_hetero *h);
 
 struct rtp_pipe {
   struct rtp_comm *comm;  /* the pipe group: one rank per stage, by stage; NULL: one stage.
@@ -162,8 +172,9 @@ struct rtp_pipe {
   /* Per micro-batch: the recv of each input, the send of each output to each stage, the
    * gradient received for each output; the last stage's losses. */
   struct rtp_tensor **in_recv, **out_send, **out_grad, **losses;
-  struct rtp_tensor **last_grad_send; /* per stage: the last gradient sent back to it */
-  struct rtp_xing *xs;                /* every micro-batch's, heap */
+  struct rtp_tensor **last_grad_send;     /* per stage: the last gradient sent back to it */
+  struct rtp_nodes *in_nodes, *out_nodes; /* het: the moves of in_recv and out_send */
+  struct rtp_xing *xs;                    /* every micro-batch's, heap */
   int n_xs, cap_xs;
 };
 
