@@ -908,7 +908,8 @@ struct rtp_parallel_params {
    * unit's activations and their gradients cross a boundary as the cross-mesh resharding
    * planner moves them (rtp_reshard_plan, rtp_reshard_build: one sender among the holders,
    * balanced by host NIC; a chained broadcast to several receivers). The gpipe schedule
-   * only; recompute, accumulate and rtp_parallel_forward_graph not yet (RTP_ENOSYS).
+   * only; recompute and accumulate not yet (RTP_ENOSYS). rtp_parallel_forward_graph runs
+   * the first L units, L the least common multiple of the data-parallel stages' sizes.
    * 0: a rectangular pipeline (pipe_comm as above) or none.
    */
   int stages;

@@ -404,7 +404,22 @@ TEST(TrainGptErrors, BadInputIsRefusedClearly) {
       {{"-n", "4", "--", TRAIN_GPT, "--config", "tiny", "--pp", "4"},
        "] train-gpt: --pp 4 with 2 blocks (--n-layer): at most one stage per block"},
       {{"-n", "4", "--", TRAIN_GPT, "--pp", "2", "--strategy", "tp"},
-       "] train-gpt: --strategy tp does not run inside pipeline stages"}};
+       "] train-gpt: --strategy tp does not run inside pipeline stages"},
+      {{"-n", "3", "--", TRAIN_GPT, "--stages", "2:tp,2:ddp"},
+       "] train-gpt: --stages 2:tp,2:ddp has 4 ranks, the job 3"},
+      {{"-n", "3", "--", TRAIN_GPT, "--stages", "2:rtp,one"},
+       "] train-gpt: --stages '2:rtp,one': each stage is RANKS:STRATEGY, e.g. 2:tp,3:ddp (at "
+       "'one')"},
+      {{"-n", "3", "--", TRAIN_GPT, "--stages", "2:rtp,1:none", "--batch", "3",
+        "--micro-batches", "3"},
+       "] train-gpt: --stages: stage 0's 2 rtp ranks share the --micro-batches 3 units "
+       "unevenly"},
+      {{"-n", "3", "--", TRAIN_GPT, "--stages", "2:rtp,1:none", "--export", "x.pt"},
+       "] train-gpt: --stages: --ckpt-dir, --init and --export are not supported yet"},
+      {{"-n", "3", "--", TRAIN_GPT, "--stages", "2:rtp,1:none", "--schedule", "1f1b"},
+       "] train-gpt: --stages runs the gpipe schedule only, not --schedule 1f1b"},
+      {{"-n", "3", "--", TRAIN_GPT, "--config", "tiny", "--stages", "1:none,1:none,1:none"},
+       "] train-gpt: 3 --stages with 2 blocks (--n-layer): at most one stage per block"}};
   for (const auto &l : layouts) {
     std::vector<std::string> argv = {RTP_RUN};
     argv.insert(argv.end(), l.first.begin(), l.first.end());
@@ -925,6 +940,28 @@ TEST(TrainGptPipeline, LossesMatchOneProcess) {
                                 : on_ranks(c.ranks, kRanksFlags + c.flags, extra));
     ASSERT_EQ(r.code, 0) << c.flags << "\n" << r.out << r.err;
     expect_one_process_losses(m, std::to_string(c.ranks) + " ranks," + c.flags, c.ranks > 1);
+  }
+}
+
+// Stages of different sizes and strategies (--stages): the global batch of 4 in units of
+// 1 or 2 trains as one process with batch 4, whatever each stage runs.
+TEST(TrainGptPipeline, StagesOfDifferentSizesMatchOneProcess) {
+  struct Case {
+    int ranks;
+    std::string flags;
+  };
+  const Case cases[] = {
+      {4, " --stages 2:tp,2:ddp --batch 4 --micro-batches 4"},
+      {3, " --stages 1:none,2:fsdp --batch 4 --micro-batches 2"},
+  };
+  for (const Case &c : cases) {
+    std::string m = tmp_dir() + "stages.jsonl";
+    Result r = run(on_ranks(c.ranks, kRanksFlags + c.flags, {"--metrics", m}));
+    ASSERT_EQ(r.code, 0) << c.flags << "\n" << r.out << r.err;
+    EXPECT_NE(r.out.find("on " + std::to_string(c.ranks) + " ranks (stages "),
+              std::string::npos)
+        << r.out;
+    expect_one_process_losses(m, std::to_string(c.ranks) + " ranks," + c.flags);
   }
 }
 
