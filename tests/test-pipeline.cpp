@@ -733,6 +733,11 @@ TEST(PipelineHetero, TpTwoToDdpThree) {
   run_hetero({{2, 3}, {RTP_STRATEGY_TP, RTP_STRATEGY_DDP}, 6, 2});
 }
 
+// And the other way: a tp stage last, whose loss every rank computes for every unit.
+TEST(PipelineHetero, DdpTwoToTpTwo) {
+  run_hetero({{2, 2}, {RTP_STRATEGY_DDP, RTP_STRATEGY_TP}, 4, 1});
+}
+
 // rtp on 2 ranks to one rank, and one rank to fsdp on 2: the last stage runs every unit,
 // the first shares them out, and the other way round.
 TEST(PipelineHetero, RtpTwoToOneAndOneToFsdpTwo) {
@@ -791,6 +796,61 @@ TEST(PipelineHetero, ImpossibleSpecsAreRefused) {
         60);
     for (int r = 0; r < n; r++) EXPECT_EQ(res[r].code, 0) << name(f.c) << ": rank " << r;
   }
+}
+
+// What does not handle stages of different sizes yet says so on every rank: checkpoints
+// (one strategy for all stages) and the live reshard of a training state (one group size
+// per plan), which would otherwise lay the stages' parameters out wrongly.
+TEST(PipelineHetero, CheckpointsAndLiveReshardRefuse) {
+  const HeteroCase c = {{2, 2}, {RTP_STRATEGY_TP, RTP_STRATEGY_DDP}, 2, 1};
+  const std::string dir =  // refused before anything is written
+      testing::TempDir() + "rtp-hetero-ckpt-" + std::to_string(getpid());
+  int port = rtptest::free_port();
+  auto res = rtptest::run_procs(
+      4,
+      [&](int rank) {
+        rtp_comm_params cp = rtptest::params(rank, 4, port);
+        rtp_comm *job = nullptr, *stage = nullptr;
+        CHECK_OK(rtp_comm_init(&cp, &job));
+        CHECK(hetero_stage(c, rank, job, &stage) >= 0, "stage group");
+        gpt m{};
+        rtp_graph *fwd = nullptr;
+        rtp_context *meta = hetero_model(c, &m, &fwd);
+        rtp_init_params ip = {gpt_arena_size(kCfg, 1) * 4, nullptr, false, nullptr, 0};
+        rtp_context *ctx = rtp_context_new(ip);
+        rtp_parallel *par = meta && ctx ? hetero_plan(c, ctx, fwd, &m, job, stage) : nullptr;
+        CHECK(par, "rtp_parallel_new: %s", rtp_last_error());
+        CHECK_OK(rtp_graph_plan(ctx, rtp_parallel_graph(par)));
+        rtp_ckpt_params kp{};
+        kp.dir = dir.c_str();
+        kp.par = par;
+        kp.comm = job;
+        kp.strategy = RTP_STRATEGY_DDP;
+        kp.params = m.params;
+        kp.n_params = m.n_params;
+        CHECK(rtp_ckpt_save(&kp, 1) == RTP_ENOSYS, "checkpoint saved: %s", rtp_last_error());
+        CHECK(std::string(rtp_last_error()).find("stages of different sizes") !=
+                  std::string::npos,
+              "message: %s", rtp_last_error());
+        rtp_parallel_reshard_params rp{};
+        rp.job = job;
+        rp.from = par;
+        rp.to = par;
+        CHECK(rtp_parallel_reshard(&rp) == RTP_EINVAL, "resharded: %s", rtp_last_error());
+        CHECK(std::string(rtp_last_error())
+                      .find(rank == 0 ? "stages of different sizes" : "rank 0 refused") !=
+                  std::string::npos,
+              "message: %s", rtp_last_error());
+        rtp_context_free(ctx);
+        rtp_context_free(meta);
+        rtp_comm_barrier(job, nullptr);
+        rtp_comm_free(stage);
+        rtp_comm_free(job);
+        return 0;
+      },
+      60);
+  for (int r = 0; r < 4; r++) EXPECT_EQ(res[r].code, 0) << "rank " << r;
+  EXPECT_NE(access(dir.c_str(), F_OK), 0) << dir << " was written";
 }
 
 // The last stage's rank dies after a step: the others, waiting at a boundary, fail naming
