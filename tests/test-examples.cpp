@@ -414,8 +414,8 @@ TEST(TrainGptErrors, BadInputIsRefusedClearly) {
         "--micro-batches", "3"},
        "] train-gpt: --stages: stage 0's 2 rtp ranks share the --micro-batches 3 units "
        "unevenly"},
-      {{"-n", "3", "--", TRAIN_GPT, "--stages", "2:rtp,1:none", "--export", "x.pt"},
-       "] train-gpt: --stages: --ckpt-dir, --init and --export are not supported yet"},
+      {{"-n", "3", "--", TRAIN_GPT, "--stages", "2:rtp,1:none", "--ckpt-dir", "x"},
+       "] train-gpt: --stages: --ckpt-dir is not supported yet"},
       {{"-n", "3", "--", TRAIN_GPT, "--stages", "2:rtp,1:none", "--schedule", "1f1b"},
        "] train-gpt: --stages runs the gpipe schedule only, not --schedule 1f1b"},
       {{"-n", "3", "--", TRAIN_GPT, "--config", "tiny", "--stages", "1:none,1:none,1:none"},
@@ -963,6 +963,20 @@ TEST(TrainGptPipeline, StagesOfDifferentSizesMatchOneProcess) {
         << r.out;
     expect_one_process_losses(m, std::to_string(c.ranks) + " ranks," + c.flags);
   }
+  // Sampling gathers each parameter on its stage (tp's pieces too) and broadcasts it over
+  // the job: the bytes one process samples.
+  const std::string sample = " --prompt 1+1= --sample 16";
+  Result a = run(train_gpt(kRanksFlags + " --batch 4" + sample));
+  Result b = run(
+      on_ranks(4, kRanksFlags + sample + " --stages 2:tp,2:ddp --batch 4 --micro-batches 4"));
+  ASSERT_EQ(a.code, 0) << a.err;
+  ASSERT_EQ(b.code, 0) << b.out << b.err;
+  size_t at = a.out.find("--- sample"), bt = b.out.find("[0] --- sample");
+  ASSERT_TRUE(at != std::string::npos && bt != std::string::npos) << a.out << b.out;
+  std::string sb;
+  for (const std::string &l : lines(b.out.substr(bt)))
+    sb += (l.rfind("[0] ", 0) == 0 ? l.substr(4) : l) + "\n";
+  EXPECT_EQ(sb, a.out.substr(at)) << b.out;
 }
 
 // The README's pipeline command as written there, with flags for a short run appended.
@@ -2257,6 +2271,33 @@ double json_value(const std::string &out, const char *key) {
     if (parse_flat_json(l, &o) && o.count(key)) v = o[key];
   }
   return v;
+}
+
+// --stages exports the model it trained (each parameter gathered on its stage), and --init
+// loads a model onto any stages: evaluating one stages run's export on one process and on
+// other stages gives the loss of one process's own export.
+TEST(TrainGptPipeline, StagesExportAndInitOnOtherStages) {
+  const std::string flags = kRanksFlags + " --steps 5 --batch 4";
+  std::string one = tmp_dir() + "stages-one.safetensors",
+              het = tmp_dir() + "stages.safetensors";
+  ASSERT_EQ(run(train_gpt(flags, {"--export", one})).code, 0);
+  Result r =
+      run(on_ranks(4, flags + " --stages 2:tp,2:ddp --micro-batches 4", {"--export", het}));
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  const std::string eval = " --eval-only --threads 1 --eval-windows 8 --eval-problems 0";
+  Result want = run(train_gpt("--init " + one + eval, {}));
+  Result a = run(train_gpt("--init " + het + eval, {}));
+  Result b = run(on_ranks(3, "--init " + het + eval +
+                                 " --stages 1:none,2:rtp --batch 4 "
+                                 "--micro-batches 2"));
+  ASSERT_EQ(want.code + a.code + b.code, 0) << want.err << a.err << b.out << b.err;
+  double w = json_value(want.out, "eval_loss");
+  ASSERT_FALSE(std::isnan(w)) << want.out;
+  EXPECT_NEAR(json_value(a.out, "eval_loss"), w, 1e-5 * w) << a.out;
+  std::string b0;  // rank 0's lines
+  for (const std::string &l : lines(b.out))
+    if (l.rfind("[0] ", 0) == 0) b0 += l.substr(4) + "\n";
+  EXPECT_NEAR(json_value(b0, "eval_loss"), w, 1e-5 * w) << b.out;
 }
 
 // Without transformers: a model written --format hf reads back (--init) to the loss of the

@@ -442,8 +442,7 @@ static int check_stages(const struct options *o, int world) {
     return usage_error("--stages runs the gpipe schedule only, not --schedule %s", o->schedule);
   if (o->grad_accum > 1 || o->recompute)
     return usage_error("--stages: --grad-accum and --recompute are not supported yet");
-  if (o->ckpt_dir || o->init || o->export_path)
-    return usage_error("--stages: --ckpt-dir, --init and --export are not supported yet");
+  if (o->ckpt_dir) return usage_error("--stages: --ckpt-dir is not supported yet");
   for (int s = 0; s < sp.n; s++) sum += sp.ranks[s];
   if (sum != world)
     return usage_error("--stages %s has %d ranks, the job %d", o->stages, sum, world);
@@ -1851,6 +1850,8 @@ static int check_init_finite(const struct trainer *tr, const char *path) {
 static int gather_tp_param(struct trainer *tr, int i, float *full) {
   const struct rtp_tensor *p = tr->m.params[i], *mine = rtp_parallel_tensor(tr->par, p);
   size_t n = (size_t)rtp_tensor_nelements(p), local = (size_t)rtp_tensor_nelements(mine);
+  struct rtp_comm *tp = tr->het.n ? tr->group : tr->comm; /* --stages: the tp stage's */
+  int rank = rtp_comm_rank(tp), world = rtp_comm_size(tp);
   if (local == n) {
     int rc = rtp_tensor_get(mine, full, 0, n * sizeof(float));
     return rc ? fail(rc, "gathering %s", p->name) : RTP_OK;
@@ -1858,17 +1859,14 @@ static int gather_tp_param(struct trainer *tr, int i, float *full) {
   uint32_t *iota = malloc(n * sizeof(uint32_t)), *where = malloc(n * sizeof(uint32_t));
   float *pieces = malloc(n * sizeof(float));
   int rc = iota && where && pieces ? RTP_OK : RTP_ENOMEM;
-  if (!rc && local * (size_t)tr->world != n) rc = RTP_EINVAL; /* tp splits evenly */
+  if (!rc && local * (size_t)world != n) rc = RTP_EINVAL; /* tp splits evenly */
   for (size_t e = 0; e < n && !rc; e++) iota[e] = (uint32_t)e;
   if (!rc)
     rc = rtp_parallel_shard_copy(tr->par, p, (const float *)(const void *)iota,
-                                 (float *)(void *)(where + (size_t)tr->rank * local));
-  if (!rc)
-    rc = rtp_comm_allgather(tr->comm, where, (size_t)tr->world, local * sizeof(*where), NULL);
-  if (!rc)
-    rc = rtp_tensor_get(mine, pieces + (size_t)tr->rank * local, 0, local * sizeof(float));
-  if (!rc)
-    rc = rtp_comm_allgather(tr->comm, pieces, (size_t)tr->world, local * sizeof(float), NULL);
+                                 (float *)(void *)(where + (size_t)rank * local));
+  if (!rc) rc = rtp_comm_allgather(tp, where, (size_t)world, local * sizeof(*where), NULL);
+  if (!rc) rc = rtp_tensor_get(mine, pieces + (size_t)rank * local, 0, local * sizeof(float));
+  if (!rc) rc = rtp_comm_allgather(tp, pieces, (size_t)world, local * sizeof(float), NULL);
   for (size_t e = 0; e < n && !rc; e++) full[where[e]] = pieces[e];
   free(iota);
   free(where);
@@ -1882,10 +1880,12 @@ static int gather_tp_param(struct trainer *tr, int i, float *full) {
  * shard every parameter; tp has its own. On a pipeline, that stage then broadcasts it
  * along each pipe: every rank has it. */
 static int gather_param(struct trainer *tr, int i, float *full) {
-  if (tr->strategy == RTP_STRATEGY_TP) return gather_tp_param(tr, i, full);
   const struct rtp_tensor *p = tr->m.params[i], *mine = rtp_parallel_tensor(tr->par, p);
   int rc = RTP_OK;
-  if (mine) {
+  if (tr->strategy == RTP_STRATEGY_TP && (!tr->het.n || mine)) {
+    rc = gather_tp_param(tr, i, full);
+    if (rc || !tr->het.n) return rc;
+  } else if (mine) {
     int64_t first, row;
     param_block(tr, i, &first, &row);
     rc = rtp_tensor_get(mine, full + first * row, 0, rtp_tensor_nbytes(mine));
@@ -1896,6 +1896,11 @@ static int gather_param(struct trainer *tr, int i, float *full) {
   if (!rc && tr->pipe)
     rc = rtp_comm_broadcast(tr->pipe, full, rtp_tensor_nbytes(p),
                             rtp_parallel_tensor_stage(tr->par, p), NULL);
+  if (!rc && tr->het.n) { /* --stages: from the first rank of its stage to the job */
+    int root = 0;
+    for (int s = 0; s < rtp_parallel_tensor_stage(tr->par, p); s++) root += tr->het.ranks[s];
+    rc = rtp_comm_broadcast(tr->comm, full, rtp_tensor_nbytes(p), root, NULL);
+  }
   return rc ? fail(rc, "gathering %s", p->name) : RTP_OK;
 }
 
