@@ -179,6 +179,8 @@ int pipeline_rank(const Case &c, int rank, int port, const Reference &ref) {
     rtp_tensor *idx = rtp_parallel_micro_tensor(par, m.idx, k);
     rtp_tensor *tgt = rtp_parallel_micro_tensor(par, m.targets, k);
     CHECK(idx && tgt, "inputs of micro-batch %d", k);
+    CHECK(rtp_parallel_micro_unit(par, k) == d * c.M + k, "micro-batch %d is unit %d", k,
+          rtp_parallel_micro_unit(par, k));
     for (int b = 0; b < mb; b++)
       fill_sequence(d * kBatch + k * mb + b, kCfg.seq_len,
                     (int32_t *)idx->data + b * kCfg.seq_len,
@@ -657,6 +659,7 @@ int hetero_rank(const HeteroCase &c, int rank, int port, const Reference &ref) {
   bool whole = c.ranks[s] == 1 || c.strategies[s] == RTP_STRATEGY_TP;
   int M = rtp_parallel_micro_batches(par);
   CHECK(M == (whole ? c.U : c.U / c.ranks[s]), "%d micro-batches", M);
+  CHECK(rtp_parallel_micro_unit(par, M) == -1, "micro-batch %d of %d", M, M);
   rtp_graph *g = rtp_parallel_graph(par);
   CHECK_OK(rtp_graph_plan(ctx, g));
   for (int i = 0; i < m.n_params; i++) {
