@@ -292,6 +292,10 @@ static bool ck_is_word(const char *s) {
 static int ck_check_params(const struct rtp_ckpt_params *p) {
   if (!p || !p->dir || !*p->dir || !p->par || !p->params || p->n_params < 1)
     return rtp__error(RTP_EINVAL, "rtp_ckpt: need dir, par and params");
+  if (p->par->pipe && p->par->pipe->het) /* p->strategy is one for every stage here */
+    return rtp__error(RTP_ENOSYS,
+                      "rtp_ckpt: pipelines of stages of different sizes or strategies are not "
+                      "supported yet");
   for (int i = 0; i < p->n_params; i++) {
     if (!p->params[i] || !ck_is_word(p->params[i]->name))
       return rtp__error(RTP_EINVAL, "rtp_ckpt: parameter %d: names must be [A-Za-z0-9_.+-]", i);

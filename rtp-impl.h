@@ -196,8 +196,9 @@ void rtp__optimizer_find(const struct rtp_optimizer *opt, const struct rtp_tenso
                          struct rtp_tensor **m, struct rtp_tensor **v);
 void rtp__optimizer_set_comm(struct rtp_optimizer *opt, struct rtp_comm *comm);
 /* A second group whose ranks hold other shares (a pipeline's stages): the norm sums over
- * it after the first. */
-void rtp__optimizer_add_comm(struct rtp_optimizer *opt, struct rtp_comm *comm);
+ * it after the first; share false: this rank adds zero there (its group's first adds the
+ * group's sum, which every rank of the group has). */
+void rtp__optimizer_add_comm(struct rtp_optimizer *opt, struct rtp_comm *comm, bool share);
 /* param's weight in the all-reduced sum of squares (default 1): 1/N for a gradient that
  * every rank holds whole (tp's replicated parameters), so it is counted once. */
 void rtp__optimizer_set_norm_weight(struct rtp_optimizer *opt, const struct rtp_tensor *param,

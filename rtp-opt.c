@@ -16,7 +16,8 @@ struct rtp_optimizer {
   /* Where each rank holds a different share of the gradients: the groups whose shares
    * make the whole (a stage's ranks, then the pipe's stages). */
   struct rtp_comm *comm[2];
-  float *norm_w; /* per parameter: its share of the global norm (1/N if replicated) */
+  bool pipe_quiet; /* this rank adds nothing over comm[1]: its group's first rank does */
+  float *norm_w;   /* per parameter: its share of the global norm (1/N if replicated) */
   struct rtp_backend *backend; /* NULL: the CPU */
   double partial[RTP_MAX_THREADS];
 };
@@ -174,7 +175,7 @@ static int grad_norm(struct rtp_optimizer *opt, struct rtp_threadpool *tp) {
   }
   for (int c = 0; c < 2; c++) { /* the shares of all ranks make the whole */
     if (!opt->comm[c]) continue;
-    float f = (float)s;
+    float f = c == 1 && opt->pipe_quiet ? 0.0f : (float)s; /* another rank adds it */
     int rc = rtp_comm_allreduce(opt->comm[c], &f, 1, NULL);
     if (rc) return rc;
     s = f;
@@ -187,8 +188,9 @@ void rtp__optimizer_set_comm(struct rtp_optimizer *opt, struct rtp_comm *comm) {
   opt->comm[0] = comm;
 }
 
-void rtp__optimizer_add_comm(struct rtp_optimizer *opt, struct rtp_comm *comm) {
+void rtp__optimizer_add_comm(struct rtp_optimizer *opt, struct rtp_comm *comm, bool share) {
   opt->comm[1] = comm;
+  opt->pipe_quiet = !share;
 }
 
 void rtp__optimizer_set_norm_weight(struct rtp_optimizer *opt, const struct rtp_tensor *param,

@@ -114,6 +114,13 @@ static void local_record(const struct side *from, const struct side *to, int32_t
   } else if ((from->opt && !from->par) || (to->opt && !to->par)) {
     rtp__error(RTP_EINVAL, "rtp_parallel_reshard: an optimizer without its plan");
     r[R_BAD] = 2;
+  } else if ((from->par && from->par->pipe && from->par->pipe->het) ||
+             (to->par && to->par->pipe && to->par->pipe->het)) {
+    /* the records hold one strategy and group size per plan */
+    rtp__error(RTP_EINVAL,
+               "rtp_parallel_reshard: a pipeline of stages of different sizes or strategies "
+               "is not supported yet");
+    r[R_BAD] = 3;
   }
 }
 

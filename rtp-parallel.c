@@ -196,8 +196,11 @@ struct rtp_optimizer *rtp_parallel_optimizer(const struct rtp_parallel *p,
   }
   struct rtp_optimizer *opt = rtp_optimizer_new(p->ctx, p->graph, params);
   if (opt && p->iface->optimizer) p->iface->optimizer(p, opt);
-  /* each stage holds other parameters: the norm sums over the pipe too */
-  if (opt && rtp__pipeline_comm(p)) rtp__optimizer_add_comm(opt, rtp__pipeline_comm(p));
+  /* each stage holds other parameters: the norm sums over the pipe too (over the job with
+   * stages of different sizes, where each stage's first rank adds the stage's share) */
+  const struct rtp_hetero *het = p->pipe ? p->pipe->het : NULL;
+  if (opt && rtp__pipeline_comm(p))
+    rtp__optimizer_add_comm(opt, rtp__pipeline_comm(p), !het || het->g == 0);
   return opt;
 }
 
@@ -341,7 +344,7 @@ static int global_loss(struct rtp_parallel *p) {
 /* Ranks must have built the same model: rank 0's fingerprint of names and shapes is
  * broadcast and compared. */
 static int check_same_model(struct rtp_parallel *p, struct rtp_comm *pipe,
-                            enum rtp_schedule sched) {
+                            enum rtp_schedule sched, const struct rtp_hetero *het) {
   uint64_t h = 1469598103934665603ull;
   for (int i = 0; i < p->src->n_leafs; i++) {
     const struct rtp_tensor *t = p->src->leafs[i];
@@ -355,7 +358,12 @@ static int check_same_model(struct rtp_parallel *p, struct rtp_comm *pipe,
     h = (h ^ (uint64_t)p->comm_type) * 1099511628211ull;
   if (p->compute_type) /* shifted: bf16 products alone must not hash as bf16 rotation */
     h = (h ^ ((uint64_t)p->compute_type << 8)) * 1099511628211ull;
-  if (p->micro_batches > 1) /* every micro-batch's transfers must meet the others' */
+  if (het) { /* the stages, and what each runs, must agree over the job */
+    h = (h ^ ((uint64_t)het->U << 16 | (uint64_t)sched << 40)) * 1099511628211ull;
+    for (int s = 0; s < het->S; s++)
+      h = (h ^ ((uint64_t)(het->first[s + 1] - het->first[s]) << 8 | (uint64_t)het->strat[s])) *
+          1099511628211ull;
+  } else if (p->micro_batches > 1) /* every micro-batch's transfers must meet the others' */
     h = (h ^ ((uint64_t)p->micro_batches << 16)) * 1099511628211ull;
   if (p->accumulate > 1) /* ddp's all-reduces move out of the graph */
     h = (h ^ ((uint64_t)p->accumulate << 48)) * 1099511628211ull;
@@ -462,21 +470,30 @@ struct rtp_parallel *rtp_parallel_new(struct rtp_context *ctx, const struct rtp_
   }
   int world = pp->comm ? rtp_comm_size(pp->comm) : 1;
   int M = pp->micro_batches > 1 ? pp->micro_batches : 1;
+  enum rtp_strategy strategy = pp->strategy;
   if (pp->micro_batches < 0 || pp->accumulate < 0) {
     rtp__ctx_error(ctx, RTP_EINVAL,
                    "rtp_parallel_new: micro_batches %d, accumulate %d (0 or more each)",
                    pp->micro_batches, pp->accumulate);
     return NULL;
   }
-  if ((pp->strategy == RTP_STRATEGY_NONE && world > 1) || world > RTP_MAX_WORLD) {
+  /* Stages of different sizes or strategies: this rank's stage's strategy and its share
+   * of the step's units. */
+  struct rtp_hetero *het = pp->stages ? rtp__hetero_new(ctx, pp) : NULL;
+  if (pp->stages && !het) return NULL;
+  if (het) {
+    M = rtp__hetero_micro(het, het->s);
+    strategy = world > 1 ? het->strat[het->s] : RTP_STRATEGY_NONE;
+  }
+  if ((strategy == RTP_STRATEGY_NONE && world > 1) || world > RTP_MAX_WORLD) {
     rtp__ctx_error(ctx, RTP_EINVAL, "rtp_parallel_new: strategy %s with %d ranks (max %d)",
-                   rtp_strategy_name(pp->strategy), world, RTP_MAX_WORLD);
+                   rtp_strategy_name(strategy), world, RTP_MAX_WORLD);
     return NULL;
   }
   /* Only rtp's rotations move bf16: ddp's and tp's all-reduces sum on the wire, which the
    * transport does in f32 only, and fsdp gathers and reduce-scatters f32 (not yet bf16). */
   if (pp->comm_type != RTP_TYPE_F32 &&
-      (pp->comm_type != RTP_TYPE_BF16 || pp->strategy != RTP_STRATEGY_RTP)) {
+      (pp->comm_type != RTP_TYPE_BF16 || (strategy != RTP_STRATEGY_RTP && !het))) {
     if (pp->comm_type != RTP_TYPE_BF16)
       rtp__ctx_error(ctx, RTP_EINVAL, "rtp_parallel_new: comm_type %s (%d): f32 or bf16 only",
                      rtp_type_name(pp->comm_type), (int)pp->comm_type);
@@ -484,11 +501,12 @@ struct rtp_parallel *rtp_parallel_new(struct rtp_context *ctx, const struct rtp_
       rtp__ctx_error(ctx, RTP_EINVAL,
                      "rtp_parallel_new: strategy %s cannot send bf16 (comm_type bf16 is for "
                      "rtp only)",
-                     rtp_strategy_name(pp->strategy));
+                     rtp_strategy_name(strategy));
     return NULL;
   }
   if (check_compute_type(ctx, fwd, pp->compute_type)) return NULL;
-  if (pp->pipe_comm && rtp_comm_size(pp->pipe_comm) > 1 && pp->strategy == RTP_STRATEGY_TP) {
+  if (!het && pp->pipe_comm && rtp_comm_size(pp->pipe_comm) > 1 &&
+      pp->strategy == RTP_STRATEGY_TP) {
     rtp__ctx_error(ctx, RTP_EINVAL,
                    "rtp_parallel_new: pipelines run rtp, fsdp or ddp inside their stages, "
                    "not tp");
@@ -503,8 +521,8 @@ struct rtp_parallel *rtp_parallel_new(struct rtp_context *ctx, const struct rtp_
   *p = (struct rtp_parallel){
       .ctx = ctx,
       .comm = world > 1 ? pp->comm : NULL,
-      .iface = strategy_of(pp->strategy, world),
-      .strategy = pp->strategy,
+      .iface = strategy_of(strategy, world),
+      .strategy = strategy,
       .comm_type = pp->comm_type,
       .compute_type = pp->compute_type,
       .bucket_bytes = pp->bucket_bytes ? pp->bucket_bytes : (size_t)4 << 20,
@@ -521,16 +539,16 @@ struct rtp_parallel *rtp_parallel_new(struct rtp_context *ctx, const struct rtp_
     return NULL;
   }
   struct rtp_comm *pipe =
-      pp->pipe_comm && rtp_comm_size(pp->pipe_comm) > 1 ? pp->pipe_comm : NULL;
+      het || (pp->pipe_comm && rtp_comm_size(pp->pipe_comm) > 1) ? pp->pipe_comm : NULL;
   int graph_size = pp->graph_size > 0 ? pp->graph_size : 16384 * M;
-  int rc = world > 1 || pipe ? check_same_model(p, pipe, pp->schedule) : RTP_OK;
+  int rc = world > 1 || pipe ? check_same_model(p, pipe, pp->schedule, het) : RTP_OK;
   /* One stage takes the pipeline's path where it needs its segments: for recomputation,
    * or for zeropp's units (its weights move once per unit of micro-batches). */
   bool units = pp->schedule == RTP_SCHEDULE_ZEROPP && pp->unit > 1;
   if (!rc && (pipe || pp->recompute || units)) {
     p->phases = 2 * M;
-    rc = rtp__pipeline_build(p, pipe, pp->schedule, pp->unit, pp->recompute, pp->stage_blocks,
-                             graph_size);
+    rc = rtp__pipeline_build(p, pipe, het, pp->schedule, pp->unit, pp->recompute,
+                             pp->stage_blocks, graph_size);
   } else if (!rc) {
     if (p->iface->prepare) rc = p->iface->prepare(p);
     for (int m = 0; m < M && !rc; m++) rc = micro_batch(p, m, graph_size);

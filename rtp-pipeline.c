@@ -338,16 +338,49 @@ static int pipe_loss(struct rtp_parallel *p, struct rtp_pipe *pp) {
   return rtp_graph_build(p->graph, p->global_loss);
 }
 
-int rtp__pipeline_build(struct rtp_parallel *p, struct rtp_comm *pipe, enum rtp_schedule sched,
-                        int unit, bool recompute, const int *stage_blocks, int graph_size) {
+/* Stages of different sizes: the last stage's sum over its micro-batches (over its group
+ * too where the units are shared out), its first rank's share of the mean over the U
+ * units, summed over the job (every other rank adds zero). */
+static int hetero_loss(struct rtp_parallel *p, struct rtp_pipe *pp) {
+  struct rtp_context *ctx = p->ctx;
+  const struct rtp_hetero *h = pp->het;
+  struct rtp_tensor *mine = NULL;
+  if (pp->s == pp->S - 1) {
+    struct rtp_tensor *sum = pp->losses[0];
+    for (int m = 1; m < pp->M; m++) sum = rtp_add(ctx, sum, pp->losses[m]);
+    if (!rtp__hetero_whole(h, pp->s))
+      sum = rtp_allreduce(ctx, p->comm, rtp_dup(ctx, sum), NULL);
+    mine = rtp_scale(ctx, sum, h->g == 0 ? 1.0f / (float)h->U : 0.0f);
+  } else {
+    struct rtp_tensor *zero = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 1);
+    if (zero && !zero->data && !rtp__tensor_alloc(ctx, zero, RTP_ROLE_INPUT)) zero = NULL;
+    if (zero && rtp_tensor_set_zero(zero))
+      return rtp__ctx_error(ctx, RTP_EIO, "pipeline: %s", rtp_last_error());
+    mine = zero ? rtp_dup(ctx, zero) : NULL;
+  }
+  struct rtp_tensor *all = mine ? rtp_allreduce(ctx, pp->comm, mine, NULL) : NULL;
+  p->global_loss = all ? rtp_tensor_set_name(rtp_scale(ctx, all, 1.0f), "loss.global") : NULL;
+  if (!p->global_loss) return rtp_context_error(ctx, NULL);
+  rtp_tensor_set_output(p->global_loss);
+  return rtp_graph_build(p->graph, p->global_loss);
+}
+
+int rtp__pipeline_build(struct rtp_parallel *p, struct rtp_comm *pipe, struct rtp_hetero *het,
+                        enum rtp_schedule sched, int unit, bool recompute,
+                        const int *stage_blocks, int graph_size) {
   struct rtp_context *ctx = p->ctx;
   const struct rtp_graph *src = p->src;
   struct rtp_pipe *pp = rtp__ctx_alloc(ctx, sizeof(*pp), "the pipeline");
   if (!pp) return rtp_context_error(ctx, NULL);
   int M = p->micro_batches, U = sched == RTP_SCHEDULE_ZEROPP && unit > 1 ? unit : 1;
   *pp = (struct rtp_pipe){.comm = pipe,
-                          .S = pipe ? rtp_comm_size(pipe) : 1,
-                          .s = pipe ? rtp_comm_rank(pipe) : 0,
+                          .het = het,
+                          .S = het    ? het->S
+                               : pipe ? rtp_comm_size(pipe)
+                                      : 1,
+                          .s = het    ? het->s
+                               : pipe ? rtp_comm_rank(pipe)
+                                      : 0,
                           .M = M,
                           .U = U,
                           .schedule = sched,
@@ -380,6 +413,16 @@ int rtp__pipeline_build(struct rtp_parallel *p, struct rtp_comm *pipe, enum rtp_
       rtp__ctx_alloc(ctx, sizeof(*pp->last_grad_send) * (size_t)pp->S, "pipeline gradients");
   if (pp->last_grad_send)
     memset(pp->last_grad_send, 0, sizeof(*pp->last_grad_send) * (size_t)pp->S);
+  if (pp->out_send) /* het: the planner's moves leave them NULL */
+    memset(pp->out_send, 0, sizeof(*pp->out_send) * (size_t)(M * pp->n_out) * (size_t)pp->S);
+  if (het) {
+    size_t n_in = (size_t)(M * pp->n_in) + 1, n_out = (size_t)(M * pp->n_out * pp->S) + 1;
+    pp->in_nodes = rtp__ctx_alloc(ctx, sizeof(*pp->in_nodes) * n_in, "pipeline receives");
+    pp->out_nodes = rtp__ctx_alloc(ctx, sizeof(*pp->out_nodes) * n_out, "pipeline sends");
+    if (!pp->in_nodes || !pp->out_nodes) return rtp_context_error(ctx, NULL);
+    memset(pp->in_nodes, 0, sizeof(*pp->in_nodes) * n_in);
+    memset(pp->out_nodes, 0, sizeof(*pp->out_nodes) * n_out);
+  }
   int *acts = malloc(sizeof(int) * 2 * (size_t)M);
   if (!pp->in_recv || !pp->out_send || !pp->out_grad || !pp->last_grad_send || !acts) {
     free(acts);
@@ -400,7 +443,7 @@ int rtp__pipeline_build(struct rtp_parallel *p, struct rtp_comm *pipe, enum rtp_
   pp->xs = NULL;
   p->map = p->maps;
   if (!rc && p->iface->finish) rc = p->iface->finish(p);
-  if (!rc) rc = pipe_loss(p, pp);
+  if (!rc) rc = het ? hetero_loss(p, pp) : pipe_loss(p, pp);
   return rc;
 }
 
@@ -408,10 +451,40 @@ int rtp__pipeline_build(struct rtp_parallel *p, struct rtp_comm *pipe, enum rtp_
  * i or not: each send in one stage's graph then meets its recv in the other's, however a
  * stage orders a unit's micro-batches (under zeropp, micro-batch 0's forward may wait on
  * micro-batch 1's recv). */
+static int build_nodes(struct rtp_graph *g, const struct rtp_nodes *l) {
+  int rc = RTP_OK;
+  for (int k = 0; k < l->n && !rc; k++) rc = rtp_graph_build(g, l->v[k]);
+  return rc;
+}
+
+/* Stages of different sizes: micro-batch 0 is another unit on each stage, so the forward
+ * graph runs the fewest units that every stage can run alone (rtp__hetero_forward_micro),
+ * with every move between stages up to node i's. */
+static int hetero_forward(const struct rtp_parallel *p, int i, struct rtp_graph *g) {
+  const struct rtp_pipe *pp = p->pipe;
+  int at = pp->node_stage[i], rc = RTP_OK, n = rtp__hetero_forward_micro(pp->het);
+  size_t rows = (size_t)(p->src->n_nodes + p->src->n_leafs);
+  for (int m = 0; m < n && !rc; m++) {
+    for (int k = 0; k < pp->n_in && !rc; k++)
+      rc = build_nodes(g, &pp->in_nodes[(size_t)m * (size_t)pp->n_in + (size_t)k]);
+    for (int k = 0; k < pp->n_out && pp->s < at && !rc; k++) {
+      /* on a replica that sends nothing too (a tp stage's others compute with it) */
+      rc = rtp_graph_build(g, p->maps[(size_t)m * rows + (size_t)pp->out[k]]);
+      for (int c = pp->s + 1; c <= at && !rc; c++)
+        if (pp->out_to[k] >> c & 1)
+          rc = build_nodes(
+              g, &pp->out_nodes[((size_t)m * (size_t)pp->n_out + (size_t)k) * (size_t)pp->S +
+                                (size_t)c]);
+    }
+  }
+  return rc || pp->s < at ? rc : rtp_graph_build(g, p->maps[i]);
+}
+
 int rtp__pipeline_forward(const struct rtp_parallel *p, int i, struct rtp_graph *g) {
   const struct rtp_pipe *pp = p->pipe;
   int at = pp->node_stage[i], rc = RTP_OK;
   if (pp->s > at) return RTP_OK;
+  if (pp->het) return hetero_forward(p, i, g);
   for (int m = 0; m < pp->U && !rc; m++) {
     for (int k = 0; k < pp->n_in && !rc; k++)
       rc = rtp_graph_build(g, pp->in_recv[(size_t)m * (size_t)pp->n_in + (size_t)k]);
@@ -423,6 +496,21 @@ int rtp__pipeline_forward(const struct rtp_parallel *p, int i, struct rtp_graph 
                               (size_t)c]);
   }
   return rc || pp->s < at ? rc : rtp_graph_build(g, p->maps[i]);
+}
+
+int rtp_parallel_micro_batches(const struct rtp_parallel *p) {
+  return p ? p->micro_batches : 0;
+}
+
+int rtp_parallel_micro_unit(const struct rtp_parallel *p, int m) {
+  if (!p || m < 0 || m >= p->micro_batches)
+    return rtp__error(RTP_EINVAL, "rtp_parallel_micro_unit: micro-batch %d of %d", m,
+                      p ? p->micro_batches : 0),
+           -1;
+  if (p->pipe && p->pipe->het)
+    return rtp__hetero_unit(p->pipe->het, p->pipe->s, p->pipe->het->g, m);
+  int d = p->comm && !p->iface->whole_batch ? rtp_comm_rank(p->comm) : 0;
+  return d * p->micro_batches + m;
 }
 
 int rtp_parallel_stage(const struct rtp_parallel *p) {

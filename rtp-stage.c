@@ -236,9 +236,12 @@ int rtp__stage_forward_begin(struct rtp_parallel *p, struct rtp_pipe *pp, int m)
   int rc = rtp__parallel_clone_leaves(p, m, pp->leaf_stage, pp->s);
   for (int k = 0; k < pp->n_in && !rc; k++) {
     int i = pp->in[k];
-    struct rtp_tensor *buf = buffer_like(p, src->nodes[i], "pipe.in", m);
+    struct rtp_tensor *buf = pp->het ? NULL : buffer_like(p, src->nodes[i], "pipe.in", m);
     struct rtp_tensor *r =
-        buf ? rtp_recv(p->ctx, pp->comm, buf, pp->node_stage[i], NULL) : NULL;
+        pp->het ? rtp__hetero_recv(p, pp, i, pp->node_stage[i], pp->s, false, m,
+                                   &pp->in_nodes[(size_t)m * (size_t)pp->n_in + (size_t)k])
+        : buf   ? rtp_recv(p->ctx, pp->comm, buf, pp->node_stage[i], NULL)
+                : NULL;
     if (!r) return rtp_context_error(p->ctx, NULL);
     p->map[i] = pp->in_recv[(size_t)m * (size_t)pp->n_in + (size_t)k] = r;
   }
@@ -268,9 +271,19 @@ int rtp__stage_forward_end(struct rtp_parallel *p, struct rtp_pipe *pp, int m) {
   struct rtp_tensor **map = map_of(p, m);
   int rc = RTP_OK;
   for (int k = 0; k < pp->n_out && !rc; k++) {
-    struct rtp_tensor *y = rtp_cont(ctx, map[pp->out[k]]);
+    /* het: the forward goes into the graph here, on a replica that sends nothing too
+     * (its backward's receives come after it) */
+    if (pp->het && (rc = rtp_graph_build(p->graph, map[pp->out[k]]))) break;
+    struct rtp_tensor *y = pp->het ? NULL : rtp_cont(ctx, map[pp->out[k]]);
     for (int c = 0; c < pp->S && !rc; c++) {
       if (!(pp->out_to[k] >> c & 1)) continue;
+      if (pp->het) { /* the planner's move (it copies what it sends); nothing reads it */
+        rc = rtp__hetero_send(
+            p, pp, pp->out[k], pp->s, c, false, m, map[pp->out[k]],
+            &pp->out_nodes[((size_t)m * (size_t)pp->n_out + (size_t)k) * (size_t)pp->S +
+                           (size_t)c]);
+        continue;
+      }
       struct rtp_tensor *snd = rtp_send(ctx, pp->comm, y, c, NULL);
       pp->out_send[((size_t)m * (size_t)pp->n_out + (size_t)k) * (size_t)pp->S + (size_t)c] =
           snd;
@@ -300,8 +313,12 @@ int rtp__stage_backward_begin(struct rtp_parallel *p, struct rtp_pipe *pp, int m
       if (!(pp->out_to[k] >> c & 1)) continue;
       struct rtp_tensor *after =
           pp->out_send[((size_t)m * (size_t)pp->n_out + (size_t)k) * (size_t)pp->S + (size_t)c];
-      struct rtp_tensor *buf = buffer_like(p, src->nodes[pp->out[k]], "pipe.grad", m);
-      struct rtp_tensor *g = buf ? rtp_recv(ctx, pp->comm, buf, c, after) : NULL;
+      struct rtp_tensor *buf =
+          pp->het ? NULL : buffer_like(p, src->nodes[pp->out[k]], "pipe.grad", m);
+      struct rtp_tensor *g = pp->het
+                                 ? rtp__hetero_recv(p, pp, pp->out[k], pp->s, c, true, m, NULL)
+                             : buf ? rtp_recv(ctx, pp->comm, buf, c, after)
+                                   : NULL;
       sum = !g ? NULL : sum ? rtp_add(ctx, sum, g) : g;
       if (!sum) rc = rtp_context_error(ctx, NULL);
     }
@@ -325,8 +342,8 @@ static int add_seed(struct rtp_context *ctx, struct rtp_tensor *out, struct rtp_
 
 /* Segment q's backward for micro-batches m0 .. m1 - 1, built at once: seeded with the
  * gradients that their readers left (later segments' placeholders, later stages) and, on
- * the last stage, the loss's 1/(D M) each; with recompute, through a copy of their forward
- * built here. */
+ * the last stage, the loss's 1/(D M) each (tp, whole batch on every rank: 1/M); with recompute,
+ * through a copy of their forward built here. */
 static int backward_range(struct rtp_parallel *p, struct rtp_pipe *pp, int m0, int m1, int q) {
   const struct rtp_graph *src = p->src;
   struct rtp_context *ctx = p->ctx;
@@ -358,7 +375,7 @@ static int backward_range(struct rtp_parallel *p, struct rtp_pipe *pp, int m0, i
     struct rtp_tensor *seed = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 1);
     if (!seed || (!seed->data && !rtp__tensor_alloc(ctx, seed, RTP_ROLE_INPUT)))
       rc = rtp_context_error(ctx, NULL);
-    int D = p->comm ? rtp_comm_size(p->comm) : 1;
+    int D = p->comm && !p->iface->whole_batch ? rtp_comm_size(p->comm) : 1; /* tp: 1 */
     if (!rc)
       rc = rtp_tensor_fill_f32(rtp_tensor_set_name(seed, "loss.seed.%d", m),
                                1.0f / (float)(D * pp->M * p->accumulate));
@@ -418,6 +435,12 @@ int rtp__stage_backward_end(struct rtp_parallel *p, struct rtp_pipe *pp, int m) 
       d = d ? rtp_add(ctx, d, x->grad) : x->grad;
     }
     if (!d) d = rtp_scale(ctx, r, 0.0f); /* read by nothing that needs a gradient */
+    if (pp->het) {
+      rc = d ? rtp__hetero_send(p, pp, pp->in[k], pp->node_stage[pp->in[k]], pp->s, true, m, d,
+                                NULL)
+             : rtp_context_error(ctx, NULL);
+      continue;
+    }
     /* After the send before it to the same stage: what it sends dies once it is done,
      * rather than at the end of the step. */
     struct rtp_tensor **last = &pp->last_grad_send[pp->node_stage[pp->in[k]]];

@@ -11,6 +11,10 @@
 #include "rtp-impl.h"
 
 struct rtp_parallel;
+struct rtp_move;
+
+/* Stages of a pipeline at most (a stage's bit in a 64-bit mask). */
+#define RTP_HETERO_MAX 64
 
 /* What a rank holds of a parameter: along dim, in each of `groups` equal parts, the
  * rows [first, first + len) of the part. */
@@ -109,9 +113,50 @@ struct rtp_xing {
   struct rtp_tensor *ph, *grad;
 };
 
+/* Stages of different sizes and strategies (rtp-stage-reshard.c): stage s is job ranks
+ * first[s] .. first[s + 1] - 1 of the job communicator, running strat[s]; a step is U
+ * units. Each boundary's moves, planned once for all units (lazily), per unit. */
+struct rtp_hetero {
+  int S, s, g, U; /* stages, this rank's, its rank in it, units of a step */
+  int first[RTP_HETERO_MAX + 1];
+  enum rtp_strategy strat[RTP_HETERO_MAX];
+  int *hosts;             /* per rank of the job communicator: its host (rtp_comm_hosts) */
+  struct rtp_move *moves; /* the boundaries' plans so far, a list */
+};
+
+/* The stage spec of params checked (the same refusals on every rank, before any
+ * transfer), and this rank's place in it; NULL with the error in ctx. */
+struct rtp_hetero *rtp__hetero_new(struct rtp_context *ctx,
+                                   const struct rtp_parallel_params *params);
+/* Micro-batches of stage s a step, and the unit that micro-batch m of rank g of s is. */
+int rtp__hetero_micro(const struct rtp_hetero *h, int s);
+int rtp__hetero_unit(const struct rtp_hetero *h, int s, int g, int m);
+/* Whether stage s holds every unit on each of its ranks (tp, one rank). */
+bool rtp__hetero_whole(const struct rtp_hetero *h, int s);
+/* The nodes one move appended to the rank's graph (what a forward graph takes along). */
+struct rtp_nodes {
+  int n;
+  struct rtp_tensor **v;
+};
+/* One-device node j's value for micro-batch m, made on stage a and read on stage c (grad:
+ * its gradient, from c back to a): this rank's part of moving it, appended to p->graph
+ * (and listed in *rec unless NULL). Send: x is this rank's copy (a stage's rank that is not
+ * the chosen sender appends nothing). Recv: the tensor received, shaped as node j; NULL
+ * with the error in ctx. */
+int rtp__hetero_send(struct rtp_parallel *p, struct rtp_pipe *pp, int j, int a, int c,
+                     bool grad, int m, struct rtp_tensor *x, struct rtp_nodes *rec);
+struct rtp_tensor *rtp__hetero_recv(struct rtp_parallel *p, struct rtp_pipe *pp, int j, int a,
+                                    int c, bool grad, int m, struct rtp_nodes *rec);
+/* The micro-batches of this rank's stage whose units are below the least common multiple
+ * of the data-parallel stages' sizes: the fewest units whose forwards every stage can run
+ * alone, each transfer's two ends both there. */
+int rtp__hetero_forward_micro(const struct rtp_hetero *h);
+
 struct rtp_pipe {
-  struct rtp_comm *comm; /* the pipe group: one rank per stage, by stage; NULL: one stage */
-  int S, s, M, U;        /* stages, this one, micro-batches, micro-batches per unit */
+  struct rtp_comm *comm;  /* the pipe group: one rank per stage, by stage; NULL: one stage.
+                             With het: the job communicator */
+  struct rtp_hetero *het; /* stages of different sizes and strategies; NULL: a mesh */
+  int S, s, M, U;         /* stages, this one, micro-batches, micro-batches per unit */
   enum rtp_schedule schedule;
   bool recompute;
   /* Per node of the one-device graph: its stage, and its segment: the latest block it
@@ -127,15 +172,17 @@ struct rtp_pipe {
   /* Per micro-batch: the recv of each input, the send of each output to each stage, the
    * gradient received for each output; the last stage's losses. */
   struct rtp_tensor **in_recv, **out_send, **out_grad, **losses;
-  struct rtp_tensor **last_grad_send; /* per stage: the last gradient sent back to it */
-  struct rtp_xing *xs;                /* every micro-batch's, heap */
+  struct rtp_tensor **last_grad_send;     /* per stage: the last gradient sent back to it */
+  struct rtp_nodes *in_nodes, *out_nodes; /* het: the moves of in_recv and out_send */
+  struct rtp_xing *xs;                    /* every micro-batch's, heap */
   int n_xs, cap_xs;
 };
 
 /* The rank's graph of a pipeline on the pipe group `pipe` (NULL: one stage, for
  * recomputation alone): its stage's nodes for every micro-batch, in the schedule's order. */
-int rtp__pipeline_build(struct rtp_parallel *p, struct rtp_comm *pipe, enum rtp_schedule sched,
-                        int unit, bool recompute, const int *stage_blocks, int graph_size);
+int rtp__pipeline_build(struct rtp_parallel *p, struct rtp_comm *pipe, struct rtp_hetero *het,
+                        enum rtp_schedule sched, int unit, bool recompute,
+                        const int *stage_blocks, int graph_size);
 struct rtp_comm *rtp__pipeline_comm(const struct rtp_parallel *p);
 /* Into g, this stage's part of micro-batch 0's forward to node i of the one-device graph
  * (rtp_parallel_forward_graph). */

@@ -894,6 +894,27 @@ struct rtp_parallel_params {
    * copy, so the first forward's activations die as the next block reads its input: the
    * activations kept per micro-batch are the blocks' inputs (plus one block's at a time). */
   bool recompute;
+  /*
+   * Stages of different sizes and strategies (docs/pipeline.md, "Stages of different sizes
+   * and strategies"): `stages` > 1 stages, stage s of stage_ranks[s] ranks running
+   * stage_strategies[s] (rtp, fsdp, ddp or tp; on one rank any, run as none). pipe_comm is
+   * then the job: its ranks stage after stage, stage 0's first; comm is this rank's stage
+   * group (rtp_comm_split of the job by stage; NULL on a stage of one rank); strategy is
+   * not read. micro_batches is U, the units of a step, each a micro-batch of the one-device
+   * graph's batch: a data-parallel stage of G ranks (G must divide U) runs U / G of them on
+   * each rank, unit u on its rank u % G as micro-batch u / G; a tp stage runs all U on every
+   * rank (rtp_parallel_micro_batches, rtp_parallel_micro_unit). The job trains as one
+   * process on the U units' batch, and every rank's loss is the mean over all U. Each
+   * unit's activations and their gradients cross a boundary as the cross-mesh resharding
+   * planner moves them (rtp_reshard_plan, rtp_reshard_build: one sender among the holders,
+   * balanced by host NIC; a chained broadcast to several receivers). The gpipe schedule
+   * only; recompute and accumulate not yet (RTP_ENOSYS). rtp_parallel_forward_graph runs
+   * the first L units, L the least common multiple of the data-parallel stages' sizes.
+   * 0: a rectangular pipeline (pipe_comm as above) or none.
+   */
+  int stages;
+  const int *stage_ranks;
+  const enum rtp_strategy *stage_strategies;
 };
 
 struct rtp_parallel;
@@ -934,6 +955,14 @@ RTP_API struct rtp_tensor *rtp_parallel_tensor(const struct rtp_parallel *p,
  * (rtp_last_error) for m out of range or a tensor not in the graph. */
 RTP_API struct rtp_tensor *rtp_parallel_micro_tensor(const struct rtp_parallel *p,
                                                      const struct rtp_tensor *t, int m);
+/* The micro-batches this rank runs a step (micro_batches; with stages of different sizes,
+ * its stage's: U / G on a data-parallel stage of G ranks, U on a tp stage). */
+RTP_API int rtp_parallel_micro_batches(const struct rtp_parallel *p);
+/* Which unit of the step's U micro-batch m of this rank is, with stages of different sizes
+ * (the u-th micro-batch of the global batch: fill m's inputs with unit u's data); without
+ * them, m + d x M on data-parallel rank d of a group running M (tp: m). -1 for m out of
+ * range (rtp_last_error). */
+RTP_API int rtp_parallel_micro_unit(const struct rtp_parallel *p, int m);
 /* accumulate > 1: zeroes this rank's gradients, before a step's first compute. RTP_OK
  * doing nothing otherwise (each compute then overwrites them). */
 RTP_API int rtp_parallel_zero_grads(const struct rtp_parallel *p);

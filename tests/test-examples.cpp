@@ -404,7 +404,22 @@ TEST(TrainGptErrors, BadInputIsRefusedClearly) {
       {{"-n", "4", "--", TRAIN_GPT, "--config", "tiny", "--pp", "4"},
        "] train-gpt: --pp 4 with 2 blocks (--n-layer): at most one stage per block"},
       {{"-n", "4", "--", TRAIN_GPT, "--pp", "2", "--strategy", "tp"},
-       "] train-gpt: --strategy tp does not run inside pipeline stages"}};
+       "] train-gpt: --strategy tp does not run inside pipeline stages"},
+      {{"-n", "3", "--", TRAIN_GPT, "--stages", "2:tp,2:ddp"},
+       "] train-gpt: --stages 2:tp,2:ddp has 4 ranks, the job 3"},
+      {{"-n", "3", "--", TRAIN_GPT, "--stages", "2:rtp,one"},
+       "] train-gpt: --stages '2:rtp,one': each stage is RANKS:STRATEGY, e.g. 2:tp,3:ddp (at "
+       "'one')"},
+      {{"-n", "3", "--", TRAIN_GPT, "--stages", "2:rtp,1:none", "--batch", "3",
+        "--micro-batches", "3"},
+       "] train-gpt: --stages: stage 0's 2 rtp ranks share the --micro-batches 3 units "
+       "unevenly"},
+      {{"-n", "3", "--", TRAIN_GPT, "--stages", "2:rtp,1:none", "--ckpt-dir", "x"},
+       "] train-gpt: --stages: --ckpt-dir is not supported yet"},
+      {{"-n", "3", "--", TRAIN_GPT, "--stages", "2:rtp,1:none", "--schedule", "1f1b"},
+       "] train-gpt: --stages runs the gpipe schedule only, not --schedule 1f1b"},
+      {{"-n", "3", "--", TRAIN_GPT, "--config", "tiny", "--stages", "1:none,1:none,1:none"},
+       "] train-gpt: 3 --stages with 2 blocks (--n-layer): at most one stage per block"}};
   for (const auto &l : layouts) {
     std::vector<std::string> argv = {RTP_RUN};
     argv.insert(argv.end(), l.first.begin(), l.first.end());
@@ -926,6 +941,42 @@ TEST(TrainGptPipeline, LossesMatchOneProcess) {
     ASSERT_EQ(r.code, 0) << c.flags << "\n" << r.out << r.err;
     expect_one_process_losses(m, std::to_string(c.ranks) + " ranks," + c.flags, c.ranks > 1);
   }
+}
+
+// Stages of different sizes and strategies (--stages): the global batch of 4 in units of
+// 1 or 2 trains as one process with batch 4, whatever each stage runs.
+TEST(TrainGptPipeline, StagesOfDifferentSizesMatchOneProcess) {
+  struct Case {
+    int ranks;
+    std::string flags;
+  };
+  const Case cases[] = {
+      {4, " --stages 2:tp,2:ddp --batch 4 --micro-batches 4"},
+      {3, " --stages 1:none,2:fsdp --batch 4 --micro-batches 2"},
+  };
+  for (const Case &c : cases) {
+    std::string m = tmp_dir() + "stages.jsonl";
+    Result r = run(on_ranks(c.ranks, kRanksFlags + c.flags, {"--metrics", m}));
+    ASSERT_EQ(r.code, 0) << c.flags << "\n" << r.out << r.err;
+    EXPECT_NE(r.out.find("on " + std::to_string(c.ranks) + " ranks (stages "),
+              std::string::npos)
+        << r.out;
+    expect_one_process_losses(m, std::to_string(c.ranks) + " ranks," + c.flags);
+  }
+  // Sampling gathers each parameter on its stage (tp's pieces too) and broadcasts it over
+  // the job: the bytes one process samples.
+  const std::string sample = " --prompt 1+1= --sample 16";
+  Result a = run(train_gpt(kRanksFlags + " --batch 4" + sample));
+  Result b = run(
+      on_ranks(4, kRanksFlags + sample + " --stages 2:tp,2:ddp --batch 4 --micro-batches 4"));
+  ASSERT_EQ(a.code, 0) << a.err;
+  ASSERT_EQ(b.code, 0) << b.out << b.err;
+  size_t at = a.out.find("--- sample"), bt = b.out.find("[0] --- sample");
+  ASSERT_TRUE(at != std::string::npos && bt != std::string::npos) << a.out << b.out;
+  std::string sb;
+  for (const std::string &l : lines(b.out.substr(bt)))
+    sb += (l.rfind("[0] ", 0) == 0 ? l.substr(4) : l) + "\n";
+  EXPECT_EQ(sb, a.out.substr(at)) << b.out;
 }
 
 // The README's pipeline command as written there, with flags for a short run appended.
@@ -2242,6 +2293,33 @@ double json_value(const std::string &out, const char *key) {
     if (parse_flat_json(l, &o) && o.count(key)) v = o[key];
   }
   return v;
+}
+
+// --stages exports the model it trained (each parameter gathered on its stage), and --init
+// loads a model onto any stages: evaluating one stages run's export on one process and on
+// other stages gives the loss of one process's own export.
+TEST(TrainGptPipeline, StagesExportAndInitOnOtherStages) {
+  const std::string flags = kRanksFlags + " --steps 5 --batch 4";
+  std::string one = tmp_dir() + "stages-one.safetensors",
+              het = tmp_dir() + "stages.safetensors";
+  ASSERT_EQ(run(train_gpt(flags, {"--export", one})).code, 0);
+  Result r =
+      run(on_ranks(4, flags + " --stages 2:tp,2:ddp --micro-batches 4", {"--export", het}));
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  const std::string eval = " --eval-only --threads 1 --eval-windows 8 --eval-problems 0";
+  Result want = run(train_gpt("--init " + one + eval, {}));
+  Result a = run(train_gpt("--init " + het + eval, {}));
+  Result b = run(on_ranks(3, "--init " + het + eval +
+                                 " --stages 1:none,2:rtp --batch 4 "
+                                 "--micro-batches 2"));
+  ASSERT_EQ(want.code + a.code + b.code, 0) << want.err << a.err << b.out << b.err;
+  double w = json_value(want.out, "eval_loss");
+  ASSERT_FALSE(std::isnan(w)) << want.out;
+  EXPECT_NEAR(json_value(a.out, "eval_loss"), w, 1e-5 * w) << a.out;
+  std::string b0;  // rank 0's lines
+  for (const std::string &l : lines(b.out))
+    if (l.rfind("[0] ", 0) == 0) b0 += l.substr(4) + "\n";
+  EXPECT_NEAR(json_value(b0, "eval_loss"), w, 1e-5 * w) << b.out;
 }
 
 // Without transformers: a model written --format hf reads back (--init) to the loss of the

@@ -47,12 +47,13 @@ struct Reference {
   std::vector<std::vector<float>> moving;
 };
 
-// One process on the global batch of D x kBatch sequences.
-bool reference(int D, Reference *ref) {
-  rtp_init_params ip = {gpt_arena_size(kCfg, D * kBatch), nullptr, false, nullptr, 0};
+// One process on the global batch of D x kBatch sequences (n sequences, when given).
+bool reference(int D, Reference *ref, int n = 0) {
+  const int N = n > 0 ? n : D * kBatch;
+  rtp_init_params ip = {gpt_arena_size(kCfg, N), nullptr, false, nullptr, 0};
   rtp_context *ctx = rtp_context_new(ip);
   gpt m{};
-  if (!ctx || gpt_build(ctx, &m, kCfg, D * kBatch)) return false;
+  if (!ctx || gpt_build(ctx, &m, kCfg, N)) return false;
   rtp_graph *g = rtp_graph_new(ctx, 8192);
   if (rtp_graph_build(g, m.loss) || rtp_graph_build_backward(ctx, g, m.loss) ||
       rtp_graph_plan(ctx, g))
@@ -62,7 +63,7 @@ bool reference(int D, Reference *ref) {
     const float *d = (const float *)m.params[i]->data;
     ref->init.emplace_back(d, d + rtp_tensor_nelements(m.params[i]));
   }
-  for (int i = 0; i < D * kBatch; i++)
+  for (int i = 0; i < N; i++)
     fill_sequence(i, kCfg.seq_len, (int32_t *)m.idx->data + i * kCfg.seq_len,
                   (int32_t *)m.targets->data + i * kCfg.seq_len);
   rtp_optimizer *opt = rtp_optimizer_new(ctx, g, adam());
@@ -110,6 +111,30 @@ std::string name(const Case &c) {
          (c.recompute ? " recompute" : "");
 }
 
+// This rank's parameters after training against the reference's (1e-5 relative, on the
+// elements whose gradient is not rounding's).
+int check_params(int rank, const rtp_parallel *par, const gpt &m, const Reference &ref) {
+  for (int i = 0; i < m.n_params; i++) {
+    rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
+    if (!mine) continue;
+    std::vector<float> want(rtp_tensor_nelements(mine)), mv(want.size());
+    CHECK_OK(
+        rtp_parallel_shard_copy(par, m.params[i], ref.final_params[i].data(), want.data()));
+    CHECK_OK(rtp_parallel_shard_copy(par, m.params[i], ref.moving[i].data(), mv.data()));
+    double err = 0, norm = 0;
+    for (size_t j = 0; j < want.size(); j++) {
+      if (mv[j] == 0.0f) continue;
+      double e = ((float *)mine->data)[j] - want[j];
+      err += e * e;
+      norm += (double)want[j] * want[j];
+    }
+    double scale = std::fmax(std::sqrt(norm), 0.02 * std::sqrt((double)want.size()));
+    CHECK(std::sqrt(err) <= 1e-5 * scale, "%s differs by %g (scale %g)", m.params[i]->name,
+          std::sqrt(err), scale);
+  }
+  return 0;
+}
+
 // Rank `rank` of an S x D job (stage rank / D): trains kSteps on its data-parallel rank's
 // sequences, split into M micro-batches, and checks everything against the reference.
 int pipeline_rank(const Case &c, int rank, int port, const Reference &ref) {
@@ -154,6 +179,8 @@ int pipeline_rank(const Case &c, int rank, int port, const Reference &ref) {
     rtp_tensor *idx = rtp_parallel_micro_tensor(par, m.idx, k);
     rtp_tensor *tgt = rtp_parallel_micro_tensor(par, m.targets, k);
     CHECK(idx && tgt, "inputs of micro-batch %d", k);
+    CHECK(rtp_parallel_micro_unit(par, k) == d * c.M + k, "micro-batch %d is unit %d", k,
+          rtp_parallel_micro_unit(par, k));
     for (int b = 0; b < mb; b++)
       fill_sequence(d * kBatch + k * mb + b, kCfg.seq_len,
                     (int32_t *)idx->data + b * kCfg.seq_len,
@@ -197,24 +224,7 @@ int pipeline_rank(const Case &c, int rank, int port, const Reference &ref) {
           "step %d: gradient norm %.8f, one process %.8f", s, nrm, ref.norms[s]);
   }
   CHECK_OK(rtp_graph_compute(fg, nullptr));
-  for (int i = 0; i < m.n_params; i++) {
-    rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
-    if (!mine) continue;
-    std::vector<float> want(rtp_tensor_nelements(mine)), mv(want.size());
-    CHECK_OK(
-        rtp_parallel_shard_copy(par, m.params[i], ref.final_params[i].data(), want.data()));
-    CHECK_OK(rtp_parallel_shard_copy(par, m.params[i], ref.moving[i].data(), mv.data()));
-    double err = 0, norm = 0;
-    for (size_t j = 0; j < want.size(); j++) {
-      if (mv[j] == 0.0f) continue;
-      double e = ((float *)mine->data)[j] - want[j];
-      err += e * e;
-      norm += (double)want[j] * want[j];
-    }
-    double scale = std::fmax(std::sqrt(norm), 0.02 * std::sqrt((double)want.size()));
-    CHECK(std::sqrt(err) <= 1e-5 * scale, "%s differs by %g (scale %g)", m.params[i]->name,
-          std::sqrt(err), scale);
-  }
+  if (int rc = check_params(rank, par, m, ref)) return rc;
   rtp_context_free(ctx);
   rtp_context_free(meta);
   rtp_comm_barrier(job, nullptr);
@@ -563,6 +573,329 @@ TEST(PipelineMemory, StatesAreOneDthOfTheStage) {
     return 0;
   });
   for (int r = 0; r < 4; r++) EXPECT_EQ(res[r].code, 0) << "rank " << r;
+}
+
+}  // namespace
+
+namespace {
+
+// Stages of different sizes and strategies: stage s has ranks[s] ranks running
+// strategies[s]; a step is U units of `seqs` sequences each.
+struct HeteroCase {
+  std::vector<int> ranks;
+  std::vector<rtp_strategy> strategies;
+  int U, seqs;
+  rtp_schedule schedule = RTP_SCHEDULE_GPIPE;
+};
+
+std::string name(const HeteroCase &c) {
+  std::string s;
+  for (size_t i = 0; i < c.ranks.size(); i++)
+    s += (i ? "," : "") + std::to_string(c.ranks[i]) + ":" + rtp_strategy_name(c.strategies[i]);
+  return s + " U=" + std::to_string(c.U);
+}
+
+int job_size(const HeteroCase &c) {
+  int n = 0;
+  for (int g : c.ranks) n += g;
+  return n;
+}
+
+// The job's stage group for this rank (NULL on a stage of one rank) and its stage.
+int hetero_stage(const HeteroCase &c, int rank, rtp_comm *job, rtp_comm **stage) {
+  int s = 0, first = 0;
+  while (rank >= first + c.ranks[s]) first += c.ranks[s++];
+  rtp_comm *group = nullptr;
+  if (rtp_comm_split(job, s, rank, &group)) return -1;
+  if (c.ranks[s] == 1) {
+    rtp_comm_free(group);
+    group = nullptr;
+  }
+  *stage = group;
+  return s;
+}
+
+// The plan of rank `rank`'s stage; NULL with rtp_last_error.
+rtp_parallel *hetero_plan(const HeteroCase &c, rtp_context *ctx, rtp_graph *fwd, gpt *m,
+                          rtp_comm *job, rtp_comm *stage) {
+  rtp_parallel_params pp{};
+  pp.comm = stage;
+  pp.pipe_comm = job;
+  pp.micro_batches = c.U;
+  pp.schedule = c.schedule;
+  pp.stages = (int)c.ranks.size();
+  pp.stage_ranks = c.ranks.data();
+  pp.stage_strategies = c.strategies.data();
+  return rtp_parallel_new(ctx, fwd, m->loss, &pp);
+}
+
+rtp_context *hetero_model(const HeteroCase &c, gpt *m, rtp_graph **fwd) {
+  rtp_context *meta = rtptest::gpt_forward(kCfg, c.seqs, m, fwd);
+  for (int i = 0; meta && i < kCfg.n_layer; i++)
+    for (rtp_tensor **p = &m->blocks[i].ln_1_w; p <= &m->blocks[i].mlp_proj_b; p++)
+      rtp_tensor_set_fsdp_unit(*p, i + 1);
+  return meta;
+}
+
+// Trains kSteps: every rank's loss and gradient norm, and its parameters at the end,
+// against one process on the U units' batch.
+int hetero_rank(const HeteroCase &c, int rank, int port, const Reference &ref) {
+  rtp_comm_params cp = rtptest::params(rank, job_size(c), port);
+  rtp_comm *job = nullptr, *stage = nullptr;
+  CHECK_OK(rtp_comm_init(&cp, &job));
+  int s = hetero_stage(c, rank, job, &stage);
+  CHECK(s >= 0, "stage group: %s", rtp_last_error());
+  gpt m{};
+  rtp_graph *fwd = nullptr;
+  rtp_context *meta = hetero_model(c, &m, &fwd);
+  CHECK(meta, "model: %s", rtp_last_error());
+  rtp_init_params ip = {gpt_arena_size(kCfg, c.seqs) * (size_t)(c.U + 2), nullptr, false,
+                        nullptr, 0};
+  rtp_context *ctx = rtp_context_new(ip);
+  rtp_parallel *par = hetero_plan(c, ctx, fwd, &m, job, stage);
+  CHECK(par, "rtp_parallel_new: %s", rtp_last_error());
+  CHECK(rtp_parallel_stage(par) == s && rtp_parallel_stages(par) == (int)c.ranks.size(),
+        "stage %d of %d", rtp_parallel_stage(par), rtp_parallel_stages(par));
+  bool whole = c.ranks[s] == 1 || c.strategies[s] == RTP_STRATEGY_TP;
+  int M = rtp_parallel_micro_batches(par);
+  CHECK(M == (whole ? c.U : c.U / c.ranks[s]), "%d micro-batches", M);
+  CHECK(rtp_parallel_micro_unit(par, M) == -1, "micro-batch %d of %d", M, M);
+  rtp_graph *g = rtp_parallel_graph(par);
+  CHECK_OK(rtp_graph_plan(ctx, g));
+  for (int i = 0; i < m.n_params; i++) {
+    rtp_tensor *mine = rtp_parallel_tensor(par, m.params[i]);
+    if (mine)
+      CHECK_OK(
+          rtp_parallel_shard_copy(par, m.params[i], ref.init[i].data(), (float *)mine->data));
+  }
+  for (int k = 0; k < M; k++) {
+    int u = rtp_parallel_micro_unit(par, k);
+    CHECK(u >= 0 && u < c.U, "micro-batch %d is unit %d", k, u);
+    rtp_tensor *idx = rtp_parallel_micro_tensor(par, m.idx, k);
+    rtp_tensor *tgt = rtp_parallel_micro_tensor(par, m.targets, k);
+    CHECK(idx && tgt, "inputs of micro-batch %d", k);
+    for (int b = 0; b < c.seqs; b++)
+      fill_sequence(u * c.seqs + b, kCfg.seq_len, (int32_t *)idx->data + b * kCfg.seq_len,
+                    (int32_t *)tgt->data + b * kCfg.seq_len);
+  }
+  // The forward graph (evaluation's): micro-batch 0's logits on the last stage are its
+  // unit's rows of one process's, and running it changes nothing training computes.
+  rtp_graph *fg = rtp_parallel_forward_graph(par, m.logits);
+  CHECK(fg, "rtp_parallel_forward_graph: %s", rtp_last_error());
+  CHECK_OK(rtp_graph_plan(ctx, fg));
+  CHECK_OK(rtp_graph_compute(fg, nullptr));
+  if (s == (int)c.ranks.size() - 1) {
+    rtp_tensor *lg = rtp_parallel_tensor(par, m.logits);
+    size_t n = (size_t)rtp_tensor_nelements(lg),
+           off = (size_t)rtp_parallel_micro_unit(par, 0) * n;
+    float mx = 0, err = 0;
+    for (size_t j = 0; j < n; j++) {
+      mx = std::fmax(mx, std::fabs(ref.logits[off + j]));
+      err = std::fmax(err, std::fabs(((float *)lg->data)[j] - ref.logits[off + j]));
+    }
+    CHECK(err <= 1e-5f * mx, "micro-batch 0's logits differ by %g (largest %g)", err, mx);
+  }
+  rtp_optimizer *opt = rtp_parallel_optimizer(par, adam());
+  rtp_tensor *loss = rtp_parallel_tensor(par, m.loss);
+  CHECK(opt && loss, "optimizer or loss");
+  for (int st = 0; st < kSteps; st++) {
+    if (st == 1) CHECK_OK(rtp_graph_compute(fg, nullptr));
+    CHECK_OK(rtp_graph_compute(g, nullptr));
+    CHECK_OK(rtp_optimizer_step(opt, nullptr));
+    float l = rtptest::f32_at(loss, 0), nrm = rtp_optimizer_grad_norm(opt);
+    if (rank == 0)
+      std::printf("%s step %d: loss %.7f (one process %.7f)\n", name(c).c_str(), st, l,
+                  ref.losses[st]);
+    CHECK(std::fabs(l - ref.losses[st]) <= 1e-5f * std::fabs(ref.losses[st]),
+          "step %d: loss %.8f, one process %.8f", st, l, ref.losses[st]);
+    CHECK(std::fabs(nrm - ref.norms[st]) <= 1e-5f * ref.norms[st],
+          "step %d: gradient norm %.8f, one process %.8f", st, nrm, ref.norms[st]);
+  }
+  if (int rc = check_params(rank, par, m, ref)) return rc;
+  rtp_context_free(ctx);
+  rtp_context_free(meta);
+  rtp_comm_barrier(job, nullptr);
+  rtp_comm_free(stage);
+  rtp_comm_free(job);
+  return 0;
+}
+
+void run_hetero(const HeteroCase &c) {
+  Reference ref;
+  ASSERT_TRUE(reference(1, &ref, c.U * c.seqs));
+  int port = rtptest::free_port(), n = job_size(c);
+  auto res = rtptest::run_procs(
+      n, [&](int r) { return hetero_rank(c, r, port, ref); }, 120);
+  for (int r = 0; r < n; r++) EXPECT_EQ(res[r].code, 0) << name(c) << ": rank " << r;
+}
+
+// A tp stage of 2 ranks feeding a ddp stage of 3: every unit's activation has two
+// holders (the planner picks one) and one receiver; its gradient one holder and two
+// receivers (a chain).
+TEST(PipelineHetero, TpTwoToDdpThree) {
+  run_hetero({{2, 3}, {RTP_STRATEGY_TP, RTP_STRATEGY_DDP}, 6, 2});
+}
+
+// And the other way: a tp stage last, whose loss every rank computes for every unit.
+TEST(PipelineHetero, DdpTwoToTpTwo) {
+  run_hetero({{2, 2}, {RTP_STRATEGY_DDP, RTP_STRATEGY_TP}, 4, 1});
+}
+
+// rtp on 2 ranks to one rank, and one rank to fsdp on 2: the last stage runs every unit,
+// the first shares them out, and the other way round.
+TEST(PipelineHetero, RtpTwoToOneAndOneToFsdpTwo) {
+  run_hetero({{2, 1}, {RTP_STRATEGY_RTP, RTP_STRATEGY_NONE}, 4, 2});
+  run_hetero({{1, 2}, {RTP_STRATEGY_NONE, RTP_STRATEGY_FSDP}, 4, 2});
+}
+
+// Three stages: rtp on 3 ranks, tp on 2, ddp on 2 (unit u on rank u % 3, then on both, then
+// on rank u % 2).
+TEST(PipelineHetero, ThreeStagesOfThreeTwoTwo) {
+  run_hetero({{3, 2, 2}, {RTP_STRATEGY_RTP, RTP_STRATEGY_TP, RTP_STRATEGY_DDP}, 6, 1});
+}
+
+// What cannot run is refused on every rank, with a message, before anything is sent.
+TEST(PipelineHetero, ImpossibleSpecsAreRefused) {
+  struct Refusal {
+    HeteroCase c;
+    int status;
+    const char *words;
+  };
+  const std::vector<Refusal> refusals = {
+      {{{2, 1}, {RTP_STRATEGY_RTP, RTP_STRATEGY_NONE}, 3, 1}, RTP_EINVAL, "multiple of"},
+      {{{2, 1}, {RTP_STRATEGY_DDP, RTP_STRATEGY_NONE}, 2, 1, RTP_SCHEDULE_1F1B},
+       RTP_ENOSYS,
+       "gpipe"},
+      {{{2, 1}, {RTP_STRATEGY_NONE, RTP_STRATEGY_NONE}, 2, 1}, RTP_EINVAL, "stage 0: 2 ranks"},
+  };
+  for (const Refusal &f : refusals) {
+    int port = rtptest::free_port(), n = job_size(f.c);
+    auto res = rtptest::run_procs(
+        n,
+        [&](int rank) {
+          rtp_comm_params cp = rtptest::params(rank, n, port);
+          rtp_comm *job = nullptr, *stage = nullptr;
+          CHECK_OK(rtp_comm_init(&cp, &job));
+          CHECK(hetero_stage(f.c, rank, job, &stage) >= 0, "stage group");
+          gpt m{};
+          rtp_graph *fwd = nullptr;
+          rtp_context *meta = hetero_model(f.c, &m, &fwd);
+          rtp_init_params ip = {64 << 20, nullptr, false, nullptr, 0};
+          rtp_context *ctx = rtp_context_new(ip);
+          CHECK(meta && ctx, "model");
+          CHECK(!hetero_plan(f.c, ctx, fwd, &m, job, stage), "%s was not refused",
+                name(f.c).c_str());
+          std::string msg = rtp_last_error();
+          CHECK(rtp_context_error(ctx, nullptr) == f.status, "status %d: %s",
+                rtp_context_error(ctx, nullptr), msg.c_str());
+          CHECK(msg.find(f.words) != std::string::npos, "message: %s", msg.c_str());
+          rtp_context_free(ctx);
+          rtp_context_free(meta);
+          rtp_comm_barrier(job, nullptr);
+          rtp_comm_free(stage);
+          rtp_comm_free(job);
+          return 0;
+        },
+        60);
+    for (int r = 0; r < n; r++) EXPECT_EQ(res[r].code, 0) << name(f.c) << ": rank " << r;
+  }
+}
+
+// What does not handle stages of different sizes yet says so on every rank: checkpoints
+// (one strategy for all stages) and the live reshard of a training state (one group size
+// per plan), which would otherwise lay the stages' parameters out wrongly.
+TEST(PipelineHetero, CheckpointsAndLiveReshardRefuse) {
+  const HeteroCase c = {{2, 2}, {RTP_STRATEGY_TP, RTP_STRATEGY_DDP}, 2, 1};
+  const std::string dir =  // refused before anything is written
+      testing::TempDir() + "rtp-hetero-ckpt-" + std::to_string(getpid());
+  int port = rtptest::free_port();
+  auto res = rtptest::run_procs(
+      4,
+      [&](int rank) {
+        rtp_comm_params cp = rtptest::params(rank, 4, port);
+        rtp_comm *job = nullptr, *stage = nullptr;
+        CHECK_OK(rtp_comm_init(&cp, &job));
+        CHECK(hetero_stage(c, rank, job, &stage) >= 0, "stage group");
+        gpt m{};
+        rtp_graph *fwd = nullptr;
+        rtp_context *meta = hetero_model(c, &m, &fwd);
+        rtp_init_params ip = {gpt_arena_size(kCfg, 1) * 4, nullptr, false, nullptr, 0};
+        rtp_context *ctx = rtp_context_new(ip);
+        rtp_parallel *par = meta && ctx ? hetero_plan(c, ctx, fwd, &m, job, stage) : nullptr;
+        CHECK(par, "rtp_parallel_new: %s", rtp_last_error());
+        CHECK_OK(rtp_graph_plan(ctx, rtp_parallel_graph(par)));
+        rtp_ckpt_params kp{};
+        kp.dir = dir.c_str();
+        kp.par = par;
+        kp.comm = job;
+        kp.strategy = RTP_STRATEGY_DDP;
+        kp.params = m.params;
+        kp.n_params = m.n_params;
+        CHECK(rtp_ckpt_save(&kp, 1) == RTP_ENOSYS, "checkpoint saved: %s", rtp_last_error());
+        CHECK(std::string(rtp_last_error()).find("stages of different sizes") !=
+                  std::string::npos,
+              "message: %s", rtp_last_error());
+        rtp_parallel_reshard_params rp{};
+        rp.job = job;
+        rp.from = par;
+        rp.to = par;
+        CHECK(rtp_parallel_reshard(&rp) == RTP_EINVAL, "resharded: %s", rtp_last_error());
+        CHECK(std::string(rtp_last_error())
+                      .find(rank == 0 ? "stages of different sizes" : "rank 0 refused") !=
+                  std::string::npos,
+              "message: %s", rtp_last_error());
+        rtp_context_free(ctx);
+        rtp_context_free(meta);
+        rtp_comm_barrier(job, nullptr);
+        rtp_comm_free(stage);
+        rtp_comm_free(job);
+        return 0;
+      },
+      60);
+  for (int r = 0; r < 4; r++) EXPECT_EQ(res[r].code, 0) << "rank " << r;
+  EXPECT_NE(access(dir.c_str(), F_OK), 0) << dir << " was written";
+}
+
+// The last stage's rank dies after a step: the others, waiting at a boundary, fail naming
+// it within the timeout; none waits for ever.
+TEST(PipelineHetero, RankKilledAtABoundary) {
+  const HeteroCase c = {{2, 1}, {RTP_STRATEGY_TP, RTP_STRATEGY_NONE}, 2, 1};
+  const int timeout_ms = 3000, n = 3;
+  int port = rtptest::free_port();
+  auto res = rtptest::run_procs(
+      n,
+      [&](int rank) {
+        rtp_comm_params cp = rtptest::params(rank, n, port, timeout_ms);
+        rtp_comm *job = nullptr, *stage = nullptr;
+        CHECK_OK(rtp_comm_init(&cp, &job));
+        CHECK(hetero_stage(c, rank, job, &stage) >= 0, "stage group");
+        gpt m{};
+        rtp_graph *fwd = nullptr;
+        rtp_context *meta = hetero_model(c, &m, &fwd);
+        rtp_init_params ip = {gpt_arena_size(kCfg, 1) * 4, nullptr, false, nullptr, 0};
+        rtp_context *ctx = rtp_context_new(ip);
+        rtp_parallel *par = meta && ctx ? hetero_plan(c, ctx, fwd, &m, job, stage) : nullptr;
+        CHECK(par, "rtp_parallel_new: %s", rtp_last_error());
+        rtp_graph *g = rtp_parallel_graph(par);
+        CHECK_OK(rtp_graph_plan(ctx, g));
+        if (rank == 2) {
+          CHECK_OK(rtp_graph_compute(g, nullptr));
+          kill(getpid(), SIGKILL);
+          return 0;
+        }
+        double t0 = rtptest::now_s();
+        int st = RTP_OK;
+        for (int s = 0; s < 1000 && st == RTP_OK; s++) st = rtp_graph_compute(g, nullptr);
+        int rc = rtptest::expect_failure(rank, st, t0, 3.0 * timeout_ms / 1000,
+                                         {RTP_EPEER, RTP_ETIMEDOUT, RTP_ECOMM}, {"rank 2"});
+        rtp_context_free(ctx);
+        rtp_context_free(meta);
+        rtp_comm_free(stage);
+        rtp_comm_free(job);
+        return rc;
+      },
+      60, {2});
+  for (int r = 0; r < 2; r++) EXPECT_EQ(res[r].code, 0) << "rank " << r;
 }
 
 }  // namespace

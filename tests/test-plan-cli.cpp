@@ -73,6 +73,7 @@ TEST(PlanCli, BadFlagsAreRefusedClearly) {
                {"--config huge", "--config must be tiny, small or medium"},
                {"--schedule fast", "--schedule must be"},
                {"--frobnicate 1", "unknown option '--frobnicate'"},
+               {"--stages 2:tp,3:ddp", "--stages: pipelines of stages of different sizes"},
                {"--link", "--link needs a value"}};
   for (const Case &c : cases) {
     Ran r = run(plan(c.flags));

@@ -225,6 +225,11 @@ static int parse_args(struct opts *o, int argc, char **argv) {
       *on = true;
       continue;
     }
+    if (!strcmp(a, "--stages")) /* train-gpt's; enumerating such layouts is not done */
+      return usage(
+          "%s: pipelines of stages of different sizes or strategies are not planned "
+          "yet (rtp-plan plans S x D meshes)",
+          a);
     if (i + 1 == argc) return usage("%s needs a value", a);
     const char *v = argv[++i];
     int lo, hi, *dst = int_flag(o, a, &lo, &hi);

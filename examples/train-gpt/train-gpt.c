@@ -53,6 +53,7 @@ struct options {
   int batch, steps, log_every, eval_windows, eval_problems, sample, ckpt_every;
   int threads;                 /* -1: the cores shared by the local ranks */
   int pp, micro_batches, unit; /* pipeline stages, micro-batches per step, zeropp's unit */
+  const char *stages;          /* --stages: G:STRATEGY,... (stages of different sizes) */
   int grad_accum;              /* computes of the graph per optimizer step */
   int eval_every;              /* -1: evaluate at each progress line */
   float lr;                    /* -1: the config's */
@@ -118,12 +119,15 @@ static int flag_table(struct options *o, struct flag *f) {
        "rtp | ddp | fsdp | tp, on N ranks (default rtp; one process: all equal)"},
       {"--pp", ARG_INT, &o->pp, "S",
        "pipeline stages; the N ranks are S stages x N/S ranks (default 1)"},
+      {"--stages", ARG_STR, &o->stages, "G:S,...",
+       "pipeline stages of different sizes and strategies, the ranks stage after stage "
+       "(e.g. 2:tp,3:ddp); --batch is the global batch, in --micro-batches units (gpipe)"},
       {"--micro-batches", ARG_INT, &o->micro_batches, "M",
        "micro-batches per step, each B/M sequences (default 1)"},
       {"--grad-accum", ARG_INT, &o->grad_accum, "K",
        "accumulate K batches of B per optimizer step (default 1; global batch x K)"},
       {"--schedule", ARG_STR, &o->schedule, "NAME",
-       "gpipe | 1f1b | eager-1f1b | zeropp (default 1f1b)"},
+       "gpipe | 1f1b | eager-1f1b | zeropp (default 1f1b; gpipe with --stages)"},
       {"--unit", ARG_INT, &o->unit, "U",
        "zeropp: micro-batches per unit (default: the largest divisor of M up to S)"},
       {"--recompute", ARG_BOOL, &o->recompute, NULL,
@@ -276,7 +280,6 @@ static int parse_args(int argc, char **argv, struct options *o) {
                         .eval_windows = 256,
                         .eval_problems = 64,
                         .strategy = "rtp",
-                        .schedule = "1f1b",
                         .format = "pt",
                         .device = "auto",
                         .pp = 1,
@@ -298,6 +301,7 @@ static int parse_args(int argc, char **argv, struct options *o) {
     int rc = parse_value(&f[k], argv[++i]);
     if (rc) return rc;
   }
+  if (!o->schedule) o->schedule = o->stages ? "gpipe" : "1f1b";
   return 0;
 }
 
@@ -389,6 +393,69 @@ static int check_hf_options(const struct options *o) {
 }
 
 /* What the parser accepts but this build cannot do yet gets a clear refusal. */
+/* --stages: each stage's ranks and strategy, the job's ranks stage after stage. */
+#define MAX_STAGES 64
+struct stage_spec {
+  int n;
+  int ranks[MAX_STAGES];
+  enum rtp_strategy strategy[MAX_STAGES];
+};
+
+/* "G:STRATEGY,..." into *sp, or a usage error naming the part that is wrong. */
+static int parse_stages(const char *spec, struct stage_spec *sp) {
+  sp->n = 0;
+  for (const char *c = spec; *c;) {
+    char *end, name[16];
+    long g = strtol(c, &end, 10);
+    size_t len = *end == ':' ? strcspn(end + 1, ",") : 0;
+    if (end == c || *end != ':' || g < 1 || g > RTP_MESH_MAX_RANKS || len == 0 ||
+        len >= sizeof(name))
+      return usage_error(
+          "--stages '%s': each stage is RANKS:STRATEGY, e.g. 2:tp,3:ddp (at '%s')", spec, c);
+    if (sp->n == MAX_STAGES) return usage_error("--stages: at most %d stages", MAX_STAGES);
+    memcpy(name, end + 1, len);
+    name[len] = '\0';
+    enum rtp_strategy st;
+    if (rtp_strategy_parse(name, &st) || (g > 1 && st == RTP_STRATEGY_NONE))
+      return usage_error(
+          "--stages '%s': stage %d's strategy '%s' (rtp, fsdp, ddp or tp; "
+          "none on one rank)",
+          spec, sp->n, name);
+    sp->ranks[sp->n] = (int)g;
+    sp->strategy[sp->n++] = st;
+    c = end + 1 + len;
+    if (*c == ',' && !*++c)
+      return usage_error("--stages '%s': a stage after the last ','", spec);
+  }
+  if (sp->n < 2)
+    return usage_error("--stages '%s': at least 2 stages (one stage: --strategy)", spec);
+  return 0;
+}
+
+/* What --stages cannot run with, refused before any rank joins. */
+static int check_stages(const struct options *o, int world) {
+  struct stage_spec sp;
+  int rc = parse_stages(o->stages, &sp), sum = 0;
+  if (rc) return rc;
+  if (o->pp != 1) return usage_error("--stages and --pp: one or the other");
+  if (strcmp(o->schedule, "gpipe") != 0)
+    return usage_error("--stages runs the gpipe schedule only, not --schedule %s", o->schedule);
+  if (o->grad_accum > 1 || o->recompute)
+    return usage_error("--stages: --grad-accum and --recompute are not supported yet");
+  if (o->ckpt_dir) return usage_error("--stages: --ckpt-dir is not supported yet");
+  for (int s = 0; s < sp.n; s++) sum += sp.ranks[s];
+  if (sum != world)
+    return usage_error("--stages %s has %d ranks, the job %d", o->stages, sum, world);
+  for (int s = 0; s < sp.n; s++) {
+    if (sp.ranks[s] > 1 && sp.strategy[s] != RTP_STRATEGY_TP && o->micro_batches % sp.ranks[s])
+      return usage_error(
+          "--stages: stage %d's %d %s ranks share the --micro-batches %d units "
+          "unevenly (a multiple of %d)",
+          s, sp.ranks[s], rtp_strategy_name(sp.strategy[s]), o->micro_batches, sp.ranks[s]);
+  }
+  return 0;
+}
+
 static int check_options(const struct options *o) {
   static const char *const strategies[] = {"rtp", "ddp", "fsdp", "tp"};
   bool known = false;
@@ -431,6 +498,7 @@ static int check_options(const struct options *o) {
   if (o->unit > 0 && o->micro_batches % o->unit)
     return usage_error("--unit %d does not divide --micro-batches %d", o->unit,
                        o->micro_batches);
+  if (o->stages && (rc = check_stages(o, p.world_size))) return rc;
   if (o->pp > 1 && strcmp(o->strategy, "tp") == 0)
     return usage_error(
         "--strategy tp does not run inside pipeline stages (--pp): use rtp, "
@@ -763,6 +831,10 @@ struct trainer {
   enum rtp_strategy strategy; /* inside a stage with --pp */
   int world, rank;
   int stages, per_stage; /* S and D: rank = stage x D + data-parallel rank */
+  /* --stages (het.n > 0): stage `stage` of het.ranks[stage] ranks (per_stage); the
+   * global batch is --micro-batches units of unit_seqs sequences */
+  struct stage_spec het;
+  int stage, unit_seqs;
   int batch, micro; /* B sequences per data-parallel rank and compute, in M micro-batches */
   int accum;        /* K computes (batches of B) per optimizer step */
   int head;         /* the rank whose logits evaluation reads: the last stage's first */
@@ -772,11 +844,11 @@ struct trainer {
 
 /* The ranks that draw different data: under tp every rank trains on the same batch. */
 static int data_ranks(const struct trainer *tr) {
-  return tr->strategy == RTP_STRATEGY_TP ? 1 : tr->per_stage;
+  return tr->strategy == RTP_STRATEGY_TP || tr->het.n ? 1 : tr->per_stage;
 }
 
 static int data_rank(const struct trainer *tr) {
-  return tr->strategy == RTP_STRATEGY_TP ? 0 : tr->rank % tr->per_stage;
+  return tr->strategy == RTP_STRATEGY_TP || tr->het.n ? 0 : tr->rank % tr->per_stage;
 }
 
 /* The sequences of an optimizer step: K computes of the data ranks' B each. */
@@ -878,10 +950,29 @@ static int join_job(struct trainer *tr, const struct options *o) {
   tr->stages = o->pp;
   tr->per_stage = p.world_size / o->pp;
   tr->head = (tr->stages - 1) * tr->per_stage;
+  if (o->stages) { /* check_options parsed it */
+    parse_stages(o->stages, &tr->het);
+    tr->stages = tr->het.n;
+    for (int s = 0, first = 0; s < tr->het.n; first += tr->het.ranks[s++]) {
+      if (p.rank >= first && p.rank < first + tr->het.ranks[s]) tr->stage = s;
+      tr->head = first; /* ends as the last stage's first */
+    }
+    tr->per_stage = tr->het.ranks[tr->stage];
+  }
   if (p.world_size == 1) return RTP_OK;
   device_choose_transport(tr->dev, local_ranks(), &p);
   rc = rtp_comm_init(&p, &tr->comm);
   if (rc) return fail(rc, "rank %d of %d: joining the job", p.rank, p.world_size);
+  if (o->stages) { /* the stage groups; the job carries what crosses stages */
+    struct rtp_comm *grp;
+    rc = rtp_comm_split(tr->comm, tr->stage, tr->rank, &grp);
+    if (rc) return fail(rc, "--stages %s: the stage groups", o->stages);
+    if (tr->per_stage > 1)
+      tr->group = grp;
+    else
+      rtp_comm_free(grp);
+    return RTP_OK;
+  }
   if (o->pp == 1) {
     tr->group = tr->comm;
     return RTP_OK;
@@ -897,30 +988,31 @@ static int join_job(struct trainer *tr, const struct options *o) {
 }
 
 /* What the layout asks that the model cannot give gets a one-line refusal on every rank. */
-static int check_layout(const struct trainer *tr, struct gpt_config c,
-                        const struct options *o) {
-  if (tr->strategy == RTP_STRATEGY_TP && c.n_head % tr->world) {
+static int check_layout(const struct trainer *tr, struct gpt_config c) {
+  int tp_ranks = tr->het.n ? tr->per_stage : tr->world;
+  if (tr->strategy == RTP_STRATEGY_TP && c.n_head % tp_ranks) {
     fprintf(stderr,
             "train-gpt: --strategy tp on %d ranks: the %d heads must split evenly between "
             "them (--n-head a multiple of %d)\n",
-            tr->world, c.n_head, tr->world);
+            tp_ranks, c.n_head, tp_ranks);
     return EXIT_USAGE;
   }
+  char stages[32]; /* as the user asked for them */
+  snprintf(stages, sizeof(stages), tr->het.n ? "%d --stages" : "--pp %d", tr->stages);
   /* Tied, wte would be on the first stage (the embedding) and on the last (the head), its
    * two gradients summed across them: not done (the library refuses a parameter read on
    * two stages). */
-  if (o->pp > 1 && c.tie_embeddings) {
+  if (tr->stages > 1 && c.tie_embeddings) {
     fprintf(stderr,
-            "train-gpt: tied embeddings (--tie-embeddings, or a GPT-2 --init) with --pp %d: "
+            "train-gpt: tied embeddings (--tie-embeddings, or a GPT-2 --init) with %s: "
             "the embedding is on the first stage and the head on the last, and a tied weight "
             "cannot be split across stages (use --pp 1)\n",
-            o->pp);
+            stages);
     return EXIT_USAGE;
   }
-  if (o->pp > c.n_layer) {
-    fprintf(stderr,
-            "train-gpt: --pp %d with %d blocks (--n-layer): at most one stage per block\n",
-            o->pp, c.n_layer);
+  if (tr->stages > c.n_layer) {
+    fprintf(stderr, "train-gpt: %s with %d blocks (--n-layer): at most one stage per block\n",
+            stages, c.n_layer);
     return EXIT_USAGE;
   }
   return RTP_OK;
@@ -940,6 +1032,8 @@ static struct rtp_parallel_params parallel_params(const struct trainer *tr, stru
    * (its products would round them anyway), while the others' all-reduces and gathers
    * stay f32. */
   bool bf16_rotation = o->bf16 && tr->strategy == RTP_STRATEGY_RTP;
+  for (int s = 0; s < tr->het.n; s++) /* --stages: the same on every rank, or none */
+    bf16_rotation &= tr->het.ranks[s] == 1 || tr->het.strategy[s] == RTP_STRATEGY_RTP;
   struct rtp_parallel_params pp = {.strategy = tr->group ? tr->strategy : RTP_STRATEGY_NONE,
                                    .comm = tr->group,
                                    .graph_size = (int)parallel_graph_size(c, tr->world, o),
@@ -949,7 +1043,11 @@ static struct rtp_parallel_params parallel_params(const struct trainer *tr, stru
                                    .accumulate = o->grad_accum,
                                    .pipe_comm = tr->pipe,
                                    .unit = unit_size(o),
-                                   .recompute = o->recompute};
+                                   .recompute = o->recompute,
+                                   .stages = tr->het.n,
+                                   .stage_ranks = tr->het.ranks,
+                                   .stage_strategies = tr->het.strategy};
+  if (tr->het.n) pp.pipe_comm = tr->comm;        /* the job: ranks stage after stage */
   rtp_schedule_parse(o->schedule, &pp.schedule); /* checked by check_options */
   return pp;
 }
@@ -1019,9 +1117,11 @@ static int parallelize(struct trainer *tr, struct gpt_config c, const struct opt
       rtp_graph_build(fwd, tr->m.loss))
     return fail(RTP_EINVAL, "building the model");
   tr->strategy = RTP_STRATEGY_NONE; /* one process: every strategy is this one */
-  if (tr->world > 1 && rtp_strategy_parse(o->strategy, &tr->strategy))
+  if (tr->het.n && tr->per_stage > 1)
+    tr->strategy = tr->het.strategy[tr->stage];
+  else if (tr->world > 1 && !tr->het.n && rtp_strategy_parse(o->strategy, &tr->strategy))
     return fail(RTP_EINVAL, "--strategy");
-  rc = check_layout(tr, c, o);
+  rc = check_layout(tr, c);
   if (rc) return rc;
   struct rtp_parallel_params pp = parallel_params(tr, c, o);
   tr->par = rtp_parallel_new(tr->ctx, fwd, tr->m.loss, &pp);
@@ -1036,6 +1136,8 @@ static int parallelize(struct trainer *tr, struct gpt_config c, const struct opt
     return fail(rc ? rc : RTP_EINVAL, "--strategy %s on %d ranks", o->strategy, tr->world);
   tr->loss = rtp_parallel_tensor(tr->par, tr->m.loss);
   tr->train = rtp_parallel_graph(tr->par);
+  tr->micro = rtp_parallel_micro_batches(tr->par); /* --stages: this stage's share */
+  tr->unit_seqs = o->batch / o->micro_batches;
   return find_inputs(tr);
 }
 
@@ -1171,8 +1273,14 @@ static int accumulate_step(struct trainer *tr, const struct dataset *d, uint64_t
   int rc = rtp_parallel_zero_grads(tr->par);
   double sum = 0;
   for (int k = 0; k < tr->accum && !rc; k++) {
-    sample_batch(d, seed, step, window_first(tr, k), tr->batch, tr->micro, tr->m.cfg.seq_len,
-                 tr->idx, tr->targets);
+    if (tr->het.n) /* each micro-batch is a unit of the global batch */
+      for (int m = 0; m < tr->micro; m++)
+        sample_batch(d, seed, step,
+                     (uint64_t)rtp_parallel_micro_unit(tr->par, m) * (uint64_t)tr->unit_seqs,
+                     tr->unit_seqs, 1, tr->m.cfg.seq_len, &tr->idx[m], &tr->targets[m]);
+    else
+      sample_batch(d, seed, step, window_first(tr, k), tr->batch, tr->micro, tr->m.cfg.seq_len,
+                   tr->idx, tr->targets);
     float l = 0;
     rc = upload_batch(tr);
     if (!rc) rc = rtp_graph_compute(tr->train, tr->tp);
@@ -1742,6 +1850,8 @@ static int check_init_finite(const struct trainer *tr, const char *path) {
 static int gather_tp_param(struct trainer *tr, int i, float *full) {
   const struct rtp_tensor *p = tr->m.params[i], *mine = rtp_parallel_tensor(tr->par, p);
   size_t n = (size_t)rtp_tensor_nelements(p), local = (size_t)rtp_tensor_nelements(mine);
+  struct rtp_comm *tp = tr->het.n ? tr->group : tr->comm; /* --stages: the tp stage's */
+  int rank = rtp_comm_rank(tp), world = rtp_comm_size(tp);
   if (local == n) {
     int rc = rtp_tensor_get(mine, full, 0, n * sizeof(float));
     return rc ? fail(rc, "gathering %s", p->name) : RTP_OK;
@@ -1749,17 +1859,14 @@ static int gather_tp_param(struct trainer *tr, int i, float *full) {
   uint32_t *iota = malloc(n * sizeof(uint32_t)), *where = malloc(n * sizeof(uint32_t));
   float *pieces = malloc(n * sizeof(float));
   int rc = iota && where && pieces ? RTP_OK : RTP_ENOMEM;
-  if (!rc && local * (size_t)tr->world != n) rc = RTP_EINVAL; /* tp splits evenly */
+  if (!rc && local * (size_t)world != n) rc = RTP_EINVAL; /* tp splits evenly */
   for (size_t e = 0; e < n && !rc; e++) iota[e] = (uint32_t)e;
   if (!rc)
     rc = rtp_parallel_shard_copy(tr->par, p, (const float *)(const void *)iota,
-                                 (float *)(void *)(where + (size_t)tr->rank * local));
-  if (!rc)
-    rc = rtp_comm_allgather(tr->comm, where, (size_t)tr->world, local * sizeof(*where), NULL);
-  if (!rc)
-    rc = rtp_tensor_get(mine, pieces + (size_t)tr->rank * local, 0, local * sizeof(float));
-  if (!rc)
-    rc = rtp_comm_allgather(tr->comm, pieces, (size_t)tr->world, local * sizeof(float), NULL);
+                                 (float *)(void *)(where + (size_t)rank * local));
+  if (!rc) rc = rtp_comm_allgather(tp, where, (size_t)world, local * sizeof(*where), NULL);
+  if (!rc) rc = rtp_tensor_get(mine, pieces + (size_t)rank * local, 0, local * sizeof(float));
+  if (!rc) rc = rtp_comm_allgather(tp, pieces, (size_t)world, local * sizeof(float), NULL);
   for (size_t e = 0; e < n && !rc; e++) full[where[e]] = pieces[e];
   free(iota);
   free(where);
@@ -1773,10 +1880,12 @@ static int gather_tp_param(struct trainer *tr, int i, float *full) {
  * shard every parameter; tp has its own. On a pipeline, that stage then broadcasts it
  * along each pipe: every rank has it. */
 static int gather_param(struct trainer *tr, int i, float *full) {
-  if (tr->strategy == RTP_STRATEGY_TP) return gather_tp_param(tr, i, full);
   const struct rtp_tensor *p = tr->m.params[i], *mine = rtp_parallel_tensor(tr->par, p);
   int rc = RTP_OK;
-  if (mine) {
+  if (tr->strategy == RTP_STRATEGY_TP && (!tr->het.n || mine)) {
+    rc = gather_tp_param(tr, i, full);
+    if (rc || !tr->het.n) return rc;
+  } else if (mine) {
     int64_t first, row;
     param_block(tr, i, &first, &row);
     rc = rtp_tensor_get(mine, full + first * row, 0, rtp_tensor_nbytes(mine));
@@ -1787,6 +1896,11 @@ static int gather_param(struct trainer *tr, int i, float *full) {
   if (!rc && tr->pipe)
     rc = rtp_comm_broadcast(tr->pipe, full, rtp_tensor_nbytes(p),
                             rtp_parallel_tensor_stage(tr->par, p), NULL);
+  if (!rc && tr->het.n) { /* --stages: from the first rank of its stage to the job */
+    int root = 0;
+    for (int s = 0; s < rtp_parallel_tensor_stage(tr->par, p); s++) root += tr->het.ranks[s];
+    rc = rtp_comm_broadcast(tr->comm, full, rtp_tensor_nbytes(p), root, NULL);
+  }
   return rc ? fail(rc, "gathering %s", p->name) : RTP_OK;
 }
 
@@ -2381,11 +2495,15 @@ static int open_metrics(const struct trainer *tr, const char *path, int64_t resu
 static void print_model(const struct trainer *tr, const struct options *o) {
   struct gpt_config c = tr->m.cfg;
   char ranks[160] = "", micro[48] = "", accum[96] = "";
-  if (tr->micro > 1) snprintf(micro, sizeof(micro), " in %d micro-batches", tr->micro);
+  if (tr->micro > 1 && !tr->het.n)
+    snprintf(micro, sizeof(micro), " in %d micro-batches", tr->micro);
   if (tr->accum > 1)
     snprintf(accum, sizeof(accum), " x %d accumulated (%" PRId64 " tokens per step)", tr->accum,
              global_batch(tr) * c.seq_len);
-  if (tr->strategy == RTP_STRATEGY_TP)
+  if (tr->het.n)
+    snprintf(ranks, sizeof(ranks), " in %d units on %d ranks (stages %s, %s)", o->micro_batches,
+             tr->world, o->stages, o->schedule);
+  else if (tr->strategy == RTP_STRATEGY_TP)
     snprintf(ranks, sizeof(ranks), " on each of %d ranks (tp)", tr->world);
   else if (tr->stages > 1)
     snprintf(ranks, sizeof(ranks), " x %d ranks (%d pipeline stages x %d ranks, %s inside, %s)",
