@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # bench/capacity at a small cap (48 MiB per rank, d 256, 2 ranks): one JSON line per
 # strategy; each found a model that fits, under the cap (enforced by a cgroup per rank where
-# one can be made, as root); rtp's is at least one process's; and rtp-plan predicted the
-# peak RSS of each within 10%. Usage: test-capacity.sh SRC BUILD
+# one can be made, as root) and one layer more did not; rtp's is at least one process's;
+# and rtp-plan predicted the peak RSS of each within 10%. Usage: test-capacity.sh SRC BUILD
 set -euo pipefail
 src=$1
 build=$2
@@ -17,6 +17,8 @@ by = {l["strategy"]: l for l in lines}
 assert sorted(by) == ["none", "pp2-rtp", "rtp"], lines
 for l in lines:
     assert l["layers"] >= 1 and 0 < l["peak"] <= l["cap"], l
+    ran = {k: fit for k, fit, _ in l["runs"]}  # the largest: it fits and one more does not
+    assert ran[l["layers"]] and (l["layers"] == 12 or ran[l["layers"] + 1] is False), l
     assert 0.9 <= l["predicted_over_peak_rss"] <= 1.1, l
 assert by["rtp"]["layers"] >= by["none"]["layers"], lines
 print(lines[0]["mode"], " ".join(

@@ -433,7 +433,7 @@ TEST(TrainGptErrors, BadInputIsRefusedClearly) {
 // size is not "the config's", and sizes whose counts would overflow are refused up front.
 TEST(TrainGptErrors, BadNumbersAreRefusedNotReplaced) {
   const BadCase cases[] = {
-      {{"--n-layer", "0"}, 2, "--n-layer must be 1..64, not 0"},
+      {{"--n-layer", "0"}, 2, "--n-layer must be 1..256, not 0"},
       {{"--d-model", "0"}, 2, "--d-model must be 1..1048576, not 0"},
       {{"--n-head", "0"}, 2, "--n-head must be at least 1, not 0"},
       {{"--seq-len", "0"}, 2, "--seq-len must be 2..1048576, not 0"},
