@@ -313,11 +313,31 @@ static int unit_backward(struct rtp_parallel *p, struct rtp_pipe *pp, int u) {
   return rc;
 }
 
+/* A stage other than the last adds zero to the job's loss. 0, or a status. */
+static int loss_zero(struct rtp_context *ctx, struct rtp_tensor **mine) {
+  struct rtp_tensor *zero = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 1);
+  if (zero && !zero->data && !rtp__tensor_alloc(ctx, zero, RTP_ROLE_INPUT)) zero = NULL;
+  if (zero && rtp_tensor_set_zero(zero))
+    return rtp__ctx_error(ctx, RTP_EIO, "pipeline: %s", rtp_last_error());
+  *mine = zero ? rtp_dup(ctx, zero) : NULL;
+  return RTP_OK;
+}
+
+/* Every rank's loss: this rank's share summed over `comm` (NULL: its own). */
+static int loss_global(struct rtp_parallel *p, struct rtp_comm *comm, struct rtp_tensor *mine) {
+  struct rtp_context *ctx = p->ctx;
+  struct rtp_tensor *all = mine && comm ? rtp_allreduce(ctx, comm, mine, NULL) : mine;
+  p->global_loss = all ? rtp_tensor_set_name(rtp_scale(ctx, all, 1.0f), "loss.global") : NULL;
+  if (!p->global_loss) return rtp_context_error(ctx, NULL);
+  rtp_tensor_set_output(p->global_loss);
+  return rtp_graph_build(p->graph, p->global_loss);
+}
+
 /* Every stage ends with the loss over the global batch: the last stage's mean over its
  * micro-batches and its group, summed over the pipe (the other stages add zero). */
 static int pipe_loss(struct rtp_parallel *p, struct rtp_pipe *pp) {
   struct rtp_context *ctx = p->ctx;
-  struct rtp_tensor *mine;
+  struct rtp_tensor *mine = NULL;
   if (pp->s == pp->S - 1) {
     struct rtp_tensor *sum = pp->losses[0];
     for (int m = 1; m < pp->M; m++) sum = rtp_add(ctx, sum, pp->losses[m]);
@@ -325,17 +345,10 @@ static int pipe_loss(struct rtp_parallel *p, struct rtp_pipe *pp) {
     int D = p->comm ? rtp_comm_size(p->comm) : 1;
     mine = rtp_scale(ctx, sum, 1.0f / (float)(D * pp->M));
   } else {
-    struct rtp_tensor *zero = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 1);
-    if (zero && !zero->data && !rtp__tensor_alloc(ctx, zero, RTP_ROLE_INPUT)) zero = NULL;
-    if (zero && rtp_tensor_set_zero(zero))
-      return rtp__ctx_error(ctx, RTP_EIO, "pipeline: %s", rtp_last_error());
-    mine = zero ? rtp_dup(ctx, zero) : NULL;
+    int rc = loss_zero(ctx, &mine);
+    if (rc) return rc;
   }
-  struct rtp_tensor *all = mine && pp->comm ? rtp_allreduce(ctx, pp->comm, mine, NULL) : mine;
-  p->global_loss = all ? rtp_tensor_set_name(rtp_scale(ctx, all, 1.0f), "loss.global") : NULL;
-  if (!p->global_loss) return rtp_context_error(ctx, NULL);
-  rtp_tensor_set_output(p->global_loss);
-  return rtp_graph_build(p->graph, p->global_loss);
+  return loss_global(p, pp->comm, mine);
 }
 
 /* Stages of different sizes: the last stage's sum over its micro-batches (over its group
@@ -352,17 +365,10 @@ static int hetero_loss(struct rtp_parallel *p, struct rtp_pipe *pp) {
       sum = rtp_allreduce(ctx, p->comm, rtp_dup(ctx, sum), NULL);
     mine = rtp_scale(ctx, sum, h->g == 0 ? 1.0f / (float)h->U : 0.0f);
   } else {
-    struct rtp_tensor *zero = rtp_tensor_new_1d(ctx, RTP_TYPE_F32, 1);
-    if (zero && !zero->data && !rtp__tensor_alloc(ctx, zero, RTP_ROLE_INPUT)) zero = NULL;
-    if (zero && rtp_tensor_set_zero(zero))
-      return rtp__ctx_error(ctx, RTP_EIO, "pipeline: %s", rtp_last_error());
-    mine = zero ? rtp_dup(ctx, zero) : NULL;
+    int rc = loss_zero(ctx, &mine);
+    if (rc) return rc;
   }
-  struct rtp_tensor *all = mine ? rtp_allreduce(ctx, pp->comm, mine, NULL) : NULL;
-  p->global_loss = all ? rtp_tensor_set_name(rtp_scale(ctx, all, 1.0f), "loss.global") : NULL;
-  if (!p->global_loss) return rtp_context_error(ctx, NULL);
-  rtp_tensor_set_output(p->global_loss);
-  return rtp_graph_build(p->graph, p->global_loss);
+  return loss_global(p, pp->comm, mine);
 }
 
 int rtp__pipeline_build(struct rtp_parallel *p, struct rtp_comm *pipe, struct rtp_hetero *het,
