@@ -94,7 +94,10 @@ struct rtp_ckpt {
   char save_id[CK_ID_LEN + 1]; /* "" from a version 1 index, which has none */
   int64_t step, adam_steps;
   int world, stages; /* stages: 1 without a pipeline (and in indexes older than pipelines) */
-  enum rtp_strategy strategy;
+  enum rtp_strategy strategy; /* of stages that differ (version 3): stage 0's */
+  bool het;                   /* version 3: stages of different sizes and strategies */
+  int first[RTP_HETERO_MAX + 1];
+  enum rtp_strategy strat[RTP_HETERO_MAX];
   int n_state;
   char state[CK_MAX_STATE][2][RTP_MAX_NAME];
   struct ck_file *files; /* world of them */
@@ -123,9 +126,50 @@ static bool ck_writes_file(enum rtp_strategy s, int rank, int per) {
   return !(s == RTP_STRATEGY_DDP && rank % per != 0);
 }
 
+/* Which ranks write a file: a mesh's stages are world / S ranks each, all running one
+ * strategy; stages that differ (first != NULL) start at first[s] and run strat[s]. */
+struct ck_stages {
+  int S, world;
+  enum rtp_strategy strategy; /* a mesh's */
+  const int *first;           /* S + 1 of them; NULL: a mesh */
+  const enum rtp_strategy *strat;
+};
+
+static bool ck_stages_writes(const struct ck_stages *st, int r) {
+  if (!st->first) return ck_writes_file(st->strategy, r, st->world / st->S);
+  int s = 0;
+  while (r >= st->first[s + 1]) s++;
+  return !(st->strat[s] == RTP_STRATEGY_DDP && r != st->first[s]);
+}
+
+static const struct rtp_hetero *ck_het(const struct rtp_ckpt_params *p) {
+  return p->par->pipe ? p->par->pipe->het : NULL;
+}
+
+static struct ck_stages ck_save_stages(const struct rtp_ckpt_params *p, int world) {
+  const struct rtp_hetero *h = ck_het(p);
+  if (h) return (struct ck_stages){h->S, world, p->strategy, h->first, h->strat};
+  return (struct ck_stages){rtp_parallel_stages(p->par), world, p->strategy, NULL, NULL};
+}
+
+/* The strategy of this rank's stage: stages that differ each run their own (none on one
+ * rank), which the plan knows; otherwise the caller's. */
+static enum rtp_strategy ck_strategy(const struct rtp_ckpt_params *p) {
+  return ck_het(p) ? p->par->strategy : p->strategy;
+}
+
+/* The group whose ranks split a parameter: the job, or the stage's of stages that differ
+ * (NULL on a stage of one rank); this rank's place in it. */
+static struct rtp_comm *ck_group(const struct rtp_ckpt_params *p, int *g, int *n) {
+  struct rtp_comm *c = ck_het(p) ? p->par->comm : p->comm;
+  *g = c ? rtp_comm_rank(c) : 0;
+  *n = c ? rtp_comm_size(c) : 1;
+  return c;
+}
+
 /* tp's ranks write the row blocks of rtp_comm_block, not the pieces they hold. */
 static bool ck_relayout(const struct rtp_ckpt_params *p) {
-  return p->strategy == RTP_STRATEGY_TP;
+  return ck_strategy(p) == RTP_STRATEGY_TP;
 }
 
 static int ck_path(char *buf, const char *a, const char *b) {
@@ -292,10 +336,6 @@ static bool ck_is_word(const char *s) {
 static int ck_check_params(const struct rtp_ckpt_params *p) {
   if (!p || !p->dir || !*p->dir || !p->par || !p->params || p->n_params < 1)
     return rtp__error(RTP_EINVAL, "rtp_ckpt: need dir, par and params");
-  if (p->par->pipe && p->par->pipe->het) /* p->strategy is one for every stage here */
-    return rtp__error(RTP_ENOSYS,
-                      "rtp_ckpt: pipelines of stages of different sizes or strategies are not "
-                      "supported yet");
   for (int i = 0; i < p->n_params; i++) {
     if (!p->params[i] || !ck_is_word(p->params[i]->name))
       return rtp__error(RTP_EINVAL, "rtp_ckpt: parameter %d: names must be [A-Za-z0-9_.+-]", i);
@@ -397,8 +437,10 @@ static int ck_rank_tensors(const struct rtp_ckpt_params *p, int rank, const int6
  * gathered, with where each of its elements lies in the whole tensor (each rank's
  * rtp_parallel_shard_copy of the element indices), and the elements in this rank's rows
  * are put in place. Collective; one gather of indices and one of values per tensor. */
-static int ck_tp_fill(const struct rtp_ckpt_params *p, int rank, int world,
-                      const int64_t *blocks, struct ck_out *o) {
+static int ck_tp_fill(const struct rtp_ckpt_params *p, int rank, const int64_t *blocks,
+                      struct ck_out *o) {
+  int me, n; /* in the group */
+  struct rtp_comm *group = ck_group(p, &me, &n);
   for (int i = 0, k = 0; i < p->n_params; i++) {
     const struct rtp_tensor *g = p->params[i];
     struct rtp_tensor *st[3];
@@ -412,18 +454,18 @@ static int ck_tp_fill(const struct rtp_ckpt_params *p, int rank, int world,
     size_t row = whole / (size_t)g->ne[rtp_tensor_n_dims(g) - 1];
     size_t lo = (size_t)blocks[(rank * p->n_params + i) * 2] * row;
     size_t hi = lo + (size_t)blocks[(rank * p->n_params + i) * 2 + 1] * row;
-    if (local * (size_t)world != whole)
+    if (local * (size_t)n != whole)
       return rtp__error(RTP_ENOSYS, "rtp_ckpt_save: '%s' is not split evenly between ranks",
                         g->name);
     /* The indices travel as the bits of floats: shard_copy and the gather only copy them. */
     int rc = rtp_parallel_shard_copy(p->par, g, (const float *)(const void *)o->iota,
-                                     (float *)(void *)(o->where + rank * local));
+                                     (float *)(void *)(o->where + me * local));
     if (!rc)
-      rc = rtp_comm_allgather(p->comm, o->where, (size_t)world, local * sizeof(uint32_t), NULL);
+      rc = rtp_comm_allgather(group, o->where, (size_t)n, local * sizeof(uint32_t), NULL);
     for (int j = 0; j < n_st && !rc; j++) {
-      rc = rtp_tensor_get(st[j], o->pieces + rank * local, 0, local * sizeof(float));
+      rc = rtp_tensor_get(st[j], o->pieces + me * local, 0, local * sizeof(float));
       if (!rc) /* (through rtp_tensor_get: the piece may live in device memory) */
-        rc = rtp_comm_allgather(p->comm, o->pieces, (size_t)world, local * sizeof(float), NULL);
+        rc = rtp_comm_allgather(group, o->pieces, (size_t)n, local * sizeof(float), NULL);
       float *dst = o->ts[k + j]->data;
       size_t got = 0;
       for (size_t e = 0; e < whole && !rc; e++)
@@ -478,7 +520,9 @@ static int ck_gather_blocks(const struct rtp_ckpt_params *p, int rank, int world
     if (!rtp_parallel_tensor(p->par, g)) {
       b[0] = CK_NOT_HELD; /* its files, those of the stage that holds it, tile it */
     } else if (ck_relayout(p)) {
-      rtp_comm_block((size_t)g->ne[dim], world, rank, &first, &len);
+      int gr, gn;
+      ck_group(p, &gr, &gn);
+      rtp_comm_block((size_t)g->ne[dim], gn, gr, &first, &len);
       b[0] = (int64_t)first;
       b[1] = (int64_t)len;
     } else if (rtp_parallel_block(p->par, g, &b[0], &b[1], &dim) ||
@@ -492,14 +536,14 @@ static int ck_gather_blocks(const struct rtp_ckpt_params *p, int rank, int world
 /* The files of the ranks that hold a parameter must tile its rows in rank order: true of
  * every strategy (tp's by ck_relayout) and of a pipeline's stages (ck_check_layout),
  * checked in case a strategy holds parameters otherwise. */
-static int ck_check_blocks(const struct rtp_ckpt_params *p, int world, int per,
+static int ck_check_blocks(const struct rtp_ckpt_params *p, const struct ck_stages *st,
                            const int64_t *blocks) {
   for (int i = 0; i < p->n_params; i++) {
     const struct rtp_tensor *g = p->params[i];
     int64_t next = 0;
-    for (int r = 0; r < world; r++) {
+    for (int r = 0; r < st->world; r++) {
       const int64_t *b = blocks + ((size_t)r * p->n_params + i) * 2;
-      if (!ck_writes_file(p->strategy, r, per) || b[0] == CK_NOT_HELD) continue;
+      if (!ck_stages_writes(st, r) || b[0] == CK_NOT_HELD) continue;
       if (b[0] != next) next = -1;
       if (next < 0) break;
       next += b[1];
@@ -508,13 +552,13 @@ static int ck_check_blocks(const struct rtp_ckpt_params *p, int world, int per,
       return rtp__error(RTP_ENOSYS,
                         "rtp_ckpt: '%s' is not split into row blocks in rank order under "
                         "strategy %s: checkpoints of it are not supported",
-                        g->name, rtp_strategy_name(p->strategy));
+                        g->name, rtp_strategy_name(ck_strategy(p)));
   }
   return RTP_OK;
 }
 
-static void ck_write_tensors(FILE *f, const struct rtp_ckpt_params *p, int world, int per,
-                             const int64_t *blocks) {
+static void ck_write_tensors(FILE *f, const struct rtp_ckpt_params *p,
+                             const struct ck_stages *st, const int64_t *blocks) {
   fprintf(f, "  \"tensors\": [\n");
   for (int i = 0; i < p->n_params; i++) {
     const struct rtp_tensor *t = p->params[i];
@@ -522,9 +566,9 @@ static void ck_write_tensors(FILE *f, const struct rtp_ckpt_params *p, int world
     for (int d = rtp_tensor_n_dims(t) - 1; d >= 0; d--)
       fprintf(f, "%" PRId64 "%s", t->ne[d], d ? ", " : "");
     fprintf(f, "], \"blocks\": [");
-    for (int r = 0, n = 0; r < world; r++) {
+    for (int r = 0, n = 0; r < st->world; r++) {
       const int64_t *b = blocks + ((size_t)r * p->n_params + i) * 2;
-      if (!ck_writes_file(p->strategy, r, per) || b[0] == CK_NOT_HELD) continue;
+      if (!ck_stages_writes(st, r) || b[0] == CK_NOT_HELD) continue;
       fprintf(f, "%s{\"rank\": %d, \"first\": %" PRId64 ", \"rows\": %" PRId64 "}",
               n++ ? ", " : "", r, b[0], b[1]);
     }
@@ -534,31 +578,39 @@ static void ck_write_tensors(FILE *f, const struct rtp_ckpt_params *p, int world
 }
 
 /* index.json (rtp_ckpt_open reads it as JSON: order and spacing do not matter to it). */
-static char *ck_index_json(const struct rtp_ckpt_params *p, int64_t step, int world, int per,
-                           const char *id, const struct ck_rank_rec *recs,
-                           const int64_t *blocks) {
+static char *ck_index_json(const struct rtp_ckpt_params *p, int64_t step,
+                           const struct ck_stages *st, const char *id,
+                           const struct ck_rank_rec *recs, const int64_t *blocks) {
   char *text = NULL;
   size_t len = 0;
   FILE *f = open_memstream(&text, &len);
   if (!f) return NULL;
   fprintf(f,
-          "{\n  \"format\": \"rtp-checkpoint\",\n  \"version\": 2,\n  \"save_id\": "
+          "{\n  \"format\": \"rtp-checkpoint\",\n  \"version\": %d,\n  \"save_id\": "
           "\"%s\",\n  \"step\": %" PRId64
-          ",\n  \"world_size\": %d,\n  \"stages\": %d,\n  \"strategy\": \"%s\",\n  "
-          "\"adam_steps\": %" PRId64 ",\n  \"state\": {",
-          id, step, world, world / per, rtp_strategy_name(p->strategy),
-          rtp_optimizer_steps(p->opt));
+          ",\n  \"world_size\": %d,\n  \"stages\": %d,\n  \"strategy\": \"%s\",\n  ",
+          st->first ? 3 : 2, id, step, st->world, st->S,
+          rtp_strategy_name(st->first ? st->strat[0] : p->strategy));
+  /* Version 3 (stages that differ): each stage's ranks and strategy, which say which ranks
+   * write files; a mesh's index stays version 2, which older readers read. */
+  for (int s = 0; st->first && s < st->S; s++)
+    fprintf(f, "%s%d%s", s ? ", " : "\"stage_ranks\": [", st->first[s + 1] - st->first[s],
+            s + 1 < st->S ? "" : "],\n  ");
+  for (int s = 0; st->first && s < st->S; s++)
+    fprintf(f, "%s\"%s\"%s", s ? ", " : "\"stage_strategies\": [",
+            rtp_strategy_name(st->strat[s]), s + 1 < st->S ? "" : "],\n  ");
+  fprintf(f, "\"adam_steps\": %" PRId64 ",\n  \"state\": {", rtp_optimizer_steps(p->opt));
   for (int i = 0; p->state_kv && p->state_kv[i] && p->state_kv[i + 1]; i += 2)
     fprintf(f, "%s\"%s\": \"%s\"", i ? ", " : "", p->state_kv[i], p->state_kv[i + 1]);
   fprintf(f, "},\n  \"files\": [");
-  for (int r = 0, n = 0; r < world; r++) /* (a pipeline's ddp: ranks 0, D, 2D, ...) */
+  for (int r = 0, n = 0; r < st->world; r++) /* (a pipeline's ddp: ranks 0, D, 2D, ...) */
     if (recs[r].wrote)
       fprintf(f,
               "%s\n    {\"name\": \"rank-%d.safetensors\", \"rank\": %d, \"bytes\": %" PRIu64
               ", \"sha256\": \"%s\"}",
               n++ ? "," : "", r, r, recs[r].bytes, recs[r].sha);
   fprintf(f, "\n  ],\n");
-  ck_write_tensors(f, p, world, per, blocks);
+  ck_write_tensors(f, p, st, blocks);
   if (fclose(f)) {
     free(text);
     return NULL;
@@ -568,9 +620,9 @@ static char *ck_index_json(const struct rtp_ckpt_params *p, int64_t step, int wo
 
 /* Rank 0, once every rank has written: index, marker, then latest, then pruning. */
 static int ck_commit(const struct rtp_ckpt_params *p, const char *stepdir, int64_t step,
-                     int world, int per, const char *id, const struct ck_rank_rec *recs,
+                     const struct ck_stages *st, const char *id, const struct ck_rank_rec *recs,
                      const int64_t *blocks) {
-  char *index = ck_index_json(p, step, world, per, id, recs, blocks);
+  char *index = ck_index_json(p, step, st, id, recs, blocks);
   if (!index) return rtp__error(RTP_ENOMEM, "%s: out of memory for the index", stepdir);
   int rc = ck_write_atomic(stepdir, "index.json", index);
   free(index);
@@ -674,6 +726,14 @@ static int ck_any_failed(const struct rtp_ckpt_params *p, int rc, const char *wh
  * are contiguous and hold its rows in rank order, which is what the index says and the
  * loader reads, and ddp's writers are ranks 0, D, 2D, ... Any other layout is refused. */
 static int ck_check_layout(const struct rtp_ckpt_params *p, int rank, int world) {
+  const struct rtp_hetero *h = ck_het(p);
+  if (h && (world != h->first[h->S] || rank != h->first[h->s] + h->g))
+    return rtp__error(RTP_ENOSYS,
+                      "rtp_ckpt_save: rank %d of %d is rank %d of pipeline stage %d, which "
+                      "starts at rank %d of %d: checkpoints need the job's communicator in "
+                      "rtp_ckpt_params.comm",
+                      rank, world, h->g, h->s, h->first[h->s], h->first[h->S]);
+  if (h) return RTP_OK;
   int S = rtp_parallel_stages(p->par), s = rtp_parallel_stage(p->par);
   const struct rtp_comm *group = p->par->comm; /* NULL: one rank per stage */
   int d = group ? rtp_comm_rank(group) : 0, n = group ? rtp_comm_size(group) : 1;
@@ -700,18 +760,21 @@ int rtp_ckpt_save(const struct rtp_ckpt_params *p, int64_t step) {
   if ((rc = ck_path(stepdir, p->dir, name))) return rc;
   rc = ck_any_failed(p, ck_check_layout(p, rank, world), "to check the pipeline's layout");
   if (rc) return rc;
-  int per = world / rtp_parallel_stages(p->par); /* ranks per stage */
+  struct ck_stages st = ck_save_stages(p, world);
   int64_t *blocks = NULL;
   rc = ck_gather_blocks(p, rank, world, &blocks);
-  if (!rc) rc = ck_check_blocks(p, world, per, blocks);
+  if (!rc) rc = ck_check_blocks(p, &st, blocks);
   /* What each rank writes, before anything changes on disk: tp's gathers run here. */
   struct ck_out out = {0};
-  bool writes = ck_writes_file(p->strategy, rank, per);
+  bool writes = ck_stages_writes(&st, rank);
   if (!rc)
     rc = ck_any_failed(p, writes ? ck_rank_tensors(p, rank, blocks, &out) : RTP_OK,
                        "to prepare its checkpoint file");
-  if (!rc && ck_relayout(p) && p->comm)
-    rc = ck_any_failed(p, ck_tp_fill(p, rank, world, blocks, &out), "to gather its blocks");
+  int g, n; /* (stages that differ: only a tp stage's ranks gather, in their group) */
+  bool fill = ck_relayout(p) && ck_group(p, &g, &n);
+  if (!rc && p->comm)
+    rc = ck_any_failed(p, fill ? ck_tp_fill(p, rank, blocks, &out) : RTP_OK,
+                       "to gather its blocks");
   char id[CK_ID_LEN + 1] = "";
   if (!rc)
     rc = ck_agree(p, rank == 0 ? ck_prepare_dir(p, stepdir, step, id) : RTP_OK,
@@ -733,8 +796,7 @@ int rtp_ckpt_save(const struct rtp_ckpt_params *p, int64_t step) {
     if (recs[r].status)
       rc = rtp__error(recs[r].status, "rank %d could not write its file in %s", r, stepdir);
   /* Rank 0 cleans up before it tells the others, which may then exit at once. */
-  int commit =
-      rank == 0 && !rc ? ck_commit(p, stepdir, step, world, per, id, recs, blocks) : rc;
+  int commit = rank == 0 && !rc ? ck_commit(p, stepdir, step, &st, id, recs, blocks) : rc;
   if (rank == 0 && commit) ck_discard(p->dir, stepdir);
   rc = ck_agree(p, commit, "to commit the checkpoint");
   free(recs);
@@ -823,8 +885,9 @@ static int ck_read_files(struct rtp_ckpt *c, const struct rtp__json *doc,
     *cf = (struct ck_file){true, (uint64_t)bytes, ""};
     memcpy(cf->sha, sha, 65);
   }
+  struct ck_stages st = {c->stages, c->world, c->strategy, c->het ? c->first : NULL, c->strat};
   for (int r = 0; r < c->world; r++)
-    if (c->files[r].listed != ck_writes_file(c->strategy, r, c->world / c->stages))
+    if (c->files[r].listed != ck_stages_writes(&st, r))
       return rtp__error(RTP_EFORMAT, "%s/index.json: %s rank-%d.safetensors, which %s", c->dir,
                         c->files[r].listed ? "lists" : "does not list", r,
                         c->files[r].listed ? "that strategy does not write" : "it needs");
@@ -989,7 +1052,7 @@ static int ck_read_stages(struct rtp_ckpt *c, const struct rtp__json *doc,
   int rc = rtp__json_get(doc, root, "stages")
                ? ck_int(doc, root, "", "stages", 1, world, &stages)
                : RTP_OK;
-  if (!rc && world % stages)
+  if (!rc && !c->het && world % stages)
     rc = rtp__error(RTP_EFORMAT,
                     "%s: stages %" PRId64 " does not divide world_size %" PRId64
                     " (a pipeline has as many ranks in each stage)",
@@ -998,7 +1061,43 @@ static int ck_read_stages(struct rtp_ckpt *c, const struct rtp__json *doc,
   return rc;
 }
 
-/* "save_id": 32 lowercase hex digits (version 2); version 1 has none. */
+/* Version 3's "stage_ranks" and "stage_strategies": one per stage, 2 to RTP_HETERO_MAX
+ * stages, the ranks adding up to world_size. */
+static int ck_read_hetero(struct rtp_ckpt *c, const struct rtp__json *doc,
+                          const struct rtp__json_value *root, const char *ipath) {
+  const struct rtp__json_value *ranks, *strats;
+  int rc = rtp__json_member(doc, root, "stage_ranks", RTP__JSON_ARRAY, &ranks, "%s", "");
+  if (!rc)
+    rc = rtp__json_member(doc, root, "stage_strategies", RTP__JSON_ARRAY, &strats, "%s", "");
+  if (rc) return rc;
+  if (c->stages < 2 || c->stages > RTP_HETERO_MAX ||
+      rtp__json_count(ranks) != (size_t)c->stages ||
+      rtp__json_count(strats) != (size_t)c->stages)
+    return rtp__error(RTP_EFORMAT,
+                      "%s: stages %d with %zu stage_ranks and %zu stage_strategies (2 to %d "
+                      "stages, one of each per stage)",
+                      ipath, c->stages, rtp__json_count(ranks), rtp__json_count(strats),
+                      RTP_HETERO_MAX);
+  const struct rtp__json_value *r = rtp__json_child(doc, ranks),
+                               *k = rtp__json_child(doc, strats);
+  for (int s = 0; s < c->stages && !rc;
+       s++, r = rtp__json_next(doc, r), k = rtp__json_next(doc, k)) {
+    int64_t n;
+    const char *name;
+    rc = rtp__json_int(doc, r, 1, c->world - c->first[s], &n, "stage_ranks[%d]", s);
+    if (!rc) rc = rtp__json_string(doc, k, 32, &name, "stage_strategies[%d]", s);
+    if (!rc && rtp_strategy_parse(name, &c->strat[s]))
+      rc = rtp__error(RTP_EFORMAT, "%s: stage_strategies[%d]: unknown strategy '%s'", ipath, s,
+                      name);
+    c->first[s + 1] = c->first[s] + (int)(rc ? 0 : n);
+  }
+  if (!rc && c->first[c->stages] != c->world)
+    rc = rtp__error(RTP_EFORMAT, "%s: stage_ranks add up to %d, world_size is %d", ipath,
+                    c->first[c->stages], c->world);
+  return rc;
+}
+
+/* "save_id": 32 lowercase hex digits (versions 2 and 3); version 1 has none. */
 static int ck_read_save_id(struct rtp_ckpt *c, const struct rtp__json *doc,
                            const struct rtp__json_value *root, const char *ipath,
                            int64_t version) {
@@ -1008,8 +1107,12 @@ static int ck_read_save_id(struct rtp_ckpt *c, const struct rtp__json *doc,
   static const char *const v2[] = {"format",     "version", "save_id",  "step",
                                    "world_size", "stages",  "strategy", "adam_steps",
                                    "state",      "files",   "tensors",  NULL};
+  static const char *const v3[] = {"format",     "version", "save_id",          "step",
+                                   "world_size", "stages",  "stage_ranks",      "strategy",
+                                   "adam_steps", "state",   "stage_strategies", "files",
+                                   "tensors",    NULL};
   const char *id;
-  int rc = rtp__json_only(doc, root, version == 1 ? v1 : v2, "%s", "");
+  int rc = rtp__json_only(doc, root, version == 1 ? v1 : version == 2 ? v2 : v3, "%s", "");
   if (rc || version == 1) return rc;
   rc = ck_str(doc, root, "", "save_id", CK_ID_LEN, &id);
   if (!rc && (strlen(id) != CK_ID_LEN || strspn(id, "0123456789abcdef") != CK_ID_LEN))
@@ -1035,9 +1138,10 @@ static int ck_parse_index(struct rtp_ckpt *c, const char *ipath, const char *tex
   if (!rc && strcmp(format, "rtp-checkpoint"))
     rc = rtp__error(RTP_EFORMAT, "%s: format '%s': not an rtp checkpoint index", ipath, format);
   if (!rc) rc = ck_int(doc, root, "", "version", 0, INT64_MAX, &version);
-  if (!rc && version != 1 && version != 2)
-    rc = rtp__error(RTP_EFORMAT, "%s: version %" PRId64 ", this library reads versions 1 and 2",
+  if (!rc && (version < 1 || version > 3))
+    rc = rtp__error(RTP_EFORMAT, "%s: version %" PRId64 ", this library reads versions 1 to 3",
                     ipath, version);
+  c->het = version == 3;
   if (!rc) rc = ck_read_save_id(c, doc, root, ipath, version);
   if (!rc) rc = ck_int(doc, root, "", "step", 0, 99999999, &c->step);
   if (!rc && c->step != dir_step)
@@ -1050,6 +1154,7 @@ static int ck_parse_index(struct rtp_ckpt *c, const char *ipath, const char *tex
     rc = rtp__error(RTP_EFORMAT, "%s: unknown strategy '%s'", ipath, strategy);
   if (!rc) rc = ck_int(doc, root, "", "adam_steps", 0, CK_MAX_ADAM_STEPS, &c->adam_steps);
   c->world = (int)world;
+  if (!rc && c->het) rc = ck_read_hetero(c, doc, root, ipath);
   if (!rc) rc = ck_read_state(c, doc, root);
   if (!rc) rc = ck_read_files(c, doc, root);
   if (!rc) rc = ck_check_tensors(c, doc, root);

@@ -687,6 +687,11 @@ TEST(CkptIndex, DamagedIndexesAreRefused) {
   Index twice = good, hidden = good, uneven = good;
   uneven["world_size"] = "3";
   uneven["stages"] = "2";
+  // Version 3 (stages that differ) needs 2 stages or more, each with its ranks and strategy.
+  Index v3 = good;
+  v3["version"] = "3";
+  v3["stage_ranks"] = "[1]";
+  v3["stage_strategies"] = "[\"none\"]";
   twice.top.push_back({"step", "2"});
   hidden.erase("step")["history"] = "{\"step\": 1}";
   hidden.first("history");
@@ -710,7 +715,9 @@ TEST(CkptIndex, DamagedIndexesAreRefused) {
       {with("stepp", "1"), "unknown key 'stepp'"},
       {Index(good).erase("adam_steps").text(), "index.json: missing adam_steps"},
       {with("format", "\"safetensors\""), "format 'safetensors': not an rtp checkpoint index"},
-      {with("version", "3"), "version 3, this library reads versions 1 and 2"},
+      {with("version", "4"), "version 4, this library reads versions 1 to 3"},
+      {with("version", "3"), "index.json: missing stage_ranks"},
+      {v3.text(), "stages 1 with 1 stage_ranks and 1 stage_strategies (2 to 64 stages"},
       {with("version", "1"), "index.json: unknown key 'save_id'"},
       {Index(good).erase("save_id").text(), "index.json: missing save_id"},
       {with("save_id", "\"0123\""), "save_id '0123' is not 32 lowercase hex digits"},

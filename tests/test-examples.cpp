@@ -414,8 +414,6 @@ TEST(TrainGptErrors, BadInputIsRefusedClearly) {
         "--micro-batches", "3"},
        "] train-gpt: --stages: stage 0's 2 rtp ranks share the --micro-batches 3 units "
        "unevenly"},
-      {{"-n", "3", "--", TRAIN_GPT, "--stages", "2:rtp,1:none", "--ckpt-dir", "x"},
-       "] train-gpt: --stages: --ckpt-dir is not supported yet"},
       {{"-n", "3", "--", TRAIN_GPT, "--stages", "2:rtp,1:none", "--schedule", "1f1b"},
        "] train-gpt: --stages runs the gpipe schedule only, not --schedule 1f1b"},
       {{"-n", "3", "--", TRAIN_GPT, "--config", "tiny", "--stages", "1:none,1:none,1:none"},
@@ -1406,6 +1404,74 @@ TEST(TrainGptCkpt, PipelineCheckpointsResumeOnAnyLayout) {
     }
     for (size_t i = 0; i < want.size(); i++)
       EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << c.what << ", step " << i + 11;
+  }
+}
+
+// Checkpoints of stages of different sizes and strategies (--stages 2:tp,2:ddp, index
+// version 3): resumed on the same stages, the losses of a run never stopped, bit for bit;
+// resumed in one process, on 2 flat rtp ranks and on other such stages, and a flat job's
+// and a rectangular pipeline's resumed on such stages, the same to float rounding. The global
+// batch is 4 throughout.
+TEST(TrainGptCkpt, StagesCheckpointsResumeOnAnyLayout) {
+  const std::string het = " --batch 4 --stages 2:tp,2:ddp --micro-batches 4",
+                    pp = " --batch 2 --pp 2 --micro-batches 2";
+  std::string ref = tmp_dir() + "cks-ref.jsonl", saved = tmp_dir() + "cks",
+              flat = tmp_dir() + "cks-flat", rect = tmp_dir() + "cks-pp";
+  ASSERT_EQ(
+      std::system(("rm -rf " + quote(saved) + " " + quote(flat) + " " + quote(rect)).c_str()),
+      0);
+  ASSERT_EQ(run(on_ranks(4, kCkptFlags + het + " --steps 20", {"--metrics", ref})).code, 0);
+  Result a = run(on_ranks(4, kCkptFlags + het + " --steps 10", {"--ckpt-dir", saved}));
+  ASSERT_EQ(a.code, 0) << a.out << a.err;
+  std::string index = slurp(saved + "/step-00000010/index.json");
+  EXPECT_NE(index.find("\"stage_ranks\": [2, 2]"), std::string::npos) << index;
+  EXPECT_NE(index.find("\"stage_strategies\": [\"tp\", \"ddp\"]"), std::string::npos) << index;
+  Result b = run(on_ranks(2, kCkptFlags + " --batch 2 --steps 10", {"--ckpt-dir", flat}));
+  ASSERT_EQ(b.code, 0) << b.err;
+  Result c4 = run(on_ranks(4, kCkptFlags + pp + " --steps 10", {"--ckpt-dir", rect}));
+  ASSERT_EQ(c4.code, 0) << c4.err;
+  struct Case {
+    std::string from, what;
+    int ranks;
+    std::string flags;
+    bool exact;
+  };
+  const Case cases[] = {
+      {saved, "the same stages", 4, het, true},
+      {saved, "one process", 1, " --batch 4", false},
+      {saved, "2 rtp ranks", 2, " --batch 2 --strategy rtp", false},
+      {flat, "stages, from 2 rtp ranks", 4, het, false},
+      {rect, "stages, from a 2 x 2 pipeline", 4, het, false},
+      {saved, "other stages, 2:ddp,2:tp", 4, " --batch 4 --stages 2:ddp,2:tp --micro-batches 4",
+       false},
+      {saved, "other stages, 1:none,2:fsdp", 3,
+       " --batch 4 --stages 1:none,2:fsdp --micro-batches 2", false},
+  };
+  std::vector<double> want = losses_after(ref, 10);
+  ASSERT_EQ(want.size(), 10u);
+  for (const Case &c : cases) {
+    std::string dir = tmp_dir() + "cks-resume", m = tmp_dir() + "cks-resumed.jsonl";
+    ASSERT_EQ(
+        std::system(
+            ("rm -rf " + quote(dir) + " && cp -r " + quote(c.from) + " " + quote(dir)).c_str()),
+        0);
+    std::string flags = kCkptFlags + c.flags + " --steps 20 --resume";
+    std::vector<std::string> extra = {"--ckpt-dir", dir, "--metrics", m};
+    Result r = run(c.ranks == 1 ? train_gpt(flags, extra) : on_ranks(c.ranks, flags, extra));
+    ASSERT_EQ(r.code, 0) << c.what << ": " << r.out << r.err;
+    EXPECT_NE(r.out.find("resumed from"), std::string::npos) << c.what << ": " << r.out;
+    std::vector<double> got = metric(m, "loss");
+    ASSERT_EQ(got.size(), want.size()) << c.what;
+    if (c.exact) {
+      EXPECT_EQ(got, want) << c.what;
+    }
+    double worst = 0;
+    for (size_t i = 0; i < want.size(); i++) {
+      EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << c.what << ", step " << i + 11;
+      worst = std::max(worst, std::fabs(got[i] - want[i]) / want[i]);
+    }
+    std::printf("%s: %zu losses, largest relative difference %.2g\n", c.what.c_str(),
+                got.size(), worst);
   }
 }
 

@@ -442,7 +442,6 @@ static int check_stages(const struct options *o, int world) {
     return usage_error("--stages runs the gpipe schedule only, not --schedule %s", o->schedule);
   if (o->grad_accum > 1 || o->recompute)
     return usage_error("--stages: --grad-accum and --recompute are not supported yet");
-  if (o->ckpt_dir) return usage_error("--stages: --ckpt-dir is not supported yet");
   for (int s = 0; s < sp.n; s++) sum += sp.ranks[s];
   if (sum != world)
     return usage_error("--stages %s has %d ranks, the job %d", o->stages, sum, world);
