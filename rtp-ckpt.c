@@ -11,7 +11,10 @@
  *                         with its rank), step, world size, stages, strategy, Adam steps,
  *                         the caller's state, each rank file's size and SHA-256, every
  *                         tensor's global shape and which ranks hold which rows (a
- *                         pipeline's: only the files of its stage)
+ *                         pipeline's: only the files of its stage). Version 3: a
+ *                         pipeline of stages that differ, with each stage's ranks and
+ *                         strategy (stage_ranks, stage_strategies), which save as their
+ *                         own strategy in their own group would
  *   COMPLETE              "sha256 <hex of index.json>": written last, so a directory
  *                         without it is an interrupted save and is never loaded
  * and DIR/latest names the newest complete step directory. Every file is written to a

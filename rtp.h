@@ -1197,7 +1197,8 @@ struct rtp_ckpt_params {
   const char *dir;
   const struct rtp_parallel *par;
   struct rtp_comm *comm;            /* the job's (all ranks, every stage); NULL: one process */
-  enum rtp_strategy strategy;       /* the plan's (in a pipeline, inside each stage) */
+  enum rtp_strategy strategy;       /* the plan's (in a pipeline, inside each stage; unused
+                                       with stages that differ: the plan has each one's) */
   struct rtp_tensor *const *params; /* the one-device parameters: names, global shapes */
   int n_params;
   struct rtp_optimizer *opt; /* whose states are saved and loaded; may be NULL */
@@ -1228,6 +1229,7 @@ RTP_API int64_t rtp_ckpt_step(const struct rtp_ckpt *c);
 RTP_API int rtp_ckpt_world_size(const struct rtp_ckpt *c);
 /* The pipeline stages it was saved from (1: no pipeline, or an index older than them). */
 RTP_API int rtp_ckpt_stages(const struct rtp_ckpt *c);
+/* The strategy saved under (of stages that differ: stage 0's). */
 RTP_API enum rtp_strategy rtp_ckpt_strategy(const struct rtp_ckpt *c);
 RTP_API const char *rtp_ckpt_path(const struct rtp_ckpt *c); /* the step directory */
 /* A value of the caller's state saved with it, or NULL. */
