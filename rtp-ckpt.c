@@ -727,7 +727,9 @@ static int ck_any_failed(const struct rtp_ckpt_params *p, int rc, const char *wh
 /* A pipeline's ranks must be rank = stage x D + stage rank (rtp_comm_mesh_2d's rows as
  * the stage groups, p->comm the job): then the ranks that hold a parameter, one stage's,
  * are contiguous and hold its rows in rank order, which is what the index says and the
- * loader reads, and ddp's writers are ranks 0, D, 2D, ... Any other layout is refused. */
+ * loader reads, and ddp's writers are ranks 0, D, 2D, ... Any other layout is refused.
+ * Stages that differ: stage s's ranks are job ranks first[s] onward, as rtp_parallel_new
+ * requires of the pipe communicator; p->comm must number them the same. */
 static int ck_check_layout(const struct rtp_ckpt_params *p, int rank, int world) {
   const struct rtp_hetero *h = ck_het(p);
   if (h && (world != h->first[h->S] || rank != h->first[h->s] + h->g))

@@ -1415,11 +1415,13 @@ TEST(TrainGptCkpt, PipelineCheckpointsResumeOnAnyLayout) {
 TEST(TrainGptCkpt, StagesCheckpointsResumeOnAnyLayout) {
   const std::string het = " --batch 4 --stages 2:tp,2:ddp --micro-batches 4",
                     pp = " --batch 2 --pp 2 --micro-batches 2";
-  std::string ref = tmp_dir() + "cks-ref.jsonl", saved = tmp_dir() + "cks",
-              flat = tmp_dir() + "cks-flat", rect = tmp_dir() + "cks-pp";
-  ASSERT_EQ(
-      std::system(("rm -rf " + quote(saved) + " " + quote(flat) + " " + quote(rect)).c_str()),
-      0);
+  std::string ref = tmp_dir() + "ckh-ref.jsonl", saved = tmp_dir() + "ckh",
+              flat = tmp_dir() + "ckh-flat", rect = tmp_dir() + "ckh-pp",
+              one = tmp_dir() + "ckh-one";  // a stage of one rank saves whole tensors
+  ASSERT_EQ(std::system(("rm -rf " + quote(saved) + " " + quote(flat) + " " + quote(rect) +
+                         " " + quote(one))
+                            .c_str()),
+            0);
   ASSERT_EQ(run(on_ranks(4, kCkptFlags + het + " --steps 20", {"--metrics", ref})).code, 0);
   Result a = run(on_ranks(4, kCkptFlags + het + " --steps 10", {"--ckpt-dir", saved}));
   ASSERT_EQ(a.code, 0) << a.out << a.err;
@@ -1430,6 +1432,10 @@ TEST(TrainGptCkpt, StagesCheckpointsResumeOnAnyLayout) {
   ASSERT_EQ(b.code, 0) << b.err;
   Result c4 = run(on_ranks(4, kCkptFlags + pp + " --steps 10", {"--ckpt-dir", rect}));
   ASSERT_EQ(c4.code, 0) << c4.err;
+  Result d = run(
+      on_ranks(3, kCkptFlags + " --batch 4 --stages 1:none,2:fsdp --micro-batches 2 --steps 10",
+               {"--ckpt-dir", one}));
+  ASSERT_EQ(d.code, 0) << d.err;
   struct Case {
     std::string from, what;
     int ranks;
@@ -1446,11 +1452,12 @@ TEST(TrainGptCkpt, StagesCheckpointsResumeOnAnyLayout) {
        false},
       {saved, "other stages, 1:none,2:fsdp", 3,
        " --batch 4 --stages 1:none,2:fsdp --micro-batches 2", false},
+      {one, "one process, from 1:none,2:fsdp", 1, " --batch 4", false},
   };
   std::vector<double> want = losses_after(ref, 10);
   ASSERT_EQ(want.size(), 10u);
   for (const Case &c : cases) {
-    std::string dir = tmp_dir() + "cks-resume", m = tmp_dir() + "cks-resumed.jsonl";
+    std::string dir = tmp_dir() + "ckh-resume", m = tmp_dir() + "ckh-resumed.jsonl";
     ASSERT_EQ(
         std::system(
             ("rm -rf " + quote(dir) + " && cp -r " + quote(c.from) + " " + quote(dir)).c_str()),
