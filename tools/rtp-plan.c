@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <poll.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -330,11 +332,6 @@ static double now_s(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
 /* What a rank's compute costs on this machine: seconds per token of one block's forward and
  * backward (with recomputation's second forward when asked), per token of the rest of the
  * model (embeddings, head, loss), and per parameter of Adam's update. */
@@ -342,38 +339,74 @@ struct rates {
   double block_s, rest_s, adam_s;
   struct gpt_config cal; /* the calibration's model (n_layer 0: --flops gave the rate) */
   int cal_batch;
+  int copies;   /* processes that stepped at once (0: one) */
   double flops; /* what the calibration's larger model reached, FLOP/s */
 };
 
-/* The compute and Adam times of a one-process step of c at batch b: the fastest of three
- * after a warm-up, so that a moment's load from other work is not taken for the
- * machine's speed. 0, or a status with rtp_last_error. */
-static int time_steps(const struct opts *o, struct gpt_config c, int b, double *step_s,
-                      double *adam_s) {
-  struct plan_model pm = {.cfg = c,
-                          .batch = b,
-                          .micro_batches = 1,
-                          .bf16 = o->pm.bf16,
-                          .recompute = o->pm.recompute};
-  struct plan_layout l = {RTP_STRATEGY_NONE, 1, 1};
-  struct plan_rank r = {0};
+#define CAL_WARMUP 2
+#define CAL_STEPS 5
+
+/* One step of r (compute, then Adam), its two times added to t[0] and t[1]. */
+static int time_step(struct plan_rank *r, struct rtp_threadpool *tp, double t[2]) {
+  double t0 = now_s();
+  int rc = rtp_graph_compute(r->train, tp);
+  double t1 = now_s();
+  if (!rc) rc = rtp_optimizer_step(r->opt, tp);
+  t[0] = t1 - t0, t[1] = now_s() - t1;
+  return rc;
+}
+
+/* Whether the calibrating parent closed its end of `fd` (poll says it reads EOF). */
+static bool stopped(int fd) {
+  struct pollfd p = {.fd = fd, .events = POLLIN};
+  return poll(&p, 1, 0) != 0;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+static double median(double *v, int n) {
+  qsort(v, (size_t)n, sizeof(double), cmp_double);
+  return v[n / 2];
+}
+
+/* The compute and Adam times of one-process steps of c with 1 and 3 blocks at batch b
+ * (times[k] for 2k + 1 blocks): the medians of CAL_STEPS after CAL_WARMUP, as a run's step
+ * time is its steps' median, the two models' steps taken in turn so that a moment's load
+ * from other work, or a core that has not reached its clock yet, slows neither alone.
+ * With stop_fd >= 0 it is a copy that only loads the host as another rank would, stepping
+ * until stop_fd reads EOF. 0, or a status with rtp_last_error. */
+static int time_models(const struct opts *o, struct gpt_config c, int b, int stop_fd,
+                       double times[2][2]) {
+  struct plan_rank r[2] = {{0}};
   struct rtp_threadpool *tp = rtp_threadpool_new(o->threads);
-  double t[4] = {0}, u[4] = {0};
-  int rc = tp ? plan_rank_build(&r, &pm, &l, 0, false, NULL, NULL) : RTP_ENOMEM;
-  for (int i = 0; i < r.m.n_params && !rc; i++)
-    rc = rtp_tensor_fill_f32(rtp_parallel_tensor(r.par, r.m.params[i]), 0.01f);
-  for (int s = 0; s < 4 && !rc; s++) {
-    double t0 = now_s();
-    rc = rtp_graph_compute(r.train, tp);
-    double t1 = now_s();
-    if (!rc) rc = rtp_optimizer_step(r.opt, tp);
-    t[s] = t1 - t0, u[s] = now_s() - t1;
+  int rc = tp ? RTP_OK : RTP_ENOMEM;
+  for (int k = 0; k < 2 && !rc; k++) {
+    struct plan_model pm = {.cfg = c,
+                            .batch = b,
+                            .micro_batches = 1,
+                            .bf16 = o->pm.bf16,
+                            .recompute = o->pm.recompute};
+    pm.cfg.n_layer = 2 * k + 1;
+    struct plan_layout l = {RTP_STRATEGY_NONE, 1, 1};
+    rc = plan_rank_build(&r[k], &pm, &l, 0, false, NULL, NULL);
+    for (int i = 0; i < r[k].m.n_params && !rc; i++)
+      rc = rtp_tensor_fill_f32(rtp_parallel_tensor(r[k].par, r[k].m.params[i]), 0.01f);
   }
-  plan_rank_free(&r);
+  double t[2][2][CAL_STEPS];
+  for (int s = 0; (stop_fd >= 0 ? !stopped(stop_fd) : s < CAL_WARMUP + CAL_STEPS) && !rc; s++)
+    for (int k = 0; k < 2 && !rc; k++) {
+      double ts[2];
+      rc = time_step(&r[k], tp, ts);
+      if (s >= CAL_WARMUP && stop_fd < 0)
+        t[k][0][s - CAL_WARMUP] = ts[0], t[k][1][s - CAL_WARMUP] = ts[1];
+    }
+  for (int k = 0; k < 2; k++) plan_rank_free(&r[k]);
   rtp_threadpool_free(tp);
-  qsort(t + 1, 3, sizeof(double), cmp_double);
-  qsort(u + 1, 3, sizeof(double), cmp_double);
-  *step_s = t[1], *adam_s = u[1];
+  for (int k = 0; k < 2 && !rc && stop_fd < 0; k++)
+    times[k][0] = median(t[k][0], CAL_STEPS), times[k][1] = median(t[k][1], CAL_STEPS);
   return rc;
 }
 
@@ -382,24 +415,47 @@ static int time_steps(const struct opts *o, struct gpt_config c, int b, double *
  * difference is two blocks, the rest is the rest. The products then have the shapes of the
  * real step's, and the ops that FLOPs leave out (LayerNorm, softmax, GELU, the loss) are
  * in the times. */
-static int calibrate(const struct opts *o, struct rates *k) {
+static int calibrate(const struct opts *o, int stop_fd, struct rates *k) {
   struct gpt_config c = o->pm.cfg;
   int b = o->pm.batch / o->pm.micro_batches;
   c.n_layer = 3;
   while (gpt_step_flops(c, b) > 16e9 && (b > 1 || c.seq_len > 16))
     b > 1 ? (b /= 2) : (c.seq_len /= 2);
-  double t1, t3, a1, a3, tokens = (double)c.seq_len * b;
-  struct gpt_config one = c;
-  one.n_layer = 1;
-  int rc = time_steps(o, one, b, &t1, &a1);
-  if (!rc) rc = time_steps(o, c, b, &t3, &a3);
+  double t[2][2], tokens = (double)c.seq_len * b;
+  int rc = time_models(o, c, b, stop_fd, t);
   if (rc) return rc;
   k->cal = c, k->cal_batch = b;
-  k->flops = gpt_step_flops(c, b) * (o->pm.recompute ? 4.0 / 3 : 1) / t3;
-  k->block_s = fmax(t3 - t1, 0) / (2 * tokens);
-  k->rest_s = fmax(t1 / tokens - k->block_s, 0);
-  k->adam_s = a3 / (double)gpt_n_params(c);
+  k->flops = gpt_step_flops(c, b) * (o->pm.recompute ? 4.0 / 3 : 1) / t[1][0];
+  k->block_s = fmax(t[1][0] - t[0][0], 0) / (2 * tokens);
+  k->rest_s = fmax(t[0][0] / tokens - k->block_s, 0);
+  k->adam_s = t[1][1] / (double)gpt_n_params(c);
   return RTP_OK;
+}
+
+/* The calibration while `copies` processes step at once, the others forked copies that
+ * load the host as its other ranks would: ranks of one host share its caches and memory
+ * bandwidth (2 ranks on this 2-core machine each ran 20 to 25% slower than one process
+ * alone; docs/planner.md). */
+static int calibrate_shared(const struct opts *o, int copies, struct rates *k) {
+  int fds[2];
+  pid_t kids[64];
+  int n = 0;
+  if (copies > 64) copies = 64;
+  if (copies < 2 || pipe(fds)) return calibrate(o, -1, k);
+  for (int i = 1; i < copies; i++) {
+    pid_t pid = fork();
+    if (pid == 0) {
+      close(fds[1]);
+      struct rates x;
+      _exit(calibrate(o, fds[0], &x) ? 1 : 0);
+    }
+    if (pid > 0) kids[n++] = pid;
+  }
+  close(fds[0]);
+  int rc = calibrate(o, -1, k);
+  close(fds[1]); /* the copies read EOF and stop */
+  for (int i = 0; i < n; i++) waitpid(kids[i], NULL, 0);
+  return rc;
 }
 
 /* The same costs from a FLOP rate alone: the blocks' and the head's FLOPs over it. */
@@ -432,14 +488,16 @@ static double oversubscription(const struct opts *o, const struct plan_layout *l
   return cores > 0 && busy > (double)cores ? busy / (double)cores : 1;
 }
 
-static void predict_time(const struct opts *o, const struct rates *k, struct row *r) {
+/* k[0]: one process's costs, k[1]: those of a host's ranks running at once. */
+static void predict_time(const struct opts *o, const struct rates k[2], struct row *r) {
   struct gpt_config c = o->pm.cfg;
+  const struct rates *rk = &k[r->l.ranks > 1 && o->per_host > 1];
   bool one_host = o->hosts == 1 || r->l.ranks == 1;
   double bw = one_host || o->local_link < o->link ? o->local_link : o->link;
   int acc = o->pm.accumulate > 1 ? o->pm.accumulate : 1;
   double params = (double)r->mem.bytes[RTP_ROLE_PARAM] / sizeof(float);
   r->compute_s =
-      (acc * rank_compute_s(o, &r->l, k) + params * k->adam_s) * oversubscription(o, &r->l);
+      (acc * rank_compute_s(o, &r->l, rk) + params * rk->adam_s) * oversubscription(o, &r->l);
   r->comm_s = r->sent / bw;
   /* tp's all-reduces wait for the activations they sum; the others' transfers run during
    * the compute (ddp's buckets, fsdp's prefetched gathers, rtp's rotations, the stages),
@@ -492,7 +550,7 @@ static int recommend(const struct row *rows, int n, int ranks) {
   return best;
 }
 
-static void print_header(const struct opts *o, int ranks, const struct rates *k,
+static void print_header(const struct opts *o, int ranks, const struct rates k[2],
                          size_t baseline) {
   struct gpt_config c = o->pm.cfg;
   char a[NUM], b[NUM], m[NUM], accum[48] = "";
@@ -508,14 +566,19 @@ static void print_header(const struct opts *o, int ranks, const struct rates *k,
          ranks > 1 ? "s" : "", o->hosts, o->hosts > 1 ? "s" : "", o->per_host,
          o->mem_per_rank > 0 ? mib(o->mem_per_rank, m) : "unlimited", bits(o->link, a),
          bits(o->local_link, b));
-  if (k->cal.n_layer)
+  if (!k[0].cal.n_layer)
+    printf("compute: %.1f GFLOP/s per rank (--flops)\n", o->flops / 1e9);
+  else
     printf(
         "compute: a block %.1f us and the rest %.1f us a token, Adam %.2f ns a parameter "
         "(%.1f GFLOP/s; measured on %d thread%s, L 1 and %d, T %d, batch %d)\n",
-        k->block_s * 1e6, k->rest_s * 1e6, k->adam_s * 1e9, k->flops / 1e9, o->threads,
-        o->threads > 1 ? "s" : "", k->cal.n_layer, k->cal.seq_len, k->cal_batch);
-  else
-    printf("compute: %.1f GFLOP/s per rank (--flops)\n", o->flops / 1e9);
+        k[0].block_s * 1e6, k[0].rest_s * 1e6, k[0].adam_s * 1e9, k[0].flops / 1e9, o->threads,
+        o->threads > 1 ? "s" : "", k[0].cal.n_layer, k[0].cal.seq_len, k[0].cal_batch);
+  if (k[1].copies)
+    printf(
+        "  with %d ranks at once: a block %.1f us and the rest %.1f us a token, Adam %.2f "
+        "ns a parameter\n",
+        k[1].copies, k[1].block_s * 1e6, k[1].rest_s * 1e6, k[1].adam_s * 1e9);
   printf(
       "peak = the rank's arena (states + pool + activations + the rest) + %s of process "
       "and runtime\n\n",
@@ -598,16 +661,20 @@ int main(int argc, char **argv) {
       fprintf(stderr, "rtp-plan: %s: %s\n", rows[i].name, rtp_last_error());
       return 1;
     }
-  struct rates k = {0};
+  struct rates k[2] = {{0}}; /* one process alone; the ranks of a host at once */
+  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  int copies = o.per_host < cores / o.threads ? o.per_host : (int)(cores / o.threads);
   if (o.flops > 0) {
-    rates_from_flops(&o, &k);
-  } else if (calibrate(&o, &k)) {
+    rates_from_flops(&o, &k[0]);
+    k[1] = k[0];
+  } else if (calibrate(&o, -1, &k[0]) || calibrate_shared(&o, copies, &k[1])) {
     fprintf(stderr, "rtp-plan: the calibration step failed: %s\n", rtp_last_error());
     return 1;
   }
-  for (int i = 0; i < n; i++) predict_time(&o, &k, &rows[i]);
+  k[1].copies = o.flops > 0 || copies < 2 ? 0 : copies;
+  for (int i = 0; i < n; i++) predict_time(&o, k, &rows[i]);
   int best = recommend(rows, n, ranks);
-  if (!o.json) print_header(&o, ranks, &k, baseline);
+  if (!o.json) print_header(&o, ranks, k, baseline);
   for (int i = 0; i < n; i++)
     o.json ? print_json(&rows[i], i == best) : print_row(&rows[i], i == best);
   print_verdict(&o, rows, n, best);
