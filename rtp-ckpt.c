@@ -45,6 +45,7 @@
  * damaged index fails with RTP_EFORMAT rather than be half read.
  */
 #define _POSIX_C_SOURCE 200809L
+#include "rtp-ckpt.h"
 #include "rtp-impl.h"
 #include "rtp-json.h"
 #include "rtp-strategy.h" /* a plan's stage group, to check a pipeline's layout */
@@ -60,53 +61,6 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-#define CK_PATH 4096
-#define CK_MAX_INDEX ((size_t)64 << 20)
-/* latest and COMPLETE: a line of under 80 bytes as written */
-#define CK_MAX_LINE ((size_t)256)
-#define CK_MAX_STATE 32
-/* A save's id: 128 random bits as lowercase hex. */
-#define CK_ID_LEN 32
-/* Adam's step count beyond which a double no longer tells consecutive steps apart (its
- * bias corrections take it as one); no run gets there, so a larger one is damage. */
-#define CK_MAX_ADAM_STEPS ((int64_t)1 << 53)
-
-/* What index.json says of rank r's file. */
-struct ck_file {
-  bool listed;
-  uint64_t bytes;
-  char sha[65];
-};
-
-/* What index.json says of a tensor: its global shape and the rows each file holds. */
-struct ck_block {
-  int rank;
-  int64_t first, rows;
-};
-struct ck_tensor {
-  char name[RTP_MAX_NAME];
-  int64_t ne[RTP_MAX_DIMS]; /* padded with 1 */
-  int n_dims, n_blocks;
-  struct ck_block *blocks;
-};
-
-/* An open checkpoint: what rtp_ckpt_open read from index.json, checked. */
-struct rtp_ckpt {
-  char dir[CK_PATH];           /* the step directory */
-  char save_id[CK_ID_LEN + 1]; /* "" from a version 1 index, which has none */
-  int64_t step, adam_steps;
-  int world, stages; /* stages: 1 without a pipeline (and in indexes older than pipelines) */
-  enum rtp_strategy strategy; /* of stages that differ (version 3): stage 0's */
-  bool het;                   /* version 3: stages of different sizes and strategies */
-  int first[RTP_HETERO_MAX + 1];
-  enum rtp_strategy strat[RTP_HETERO_MAX];
-  int n_state;
-  char state[CK_MAX_STATE][2][RTP_MAX_NAME];
-  struct ck_file *files; /* world of them */
-  int n_tensors;
-  struct ck_tensor *tensors;
-};
 
 /* What each rank reports to rank 0 after writing its file. */
 struct ck_rank_rec {
@@ -175,7 +129,7 @@ static bool ck_relayout(const struct rtp_ckpt_params *p) {
   return ck_strategy(p) == RTP_STRATEGY_TP;
 }
 
-static int ck_path(char *buf, const char *a, const char *b) {
+int rtp__ckpt_path(char *buf, const char *a, const char *b) {
   int n = snprintf(buf, CK_PATH, "%s/%s", a, b);
   if (n < 0 || n >= CK_PATH) return rtp__error(RTP_EINVAL, "checkpoint path too long: %s", a);
   return RTP_OK;
@@ -193,7 +147,7 @@ static int ck_sha256_hex(const void *data, size_t n, char hex[65]) {
 
 /* The SHA-256 of path, which must be a regular file of want bytes (UINT64_MAX: any):
  * its size is checked before a byte is read, so a file grown huge is not hashed. */
-static int ck_sha256_file(const char *path, uint64_t want, char hex[65], uint64_t *bytes) {
+int rtp__ckpt_sha256_file(const char *path, uint64_t want, char hex[65], uint64_t *bytes) {
   int fd;
   int rc = rtp__file_open(path, UINT64_MAX, &fd, bytes);
   if (rc) return rc;
@@ -236,7 +190,7 @@ static int ck_sync_dir(const char *dir) {
 /* dir/name = text, atomically: a temporary file, fsync, rename, fsync of dir. */
 static int ck_replace(const char *dir, const char *name, const char *text) {
   char path[CK_PATH], tmp[CK_PATH + 32];
-  int rc = ck_path(path, dir, name);
+  int rc = rtp__ckpt_path(path, dir, name);
   if (rc) return rc;
   snprintf(tmp, sizeof(tmp), "%s.tmp.%ld", path, (long)getpid());
   int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
@@ -272,7 +226,8 @@ static void ck_remove_dir(const char *path) {
   if (!d) return;
   char f[CK_PATH];
   for (struct dirent *e; (e = readdir(d));)
-    if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..") && !ck_path(f, path, e->d_name))
+    if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..") &&
+        !rtp__ckpt_path(f, path, e->d_name))
       unlink(f);
   closedir(d);
   rmdir(path);
@@ -287,7 +242,7 @@ static bool ck_parse_step_name(const char *name, int64_t *step) {
 
 static bool ck_is_complete(const char *stepdir) {
   char m[CK_PATH];
-  return !ck_path(m, stepdir, "COMPLETE") && access(m, F_OK) == 0;
+  return !rtp__ckpt_path(m, stepdir, "COMPLETE") && access(m, F_OK) == 0;
 }
 
 static int ck_read_pointer(const char *dir, const char *name, char *stepdir, int64_t *step);
@@ -301,7 +256,7 @@ static void ck_prune(const char *dir, int keep) {
   if (!d) return;
   char path[CK_PATH];
   for (struct dirent *e; (e = readdir(d)) && n < 256;)
-    if (ck_parse_step_name(e->d_name, &steps[n]) && !ck_path(path, dir, e->d_name)) n++;
+    if (ck_parse_step_name(e->d_name, &steps[n]) && !rtp__ckpt_path(path, dir, e->d_name)) n++;
   closedir(d);
   int64_t cutoff = -1;
   for (int kept = 0; kept < keep;) { /* the keep-th newest complete step */
@@ -336,7 +291,7 @@ static bool ck_is_word(const char *s) {
 /* The longest parameter name whose Adam states' names ("adam.m." + name) fit a tensor's. */
 #define CK_MAX_PARAM_NAME (RTP_MAX_NAME - 1 - (int)sizeof("adam.m.") + 1)
 
-static int ck_check_params(const struct rtp_ckpt_params *p) {
+int rtp__ckpt_check_params(const struct rtp_ckpt_params *p) {
   if (!p || !p->dir || !*p->dir || !p->par || !p->params || p->n_params < 1)
     return rtp__error(RTP_EINVAL, "rtp_ckpt: need dir, par and params");
   for (int i = 0; i < p->n_params; i++) {
@@ -491,12 +446,12 @@ static int ck_save_rank(const struct ck_out *o, const char *stepdir, int rank, c
                         struct ck_rank_rec *rec) {
   char path[CK_PATH], name[32];
   snprintf(name, sizeof(name), "rank-%d.safetensors", rank);
-  int rc = ck_path(path, stepdir, name);
+  int rc = rtp__ckpt_path(path, stepdir, name);
   char rs[16];
   snprintf(rs, sizeof(rs), "%d", rank);
   const char *meta[] = {"format", "rtp-checkpoint", "rank", rs, "save_id", id, NULL};
   if (!rc) rc = rtp_safetensors_save(path, o->ts, o->n, meta);
-  if (!rc) rc = ck_sha256_file(path, UINT64_MAX, rec->sha, &rec->bytes);
+  if (!rc) rc = rtp__ckpt_sha256_file(path, UINT64_MAX, rec->sha, &rec->bytes);
   return rc;
 }
 
@@ -631,8 +586,8 @@ static int ck_commit(const struct rtp_ckpt_params *p, const char *stepdir, int64
   free(index);
   char ipath[CK_PATH], hex[65], text[128];
   uint64_t bytes;
-  if (!rc) rc = ck_path(ipath, stepdir, "index.json");
-  if (!rc) rc = ck_sha256_file(ipath, UINT64_MAX, hex, &bytes);
+  if (!rc) rc = rtp__ckpt_path(ipath, stepdir, "index.json");
+  if (!rc) rc = rtp__ckpt_sha256_file(ipath, UINT64_MAX, hex, &bytes);
   snprintf(text, sizeof(text), "sha256 %s\n", hex);
   if (!rc) rc = ck_write_atomic(stepdir, "COMPLETE", text);
   snprintf(text, sizeof(text), "step-%08" PRId64 "\n", step);
@@ -654,7 +609,7 @@ static bool ck_is_orphan(const char *dir, const char *stepdir, int64_t step) {
     const char *name = i ? "best" : "latest";
     if (ck_read_pointer(dir, name, named, &named_step)) {
       /* a pointer that exists but does not parse may name anything */
-      if (ck_path(named, dir, name) || access(named, F_OK) == 0) return false;
+      if (rtp__ckpt_path(named, dir, name) || access(named, F_OK) == 0) return false;
       continue;
     }
     if (strcmp(named, stepdir) == 0) return false;
@@ -711,7 +666,7 @@ static int ck_agree(const struct rtp_ckpt_params *p, int rc, const char *what) {
 }
 
 /* Any rank's failure fails every rank. */
-static int ck_any_failed(const struct rtp_ckpt_params *p, int rc, const char *what) {
+int rtp__ckpt_any_failed(const struct rtp_ckpt_params *p, int rc, const char *what) {
   int rank, world;
   ck_rank_world(p, &rank, &world);
   int32_t *all = calloc((size_t)world, sizeof(int32_t));
@@ -753,7 +708,7 @@ static int ck_check_layout(const struct rtp_ckpt_params *p, int rank, int world)
 }
 
 int rtp_ckpt_save(const struct rtp_ckpt_params *p, int64_t step) {
-  int rc = ck_check_params(p), rank, world;
+  int rc = rtp__ckpt_check_params(p), rank, world;
   if (rc) return rc;
   if (step < 0 || step > 99999999) return rtp__error(RTP_EINVAL, "rtp_ckpt_save: bad step");
   if (p->opt && rtp_optimizer_steps(p->opt) > CK_MAX_ADAM_STEPS)
@@ -762,8 +717,9 @@ int rtp_ckpt_save(const struct rtp_ckpt_params *p, int64_t step) {
   ck_rank_world(p, &rank, &world);
   char stepdir[CK_PATH], name[32];
   snprintf(name, sizeof(name), "step-%08" PRId64, step);
-  if ((rc = ck_path(stepdir, p->dir, name))) return rc;
-  rc = ck_any_failed(p, ck_check_layout(p, rank, world), "to check the pipeline's layout");
+  if ((rc = rtp__ckpt_path(stepdir, p->dir, name))) return rc;
+  rc = rtp__ckpt_any_failed(p, ck_check_layout(p, rank, world),
+                            "to check the pipeline's layout");
   if (rc) return rc;
   struct ck_stages st = ck_save_stages(p, world);
   int64_t *blocks = NULL;
@@ -773,13 +729,13 @@ int rtp_ckpt_save(const struct rtp_ckpt_params *p, int64_t step) {
   struct ck_out out = {0};
   bool writes = ck_stages_writes(&st, rank);
   if (!rc)
-    rc = ck_any_failed(p, writes ? ck_rank_tensors(p, rank, blocks, &out) : RTP_OK,
-                       "to prepare its checkpoint file");
+    rc = rtp__ckpt_any_failed(p, writes ? ck_rank_tensors(p, rank, blocks, &out) : RTP_OK,
+                              "to prepare its checkpoint file");
   int g, n; /* (stages that differ: only a tp stage's ranks gather, in their group) */
   bool fill = ck_relayout(p) && ck_group(p, &g, &n);
   if (!rc && p->comm)
-    rc = ck_any_failed(p, fill ? ck_tp_fill(p, rank, blocks, &out) : RTP_OK,
-                       "to gather its blocks");
+    rc = rtp__ckpt_any_failed(p, fill ? ck_tp_fill(p, rank, blocks, &out) : RTP_OK,
+                              "to gather its blocks");
   char id[CK_ID_LEN + 1] = "";
   if (!rc)
     rc = ck_agree(p, rank == 0 ? ck_prepare_dir(p, stepdir, step, id) : RTP_OK,
@@ -939,7 +895,7 @@ static int ck_check_block_rank(const struct rtp_ckpt *c, const char *bat, int64_
 /* The blocks of t must split its rows as rtp_comm_block does over the files that hold it:
  * what every save writes (each strategy's blocks of rows; tp's files rtp's; ddp's one file
  * all), and the one layout of files that loading, a reshard through the planner, reads. */
-static int ck_check_partition(const struct rtp_ckpt *c, const char *at,
+int rtp__ckpt_check_partition(const struct rtp_ckpt *c, const char *at,
                               const struct ck_tensor *t) {
   for (int j = 0; j < t->n_blocks; j++) {
     size_t first, len;
@@ -1015,7 +971,7 @@ static int ck_check_tensor(const struct rtp_ckpt *c, const struct rtp__json *doc
                     " rows for "
                     "%d files and %" PRId64 " rows",
                     c->dir, at, name, t->n_blocks, next, ck_count_files(c), rows);
-  return rc ? rc : ck_check_partition(c, at, t);
+  return rc ? rc : rtp__ckpt_check_partition(c, at, t);
 }
 
 /* "tensors": each well formed, no name twice. */
@@ -1171,7 +1127,7 @@ static int ck_parse_index(struct rtp_ckpt *c, const char *ipath, const char *tex
 static int ck_read_pointer(const char *dir, const char *name, char *stepdir, int64_t *step) {
   char path[CK_PATH];
   void *buf = NULL;
-  int rc = ck_path(path, dir, name);
+  int rc = rtp__ckpt_path(path, dir, name);
   if (!rc) rc = rtp_file_read(path, CK_MAX_LINE, &buf, NULL);
   if (rc) {
     char why[512]; /* the message is rewritten below: keep a copy */
@@ -1186,7 +1142,7 @@ static int ck_read_pointer(const char *dir, const char *name, char *stepdir, int
   if (!ck_parse_step_name(text, step)) {
     rc = rtp__error(RTP_EFORMAT, "%s: does not name a step-<8 digits> directory", path);
   } else {
-    rc = ck_path(stepdir, dir, text);
+    rc = rtp__ckpt_path(stepdir, dir, text);
   }
   free(text);
   return rc;
@@ -1197,8 +1153,8 @@ static int ck_read_index(struct rtp_ckpt *c, int64_t dir_step) {
   char mpath[CK_PATH], ipath[CK_PATH], hex[65];
   void *marker = NULL, *index = NULL;
   size_t n = 0;
-  int rc = ck_path(mpath, c->dir, "COMPLETE");
-  if (!rc) rc = ck_path(ipath, c->dir, "index.json");
+  int rc = rtp__ckpt_path(mpath, c->dir, "COMPLETE");
+  if (!rc) rc = rtp__ckpt_path(ipath, c->dir, "index.json");
   if (!rc && access(mpath, F_OK) && errno == ENOENT)
     return rtp__error(RTP_EFORMAT, "%s is incomplete: no COMPLETE marker (an interrupted save)",
                       c->dir);
@@ -1272,267 +1228,4 @@ const char *rtp_ckpt_state(const struct rtp_ckpt *c, const char *key) {
   for (int i = 0; c && key && i < c->n_state; i++)
     if (strcmp(c->state[i][0], key) == 0) return c->state[i][1];
   return NULL;
-}
-
-/* ---- loading ------------------------------------------------------------------------ */
-
-/* The saved rank files, opened (headers only); each file's checksum is checked before the
- * first read from it. */
-struct ck_files {
-  int n;
-  struct rtp_safetensors **st;
-  bool *verified;
-  const struct rtp_ckpt *c;
-};
-
-static const struct ck_tensor *ck_find_tensor(const struct rtp_ckpt *c, const char *name) {
-  for (int i = 0; i < c->n_tensors; i++)
-    if (strcmp(c->tensors[i].name, name) == 0) return &c->tensors[i];
-  return NULL;
-}
-
-/* The checkpoint must be of this model: its tensors the model's parameters, no more and no
- * fewer, each of the same global shape (else a smaller model would load the first rows
- * and layers of a larger one). */
-static int ck_check_model(const struct rtp_ckpt *c, const struct rtp_ckpt_params *p) {
-  char a[160], b[160];
-  for (int i = 0; i < p->n_params; i++) {
-    const struct rtp_tensor *g = p->params[i];
-    const struct ck_tensor *t = ck_find_tensor(c, g->name);
-    rtp__file_shape_str(g->ne, rtp_tensor_n_dims(g), b, sizeof(b));
-    if (!t)
-      return rtp__error(RTP_ESHAPE, "%s/index.json: no tensor '%s' (the model's is %s)", c->dir,
-                        g->name, b);
-    if (memcmp(t->ne, g->ne, sizeof(t->ne)))
-      return rtp__error(RTP_ESHAPE, "%s/index.json: tensor '%s' is %s, the model's is %s",
-                        c->dir, g->name, rtp__file_shape_str(t->ne, t->n_dims, a, sizeof(a)),
-                        b);
-  }
-  for (int k = 0; k < c->n_tensors; k++) {
-    bool found = false;
-    for (int i = 0; i < p->n_params && !found; i++)
-      found = strcmp(c->tensors[k].name, p->params[i]->name) == 0;
-    if (!found)
-      return rtp__error(RTP_ESHAPE,
-                        "%s/index.json: tensor '%s' is not in the model (%d tensors, the model "
-                        "has %d)",
-                        c->dir, c->tensors[k].name, c->n_tensors, p->n_params);
-  }
-  return RTP_OK;
-}
-
-/* The block of t that file r holds by the index, or NULL if none. */
-static const struct ck_block *ck_index_block(const struct ck_tensor *t, int r) {
-  for (int j = 0; j < t->n_blocks; j++)
-    if (t->blocks[j].rank == r) return &t->blocks[j];
-  return NULL;
-}
-
-/* Rank r's file must be of this save and hold what the index says it does: its metadata
- * naming the format, its rank and the index's save_id (none from a version 1 index); each
- * tensor the index gives it rows of (with its Adam states, adam.m. and adam.v.), of the
- * tensor's shape with that many rows, and nothing else. */
-static int ck_check_file(const struct rtp_ckpt *c, const struct rtp_safetensors *st, int r,
-                         const char *path) {
-  char rs[16], a[160], b[160];
-  snprintf(rs, sizeof(rs), "%d", r);
-  const char *keys[] = {"format", "rank", "save_id"},
-             *want[] = {"rtp-checkpoint", rs, c->save_id};
-  for (int i = 0; i < 3; i++) {
-    const char *v = rtp_safetensors_meta(st, keys[i]);
-    if (strcmp(v ? v : "", want[i]))
-      return rtp__error(RTP_EFORMAT, "%s: metadata %s is '%s', expected '%s'%s", path, keys[i],
-                        v ? v : "", want[i],
-                        i == 2 ? " (index.json's: the file is of another save)" : "");
-  }
-  int listed = 0;
-  for (int k = 0; k < c->n_tensors; k++) listed += ck_index_block(&c->tensors[k], r) != NULL;
-  for (int k = 0; k < rtp_safetensors_count(st); k++) {
-    const char *name;
-    enum rtp_type type;
-    int64_t ne[RTP_MAX_DIMS];
-    rtp_safetensors_info(st, k, &name, &type, NULL, ne);
-    bool state =
-        strncmp(name, "adam.", 5) == 0 && (name[5] == 'm' || name[5] == 'v') && name[6] == '.';
-    const struct ck_tensor *t = ck_find_tensor(c, name);
-    if (!t && state) t = ck_find_tensor(c, name + 7);
-    const struct ck_block *blk = t ? ck_index_block(t, r) : NULL;
-    int64_t expect[RTP_MAX_DIMS];
-    if (!blk)
-      return rtp__error(RTP_EFORMAT, "%s: tensor '%s' is not among the %d index.json gives it",
-                        path, name, listed);
-    memcpy(expect, t->ne, sizeof(expect));
-    expect[t->n_dims - 1] = blk->rows;
-    if (type != RTP_TYPE_F32 || memcmp(ne, expect, sizeof(ne)))
-      return rtp__error(RTP_EFORMAT, "%s: tensor '%s' is %s %s, index.json says F32 %s", path,
-                        name, type == RTP_TYPE_F32 ? "F32" : "I32",
-                        rtp__file_shape_str(ne, t->n_dims, a, sizeof(a)),
-                        rtp__file_shape_str(expect, t->n_dims, b, sizeof(b)));
-  }
-  for (int k = 0; k < c->n_tensors; k++)
-    if (ck_index_block(&c->tensors[k], r) && rtp_safetensors_find(st, c->tensors[k].name) < 0)
-      return rtp__error(RTP_EFORMAT, "%s: no tensor '%s', which index.json says it holds", path,
-                        c->tensors[k].name);
-  return RTP_OK;
-}
-
-static int ck_open_files(const struct rtp_ckpt *c, struct ck_files *f) {
-  *f = (struct ck_files){.n = c->world, .c = c};
-  f->st = calloc((size_t)c->world, sizeof(*f->st));
-  f->verified = calloc((size_t)c->world, sizeof(bool));
-  if (!f->st || !f->verified) return rtp__error(RTP_ENOMEM, "%s: out of memory", c->dir);
-  for (int r = 0; r < c->world; r++) {
-    char name[32], path[CK_PATH];
-    if (!c->files[r].listed) continue; /* and the strategy writes none (checked at open) */
-    snprintf(name, sizeof(name), "rank-%d.safetensors", r);
-    int rc = ck_path(path, c->dir, name);
-    if (!rc) rc = rtp__safetensors_open(path, c->files[r].bytes, &f->st[r]);
-    if (!rc) rc = ck_check_file(c, f->st[r], r, path);
-    if (rc) return rc;
-  }
-  return RTP_OK;
-}
-
-static void ck_close_files(struct ck_files *f) {
-  for (int r = 0; f->st && r < f->n; r++) rtp_safetensors_close(f->st[r]);
-  free(f->st);
-  free(f->verified);
-}
-
-static int ck_verify_file(struct ck_files *f, int r) {
-  if (f->verified[r]) return RTP_OK;
-  char name[40], path[CK_PATH], hex[65];
-  const struct ck_file *want = &f->c->files[r];
-  uint64_t bytes;
-  snprintf(name, sizeof(name), "rank-%d.safetensors", r);
-  int rc = ck_path(path, f->c->dir, name);
-  if (!rc) rc = ck_sha256_file(path, want->bytes, hex, &bytes);
-  if (!rc && strcmp(hex, want->sha))
-    rc = rtp__error(RTP_EFORMAT, "%s: checksum mismatch (corrupted): sha256 %s, index says %s",
-                    path, hex, want->sha);
-  f->verified[r] = !rc;
-  return rc;
-}
-
-/* The saved layout of t: a mesh of the files that hold it, in rank order (ddp's one file,
- * or in a pipeline those of its stage), its outermost dimension chunked over them as
- * rtp_comm_block cuts it (ck_check_partition). Files are read, not sent: one host. */
-static int ck_saved_layout(const struct rtp_ckpt *c, const struct ck_tensor *t,
-                           struct rtp_mesh *m, struct rtp_layout *l) {
-  int ranks[RTP_MESH_MAX_RANKS], hosts[RTP_MESH_MAX_RANKS] = {0};
-  if (t->n_blocks > RTP_MESH_MAX_RANKS)
-    return rtp__error(RTP_ENOSYS,
-                      "%s: '%s' is in %d files; a load reads at most %d (the resharding "
-                      "planner's meshes)",
-                      c->dir, t->name, t->n_blocks, RTP_MESH_MAX_RANKS);
-  for (int j = 0; j < t->n_blocks; j++) ranks[j] = t->blocks[j].rank;
-  *l = rtp_layout_replicated();
-  int rc = rtp_mesh_init_1d(m, t->n_blocks, ranks, hosts);
-  return rc ? rc : rtp_layout_chunk(l, t->n_dims - 1, 0, 1);
-}
-
-/* g's layout in the plan, on a mesh of the plan's group whose ranks are numbered after the
- * files' (a file is never taken for a rank, so every slice is read); *me is this rank. */
-static int ck_plan_layout(const struct rtp_ckpt *c, const struct rtp_parallel *par,
-                          const struct rtp_tensor *g, struct rtp_mesh *m, struct rtp_layout *l,
-                          int *me) {
-  int n = par->comm ? rtp_comm_size(par->comm) : 1;
-  int ranks[RTP_MESH_MAX_RANKS], hosts[RTP_MESH_MAX_RANKS] = {0};
-  if (n > RTP_MESH_MAX_RANKS)
-    return rtp__error(RTP_ENOSYS,
-                      "rtp_ckpt_load: a group of %d ranks; a load reads onto at most %d (the "
-                      "resharding planner's meshes)",
-                      n, RTP_MESH_MAX_RANKS);
-  for (int i = 0; i < n; i++) ranks[i] = c->world + i;
-  *me = c->world + (par->comm ? rtp_comm_rank(par->comm) : 0);
-  int rc = rtp_mesh_init_1d(m, n, ranks, hosts);
-  return rc ? rc : rtp_parallel_layout(par, g, l);
-}
-
-static bool ck_receives(const struct rtp_reshard_slice *s, int me) {
-  for (int k = 0; k < s->n_receivers; k++)
-    if (s->receivers[k] == me) return true;
-  return false;
-}
-
-/* Slice s of the saved tensor name (t in the index) into its place in dst, this rank's
- * block (map): read from its one holder (the saved blocks do not overlap), whose rows start
- * at its block's first. */
-static int ck_read_slice(struct ck_files *f, struct rtp_context *views, const char *name,
-                         const struct ck_tensor *t, const struct rtp_reshard_slice *s,
-                         const struct rtp__reshard_map *map, struct rtp_tensor *dst) {
-  int r = s->holders[0];
-  int64_t at[RTP_MAX_DIMS];
-  memcpy(at, s->first, sizeof(at));
-  at[t->n_dims - 1] -= ck_index_block(t, r)->first;
-  struct rtp_tensor *v = rtp_view(views, dst, RTP_MAX_DIMS, s->len, dst->nb,
-                                  rtp__reshard_map_offset(map, dst, s->first));
-  int rc = v ? ck_verify_file(f, r) : rtp__error(RTP_ENOMEM, "rtp_ckpt_load: out of memory");
-  return rc ? rc : rtp__safetensors_read_box(f->st[r], name, at, v);
-}
-
-/* Parameter g's value and Adam states (st, as this rank holds them): loading is a reshard
- * from the saved layout to the plan's, whose slices say which file holds each box this
- * rank needs. */
-static int ck_load_param(const struct rtp_ckpt_params *p, struct ck_files *f,
-                         const struct rtp_tensor *g, struct rtp_tensor *st[3]) {
-  const struct ck_tensor *t = ck_find_tensor(f->c, g->name);
-  struct rtp_mesh mesh[2];
-  struct rtp_layout lay[2];
-  struct rtp_reshard_params rp = {.src_mesh = &mesh[0],
-                                  .dst_mesh = &mesh[1],
-                                  .src = &lay[0],
-                                  .dst = &lay[1],
-                                  .elem_size = sizeof(float)};
-  memcpy(rp.ne, g->ne, sizeof(rp.ne));
-  struct rtp_reshard *plan = NULL;
-  struct rtp__reshard_map map = {0};
-  struct rtp_context *views = NULL;
-  int me = -1, rc = ck_saved_layout(f->c, t, &mesh[0], &lay[0]);
-  if (!rc) rc = ck_plan_layout(f->c, p->par, g, &mesh[1], &lay[1], &me);
-  if (!rc) rc = rtp_reshard_plan(&rp, &plan);
-  if (!rc && rtp__reshard_map_init(&map, plan, me, false))
-    views = rtp_context_new((struct rtp_init_params){
-        .mem_size = ((size_t)plan->n_slices * 3 + 8) * 1024, .no_alloc = true});
-  if (!rc && !views) rc = rtp__error(RTP_ENOMEM, "rtp_ckpt_load: out of memory");
-  for (int j = 0; j < 3 && st[j] && !rc; j++) {
-    char name[RTP_MAX_NAME + 8];
-    snprintf(name, sizeof(name), "%s%s", j ? (j == 1 ? "adam.m." : "adam.v.") : "", g->name);
-    if (map.n[0] && memcmp(st[j]->ne, map.ne, sizeof(map.ne)))
-      rc = rtp__error(RTP_ESHAPE,
-                      "rtp_ckpt_load: this rank's '%s' is not its block of the plan's layout",
-                      name);
-    for (int k = 0; k < plan->n_slices && !rc; k++)
-      if (ck_receives(&plan->slices[k], me))
-        rc = ck_read_slice(f, views, name, t, &plan->slices[k], &map, st[j]);
-  }
-  rtp_context_free(views);
-  rtp__reshard_map_free(&map);
-  rtp_reshard_free(plan);
-  return rc;
-}
-
-static int ck_load_tensors(const struct rtp_ckpt_params *p, struct ck_files *f) {
-  int rc = RTP_OK;
-  for (int i = 0; i < p->n_params && !rc; i++) {
-    const struct rtp_tensor *g = p->params[i];
-    struct rtp_tensor *st[3] = {rtp_parallel_tensor(p->par, g)};
-    if (!st[0] || rtp_tensor_nelements(g) == 0) continue; /* another stage's, or nothing */
-    rtp__optimizer_find(p->opt, st[0], &st[1], &st[2]);
-    rc = ck_load_param(p, f, g, st);
-  }
-  return rc;
-}
-
-int rtp_ckpt_load(const struct rtp_ckpt *c, const struct rtp_ckpt_params *p) {
-  int rc = ck_check_params(p);
-  if (rc) return rc;
-  if (!c) return rtp__error(RTP_EINVAL, "rtp_ckpt_load: no checkpoint");
-  struct ck_files f = {0};
-  rc = ck_check_model(c, p);
-  if (!rc) rc = ck_open_files(c, &f);
-  if (!rc) rc = ck_load_tensors(p, &f);
-  ck_close_files(&f);
-  if (!rc && p->opt) rc = rtp_optimizer_set_steps(p->opt, c->adam_steps);
-  return ck_any_failed(p, rc, "to load the checkpoint");
 }
