@@ -1355,6 +1355,43 @@ TEST(TrainGptCkpt, CheckpointsResumeUnderAnotherStrategyAndOnFewerRanks) {
   }
 }
 
+// A checkpoint resumed on another layout (`ranks` ranks with `flags`), from a copy of it
+// under <tag>-resume: it says `says` and trains steps 11 to 20 with the losses `want` of
+// the run that never stopped, to float rounding (bit for bit where `exact`).
+struct ResumeCase {
+  std::string from, what;
+  int ranks;
+  std::string flags;
+  bool exact;
+  std::string says;
+};
+
+void resume_matches(const ResumeCase &c, const std::string &tag,
+                    const std::vector<double> &want) {
+  std::string dir = tmp_dir() + tag + "-resume", m = tmp_dir() + tag + "-resumed.jsonl";
+  ASSERT_EQ(
+      std::system(
+          ("rm -rf " + quote(dir) + " && cp -r " + quote(c.from) + " " + quote(dir)).c_str()),
+      0);
+  std::string flags = kCkptFlags + c.flags + " --steps 20 --resume";
+  std::vector<std::string> extra = {"--ckpt-dir", dir, "--metrics", m};
+  Result r = run(c.ranks == 1 ? train_gpt(flags, extra) : on_ranks(c.ranks, flags, extra));
+  ASSERT_EQ(r.code, 0) << c.what << ": " << r.out << r.err;
+  EXPECT_NE(r.out.find(c.says), std::string::npos) << c.what << ": " << r.out;
+  std::vector<double> got = metric(m, "loss");
+  ASSERT_EQ(got.size(), want.size()) << c.what;
+  if (c.exact) {
+    EXPECT_EQ(got, want) << c.what;
+  }
+  double worst = 0;
+  for (size_t i = 0; i < want.size(); i++) {
+    EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << c.what << ", step " << i + 11;
+    worst = std::max(worst, std::fabs(got[i] - want[i]) / want[i]);
+  }
+  std::printf("%s: %zu losses, largest relative difference %.2g\n", c.what.c_str(), got.size(),
+              worst);
+}
+
 // A pipeline's checkpoints: resumed on the same pipeline, the losses of a run never
 // stopped, bit for bit; resumed in one process or on 2 flat rtp ranks, and a flat job's
 // resumed on a pipeline, the same to float rounding.
@@ -1368,43 +1405,18 @@ TEST(TrainGptCkpt, PipelineCheckpointsResumeOnAnyLayout) {
   ASSERT_EQ(a.code, 0) << a.err;
   Result b = run(on_ranks(2, kCkptFlags + " --batch 2 --steps 10", {"--ckpt-dir", flat}));
   ASSERT_EQ(b.code, 0) << b.err;
-  struct Case {
-    std::string from, what;
-    int ranks;
-    std::string flags;
-    bool exact;
-  };
-  const Case cases[] = {
-      {saved, "the same pipeline", 4, pp, true},
-      {saved, "one process", 1, " --batch 4", false},
-      {saved, "2 rtp ranks", 2, " --batch 2", false},
-      {flat, "a pipeline, from 2 rtp ranks", 4, pp + " --strategy fsdp --schedule gpipe",
-       false},
+  const std::string by_pp = "saved on 4 ranks as 2 pipeline stages, rtp inside",
+                    by_flat = "saved on 2 ranks with rtp";
+  const ResumeCase cases[] = {
+      {saved, "the same pipeline", 4, pp, true, by_pp},
+      {saved, "one process", 1, " --batch 4", false, by_pp},
+      {saved, "2 rtp ranks", 2, " --batch 2", false, by_pp},
+      {flat, "a pipeline, from 2 rtp ranks", 4, pp + " --strategy fsdp --schedule gpipe", false,
+       by_flat},
   };
   std::vector<double> want = losses_after(ref, 10);
   ASSERT_EQ(want.size(), 10u);
-  for (const Case &c : cases) {
-    std::string dir = tmp_dir() + "ckp-resume", m = tmp_dir() + "ckp-resumed.jsonl";
-    ASSERT_EQ(
-        std::system(
-            ("rm -rf " + quote(dir) + " && cp -r " + quote(c.from) + " " + quote(dir)).c_str()),
-        0);
-    std::string flags = kCkptFlags + c.flags + " --steps 20 --resume";
-    std::vector<std::string> extra = {"--ckpt-dir", dir, "--metrics", m};
-    Result r = run(c.ranks == 1 ? train_gpt(flags, extra) : on_ranks(c.ranks, flags, extra));
-    ASSERT_EQ(r.code, 0) << c.what << ": " << r.err;
-    EXPECT_NE(r.out.find(c.from == saved ? "saved on 4 ranks as 2 pipeline stages, rtp inside"
-                                         : "saved on 2 ranks with rtp"),
-              std::string::npos)
-        << c.what << ": " << r.out;
-    std::vector<double> got = metric(m, "loss");
-    ASSERT_EQ(got.size(), want.size()) << c.what;
-    if (c.exact) {
-      EXPECT_EQ(got, want) << c.what;
-    }
-    for (size_t i = 0; i < want.size(); i++)
-      EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << c.what << ", step " << i + 11;
-  }
+  for (const ResumeCase &c : cases) resume_matches(c, "ckp", want);
 }
 
 // Checkpoints of stages of different sizes and strategies (--stages 2:tp,2:ddp, index
@@ -1436,50 +1448,22 @@ TEST(TrainGptCkpt, StagesCheckpointsResumeOnAnyLayout) {
       on_ranks(3, kCkptFlags + " --batch 4 --stages 1:none,2:fsdp --micro-batches 2 --steps 10",
                {"--ckpt-dir", one}));
   ASSERT_EQ(d.code, 0) << d.err;
-  struct Case {
-    std::string from, what;
-    int ranks;
-    std::string flags;
-    bool exact;
-  };
-  const Case cases[] = {
-      {saved, "the same stages", 4, het, true},
-      {saved, "one process", 1, " --batch 4", false},
-      {saved, "2 rtp ranks", 2, " --batch 2 --strategy rtp", false},
-      {flat, "stages, from 2 rtp ranks", 4, het, false},
-      {rect, "stages, from a 2 x 2 pipeline", 4, het, false},
+  const std::string by = "resumed from";
+  const ResumeCase cases[] = {
+      {saved, "the same stages", 4, het, true, by},
+      {saved, "one process", 1, " --batch 4", false, by},
+      {saved, "2 rtp ranks", 2, " --batch 2 --strategy rtp", false, by},
+      {flat, "stages, from 2 rtp ranks", 4, het, false, by},
+      {rect, "stages, from a 2 x 2 pipeline", 4, het, false, by},
       {saved, "other stages, 2:ddp,2:tp", 4, " --batch 4 --stages 2:ddp,2:tp --micro-batches 4",
-       false},
+       false, by},
       {saved, "other stages, 1:none,2:fsdp", 3,
-       " --batch 4 --stages 1:none,2:fsdp --micro-batches 2", false},
-      {one, "one process, from 1:none,2:fsdp", 1, " --batch 4", false},
+       " --batch 4 --stages 1:none,2:fsdp --micro-batches 2", false, by},
+      {one, "one process, from 1:none,2:fsdp", 1, " --batch 4", false, by},
   };
   std::vector<double> want = losses_after(ref, 10);
   ASSERT_EQ(want.size(), 10u);
-  for (const Case &c : cases) {
-    std::string dir = tmp_dir() + "ckh-resume", m = tmp_dir() + "ckh-resumed.jsonl";
-    ASSERT_EQ(
-        std::system(
-            ("rm -rf " + quote(dir) + " && cp -r " + quote(c.from) + " " + quote(dir)).c_str()),
-        0);
-    std::string flags = kCkptFlags + c.flags + " --steps 20 --resume";
-    std::vector<std::string> extra = {"--ckpt-dir", dir, "--metrics", m};
-    Result r = run(c.ranks == 1 ? train_gpt(flags, extra) : on_ranks(c.ranks, flags, extra));
-    ASSERT_EQ(r.code, 0) << c.what << ": " << r.out << r.err;
-    EXPECT_NE(r.out.find("resumed from"), std::string::npos) << c.what << ": " << r.out;
-    std::vector<double> got = metric(m, "loss");
-    ASSERT_EQ(got.size(), want.size()) << c.what;
-    if (c.exact) {
-      EXPECT_EQ(got, want) << c.what;
-    }
-    double worst = 0;
-    for (size_t i = 0; i < want.size(); i++) {
-      EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << c.what << ", step " << i + 11;
-      worst = std::max(worst, std::fabs(got[i] - want[i]) / want[i]);
-    }
-    std::printf("%s: %zu losses, largest relative difference %.2g\n", c.what.c_str(),
-                got.size(), worst);
-  }
+  for (const ResumeCase &c : cases) resume_matches(c, "ckh", want);
 }
 
 // A checkpoint read as a model by the README's lines as written there, which give neither
