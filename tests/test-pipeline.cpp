@@ -637,22 +637,49 @@ rtp_context *hetero_model(const HeteroCase &c, gpt *m, rtp_graph **fwd) {
   return meta;
 }
 
+// One rank of case c up to its plan: the job and its stage group, the one-device model
+// and an arena of `arena` bytes; close frees them, contexts before communicators.
+struct HeteroRank {
+  rtp_comm *job = nullptr, *stage = nullptr;
+  gpt m{};
+  rtp_graph *fwd = nullptr;
+  rtp_context *meta = nullptr, *ctx = nullptr;
+  int s = -1;  // this rank's stage
+
+  // 0, or the rank's failure code (CHECK's).
+  int open(const HeteroCase &c, int rank, int port, size_t arena, int timeout_ms = 20000) {
+    rtp_comm_params cp = rtptest::params(rank, job_size(c), port, timeout_ms);
+    CHECK_OK(rtp_comm_init(&cp, &job));
+    s = hetero_stage(c, rank, job, &stage);
+    CHECK(s >= 0, "stage group: %s", rtp_last_error());
+    meta = hetero_model(c, &m, &fwd);
+    ctx = rtp_context_new(rtp_init_params{arena, nullptr, false, nullptr, 0});
+    CHECK(meta && ctx, "model or arena: %s", rtp_last_error());
+    return 0;
+  }
+  rtp_parallel *plan(const HeteroCase &c) {
+    return hetero_plan(c, ctx, fwd, &m, job, stage);
+  }
+  // barrier: wait for every rank of the job first, so that none leaves one still sending.
+  void close(bool barrier) {
+    rtp_context_free(ctx);
+    rtp_context_free(meta);
+    if (barrier) rtp_comm_barrier(job, nullptr);
+    rtp_comm_free(stage);
+    rtp_comm_free(job);
+  }
+};
+
 // Trains kSteps: every rank's loss and gradient norm, and its parameters at the end,
 // against one process on the U units' batch.
 int hetero_rank(const HeteroCase &c, int rank, int port, const Reference &ref) {
-  rtp_comm_params cp = rtptest::params(rank, job_size(c), port);
-  rtp_comm *job = nullptr, *stage = nullptr;
-  CHECK_OK(rtp_comm_init(&cp, &job));
-  int s = hetero_stage(c, rank, job, &stage);
-  CHECK(s >= 0, "stage group: %s", rtp_last_error());
-  gpt m{};
-  rtp_graph *fwd = nullptr;
-  rtp_context *meta = hetero_model(c, &m, &fwd);
-  CHECK(meta, "model: %s", rtp_last_error());
-  rtp_init_params ip = {gpt_arena_size(kCfg, c.seqs) * (size_t)(c.U + 2), nullptr, false,
-                        nullptr, 0};
-  rtp_context *ctx = rtp_context_new(ip);
-  rtp_parallel *par = hetero_plan(c, ctx, fwd, &m, job, stage);
+  HeteroRank h;
+  if (int rc = h.open(c, rank, port, gpt_arena_size(kCfg, c.seqs) * (size_t)(c.U + 2)))
+    return rc;
+  gpt &m = h.m;
+  rtp_context *ctx = h.ctx;
+  int s = h.s;
+  rtp_parallel *par = h.plan(c);
   CHECK(par, "rtp_parallel_new: %s", rtp_last_error());
   CHECK(rtp_parallel_stage(par) == s && rtp_parallel_stages(par) == (int)c.ranks.size(),
         "stage %d of %d", rtp_parallel_stage(par), rtp_parallel_stages(par));
@@ -712,11 +739,7 @@ int hetero_rank(const HeteroCase &c, int rank, int port, const Reference &ref) {
           "step %d: gradient norm %.8f, one process %.8f", st, nrm, ref.norms[st]);
   }
   if (int rc = check_params(rank, par, m, ref)) return rc;
-  rtp_context_free(ctx);
-  rtp_context_free(meta);
-  rtp_comm_barrier(job, nullptr);
-  rtp_comm_free(stage);
-  rtp_comm_free(job);
+  h.close(true);
   return 0;
 }
 
@@ -773,27 +796,14 @@ TEST(PipelineHetero, ImpossibleSpecsAreRefused) {
     auto res = rtptest::run_procs(
         n,
         [&](int rank) {
-          rtp_comm_params cp = rtptest::params(rank, n, port);
-          rtp_comm *job = nullptr, *stage = nullptr;
-          CHECK_OK(rtp_comm_init(&cp, &job));
-          CHECK(hetero_stage(f.c, rank, job, &stage) >= 0, "stage group");
-          gpt m{};
-          rtp_graph *fwd = nullptr;
-          rtp_context *meta = hetero_model(f.c, &m, &fwd);
-          rtp_init_params ip = {64 << 20, nullptr, false, nullptr, 0};
-          rtp_context *ctx = rtp_context_new(ip);
-          CHECK(meta && ctx, "model");
-          CHECK(!hetero_plan(f.c, ctx, fwd, &m, job, stage), "%s was not refused",
-                name(f.c).c_str());
+          HeteroRank h;
+          if (int rc = h.open(f.c, rank, port, 64 << 20)) return rc;
+          CHECK(!h.plan(f.c), "%s was not refused", name(f.c).c_str());
           std::string msg = rtp_last_error();
-          CHECK(rtp_context_error(ctx, nullptr) == f.status, "status %d: %s",
-                rtp_context_error(ctx, nullptr), msg.c_str());
+          CHECK(rtp_context_error(h.ctx, nullptr) == f.status, "status %d: %s",
+                rtp_context_error(h.ctx, nullptr), msg.c_str());
           CHECK(msg.find(f.words) != std::string::npos, "message: %s", msg.c_str());
-          rtp_context_free(ctx);
-          rtp_context_free(meta);
-          rtp_comm_barrier(job, nullptr);
-          rtp_comm_free(stage);
-          rtp_comm_free(job);
+          h.close(true);
           return 0;
         },
         60);
@@ -814,25 +824,18 @@ TEST(PipelineHetero, CheckpointsLoadAndLiveReshardRefuses) {
   auto res = rtptest::run_procs(
       4,
       [&](int rank) {
-        rtp_comm_params cp = rtptest::params(rank, 4, port);
-        rtp_comm *job = nullptr, *stage = nullptr;
-        CHECK_OK(rtp_comm_init(&cp, &job));
-        CHECK(hetero_stage(c, rank, job, &stage) >= 0, "stage group");
-        gpt m{};
-        rtp_graph *fwd = nullptr;
-        rtp_context *meta = hetero_model(c, &m, &fwd);
-        rtp_init_params ip = {gpt_arena_size(kCfg, 1) * 4, nullptr, false, nullptr, 0};
-        rtp_context *ctx = rtp_context_new(ip);
-        rtp_parallel *par = meta && ctx ? hetero_plan(c, ctx, fwd, &m, job, stage) : nullptr;
+        HeteroRank h;
+        if (int rc = h.open(c, rank, port, gpt_arena_size(kCfg, 1) * 4)) return rc;
+        rtp_parallel *par = h.plan(c);
         CHECK(par, "rtp_parallel_new: %s", rtp_last_error());
-        CHECK_OK(rtp_graph_plan(ctx, rtp_parallel_graph(par)));
+        CHECK_OK(rtp_graph_plan(h.ctx, rtp_parallel_graph(par)));
         rtp_ckpt_params kp{};
         kp.dir = dir.c_str();
         kp.par = par;
-        kp.comm = job;
+        kp.comm = h.job;
         kp.strategy = RTP_STRATEGY_DDP;
-        kp.params = m.params;
-        kp.n_params = m.n_params;
+        kp.params = h.m.params;
+        kp.n_params = h.m.n_params;
         CHECK_OK(rtp_ckpt_save(&kp, 1));
         rtp_ckpt *ck = nullptr;
         CHECK_OK(rtp_ckpt_open(dir.c_str(), &ck));
@@ -842,7 +845,7 @@ TEST(PipelineHetero, CheckpointsLoadAndLiveReshardRefuses) {
         CHECK_OK(rtp_ckpt_load(ck, &kp));
         rtp_ckpt_close(ck);
         rtp_parallel_reshard_params rp{};
-        rp.job = job;
+        rp.job = h.job;
         rp.from = par;
         rp.to = par;
         CHECK(rtp_parallel_reshard(&rp) == RTP_EINVAL, "resharded: %s", rtp_last_error());
@@ -850,11 +853,7 @@ TEST(PipelineHetero, CheckpointsLoadAndLiveReshardRefuses) {
                       .find(rank == 0 ? "stages of different sizes" : "rank 0 refused") !=
                   std::string::npos,
               "message: %s", rtp_last_error());
-        rtp_context_free(ctx);
-        rtp_context_free(meta);
-        rtp_comm_barrier(job, nullptr);
-        rtp_comm_free(stage);
-        rtp_comm_free(job);
+        h.close(true);
         return 0;
       },
       60);
@@ -878,19 +877,12 @@ TEST(PipelineHetero, RankKilledAtABoundary) {
   auto res = rtptest::run_procs(
       n,
       [&](int rank) {
-        rtp_comm_params cp = rtptest::params(rank, n, port, timeout_ms);
-        rtp_comm *job = nullptr, *stage = nullptr;
-        CHECK_OK(rtp_comm_init(&cp, &job));
-        CHECK(hetero_stage(c, rank, job, &stage) >= 0, "stage group");
-        gpt m{};
-        rtp_graph *fwd = nullptr;
-        rtp_context *meta = hetero_model(c, &m, &fwd);
-        rtp_init_params ip = {gpt_arena_size(kCfg, 1) * 4, nullptr, false, nullptr, 0};
-        rtp_context *ctx = rtp_context_new(ip);
-        rtp_parallel *par = meta && ctx ? hetero_plan(c, ctx, fwd, &m, job, stage) : nullptr;
+        HeteroRank h;
+        if (int rc = h.open(c, rank, port, gpt_arena_size(kCfg, 1) * 4, timeout_ms)) return rc;
+        rtp_parallel *par = h.plan(c);
         CHECK(par, "rtp_parallel_new: %s", rtp_last_error());
         rtp_graph *g = rtp_parallel_graph(par);
-        CHECK_OK(rtp_graph_plan(ctx, g));
+        CHECK_OK(rtp_graph_plan(h.ctx, g));
         if (rank == 2) {
           CHECK_OK(rtp_graph_compute(g, nullptr));
           kill(getpid(), SIGKILL);
@@ -901,10 +893,7 @@ TEST(PipelineHetero, RankKilledAtABoundary) {
         for (int s = 0; s < 1000 && st == RTP_OK; s++) st = rtp_graph_compute(g, nullptr);
         int rc = rtptest::expect_failure(rank, st, t0, 3.0 * timeout_ms / 1000,
                                          {RTP_EPEER, RTP_ETIMEDOUT, RTP_ECOMM}, {"rank 2"});
-        rtp_context_free(ctx);
-        rtp_context_free(meta);
-        rtp_comm_free(stage);
-        rtp_comm_free(job);
+        h.close(false);
         return rc;
       },
       60, {2});
