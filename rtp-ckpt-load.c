@@ -218,12 +218,7 @@ static int ck_load_param(const struct rtp_ckpt_params *p, struct ck_files *f,
   const struct ck_tensor *t = ck_find_tensor(f->c, g->name);
   struct rtp_mesh mesh[2];
   struct rtp_layout lay[2];
-  struct rtp_reshard_params rp = {.src_mesh = &mesh[0],
-                                  .dst_mesh = &mesh[1],
-                                  .src = &lay[0],
-                                  .dst = &lay[1],
-                                  .elem_size = sizeof(float)};
-  memcpy(rp.ne, g->ne, sizeof(rp.ne));
+  struct rtp_reshard_params rp = rtp__reshard_params_pair(mesh, lay, g->ne, sizeof(float));
   struct rtp_reshard *plan = NULL;
   struct rtp__reshard_map map = {0};
   struct rtp_context *views = NULL;

@@ -342,6 +342,15 @@ int rtp__safetensors_open(const char *path, uint64_t bytes, struct rtp_safetenso
 int rtp__safetensors_read_box(struct rtp_safetensors *st, const char *name, const int64_t *at,
                               struct rtp_tensor *t);
 
+/* ---- rtp-reshard.c ---- */
+/* The move of a tensor of shape ne (RTP_MAX_DIMS of them, unused ones 1) and elem_size
+ * bytes an element from (mesh[0], lay[0]) to (mesh[1], lay[1]), which the caller fills
+ * before planning: the move every internal user (a stage boundary, a checkpoint's load, a
+ * live reshard) plans. */
+struct rtp_reshard_params rtp__reshard_params_pair(struct rtp_mesh mesh[2],
+                                                   struct rtp_layout lay[2], const int64_t *ne,
+                                                   size_t elem_size);
+
 /* ---- rtp-reshard-exec.c: where a rank's local tensor holds the global one ---- */
 /* Per dimension, the distinct intervals of the slices of a plan (rtp_reshard_plan) that a
  * rank holds (or receives), sorted: its local tensor is their concatenation, as the

@@ -302,12 +302,8 @@ static int move_all(struct job *j, struct side *sd[2], size_t chunk) {
                         param->name);
     struct rtp_mesh mesh[2];
     struct rtp_layout lay[2];
-    struct rtp_reshard_params rp = {.src_mesh = &mesh[0],
-                                    .dst_mesh = &mesh[1],
-                                    .src = &lay[0],
-                                    .dst = &lay[1],
-                                    .elem_size = rtp_type_size(param->type)};
-    memcpy(rp.ne, param->ne, sizeof(rp.ne));
+    struct rtp_reshard_params rp =
+        rtp__reshard_params_pair(mesh, lay, param->ne, rtp_type_size(param->type));
     for (int s = 0; s < 2; s++) {
       int rc = stage_mesh(j, s, st[s], &mesh[s]);
       if (!rc)

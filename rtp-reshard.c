@@ -575,3 +575,15 @@ int rtp_reshard_plan(const struct rtp_reshard_params *p, struct rtp_reshard **ou
 void rtp_reshard_free(struct rtp_reshard *r) {
   free(r);
 }
+
+struct rtp_reshard_params rtp__reshard_params_pair(struct rtp_mesh mesh[2],
+                                                   struct rtp_layout lay[2], const int64_t *ne,
+                                                   size_t elem_size) {
+  struct rtp_reshard_params rp = {.src_mesh = &mesh[0],
+                                  .dst_mesh = &mesh[1],
+                                  .src = &lay[0],
+                                  .dst = &lay[1],
+                                  .elem_size = elem_size};
+  memcpy(rp.ne, ne, sizeof(rp.ne));
+  return rp;
+}

@@ -188,12 +188,8 @@ static struct rtp_move *move_of(struct rtp_parallel *p, struct rtp_pipe *pp, int
   int from = grad ? c : a, to = grad ? a : c;
   int rc = stage_mesh(h, pp->comm, from, &mesh[0], &lay[0]);
   if (!rc) rc = stage_mesh(h, pp->comm, to, &mesh[1], &lay[1]);
-  struct rtp_reshard_params rp = {.src_mesh = &mesh[0],
-                                  .dst_mesh = &mesh[1],
-                                  .src = &lay[0],
-                                  .dst = &lay[1],
-                                  .ne = {n, h->U, 1, 1},
-                                  .elem_size = sizeof(float)};
+  const int64_t ne[RTP_MAX_DIMS] = {n, h->U, 1, 1};
+  struct rtp_reshard_params rp = rtp__reshard_params_pair(mesh, lay, ne, sizeof(float));
   struct rtp_reshard *plan = NULL;
   if (!rc) rc = rtp_reshard_plan(&rp, &plan);
   int covered = 0;
