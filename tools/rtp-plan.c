@@ -432,7 +432,7 @@ static int calibrate(const struct opts *o, int stop_fd, struct rates *k) {
   return RTP_OK;
 }
 
-/* The calibration while `copies` processes step at once, the others forked copies that
+/* The calibration while `copies` (>= 2) processes step at once, the others forked copies that
  * load the host as its other ranks would: ranks of one host share its caches and memory
  * bandwidth (2 ranks on this 2-core machine each ran 20 to 25% slower than one process
  * alone; docs/planner.md). */
@@ -441,7 +441,7 @@ static int calibrate_shared(const struct opts *o, int copies, struct rates *k) {
   pid_t kids[64];
   int n = 0;
   if (copies > 64) copies = 64;
-  if (copies < 2 || pipe(fds)) return calibrate(o, -1, k);
+  if (pipe(fds)) return calibrate(o, -1, k);
   for (int i = 1; i < copies; i++) {
     pid_t pid = fork();
     if (pid == 0) {
@@ -666,11 +666,11 @@ int main(int argc, char **argv) {
   int copies = o.per_host < cores / o.threads ? o.per_host : (int)(cores / o.threads);
   if (o.flops > 0) {
     rates_from_flops(&o, &k[0]);
-    k[1] = k[0];
-  } else if (calibrate(&o, -1, &k[0]) || calibrate_shared(&o, copies, &k[1])) {
+  } else if (calibrate(&o, -1, &k[0]) || (copies > 1 && calibrate_shared(&o, copies, &k[1]))) {
     fprintf(stderr, "rtp-plan: the calibration step failed: %s\n", rtp_last_error());
     return 1;
   }
+  if (o.flops > 0 || copies < 2) k[1] = k[0]; /* no copies to step beside: the same costs */
   k[1].copies = o.flops > 0 || copies < 2 ? 0 : copies;
   for (int i = 0; i < n; i++) predict_time(&o, k, &rows[i]);
   int best = recommend(rows, n, ranks);
