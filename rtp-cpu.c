@@ -615,6 +615,7 @@ size_t rtp__op_work_size(const struct rtp_tensor *t) {
   switch (t->op) {
     case RTP_OP_SUM:
     case RTP_OP_CROSS_ENTROPY:
+    case RTP_OP_ADAMW:
       return RTP_MAX_THREADS * sizeof(double);
     case RTP_OP_ATTENTION:
     case RTP_OP_ATTENTION_BACK:
@@ -700,6 +701,9 @@ void rtp__compute_forward(const struct rtp_compute_params *p, struct rtp_tensor 
       break;
     case RTP_OP_CAST:
       k_cast(p, t);
+      break;
+    case RTP_OP_ADAMW:
+      rtp__k_adamw(p, t);
       break;
     default:
       break; /* views and leafs compute nothing */

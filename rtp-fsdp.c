@@ -208,7 +208,8 @@ static struct rtp_tensor *fsdp_node(struct rtp_parallel *p, int i, const struct 
  * are posted while the unit before it computes. */
 static int fsdp_finish(struct rtp_parallel *p) {
   struct fsdp *f = p->state;
-  int rc = rtp__sched_sink_sums(p->graph, &f->s);
+  /* in backward, each sum is read by its update where it is computed */
+  int rc = p->in_backward ? RTP_OK : rtp__sched_sink_sums(p->graph, &f->s);
   if (!rc) rtp__graph_hoist_transfers(p->graph);
   return rc;
 }

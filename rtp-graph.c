@@ -12,7 +12,8 @@ struct graph_obj {
   size_t hash_size; /* a power of two */
   struct rtp_tensor **keys;
   uint8_t *marks;
-  bool accumulate; /* rtp__graph_set_accumulate */
+  bool accumulate;     /* rtp__graph_set_accumulate */
+  bool planned_grads;  /* rtp__graph_set_planned_grads */
 };
 
 static size_t hash_slot(const struct graph_obj *go, const struct rtp_tensor *t) {
@@ -287,8 +288,9 @@ static void backward_node(struct backward *bw, struct rtp_tensor *t) {
   }
 }
 
-/* Gives p's gradient persistent memory (role GRAD): the node that computes it writes
- * there directly unless it is shared or has no memory of its own, then a copy does. */
+/* Gives p's gradient persistent memory (role GRAD; with planned gradients, a node of its
+ * own that the plan places): the node that computes it writes there directly unless it
+ * is shared or has no memory of its own, then a copy does. */
 static struct rtp_tensor *claim_grad(struct backward *bw, struct rtp_tensor *p) {
   struct rtp_tensor *g = p->grad;
   if (!g) return NULL;
@@ -297,8 +299,10 @@ static struct rtp_tensor *claim_grad(struct backward *bw, struct rtp_tensor *p) 
   if (!own) g = rtp_dup(bw->ctx, g);
   if (!g || rtp_graph_build(&bw->go->g, g)) return NULL;
   *mark_of(bw->go, g) |= MARK_GRAD_CLAIMED;
-  if (!rtp__tensor_alloc(bw->ctx, g, RTP_ROLE_GRAD)) return NULL;
-  g->flags |= RTP_FLAG_OUTPUT;
+  if (!bw->go->planned_grads) {
+    if (!rtp__tensor_alloc(bw->ctx, g, RTP_ROLE_GRAD)) return NULL;
+    g->flags |= RTP_FLAG_OUTPUT;
+  }
   rtp_tensor_set_name(g, "grad.%.58s", p->name);
   return p->grad = g;
 }
@@ -344,6 +348,10 @@ static int accumulate_leaves(struct backward *bw, struct rtp_tensor **old) {
 
 void rtp__graph_set_accumulate(struct rtp_graph *g) {
   ((struct graph_obj *)g)->accumulate = true;
+}
+
+void rtp__graph_set_planned_grads(struct rtp_graph *g) {
+  ((struct graph_obj *)g)->planned_grads = true;
 }
 
 static void mark_needs_grad(struct graph_obj *go) {

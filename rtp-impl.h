@@ -203,6 +203,10 @@ void rtp__optimizer_add_comm(struct rtp_optimizer *opt, struct rtp_comm *comm, b
  * every rank holds whole (tp's replicated parameters), so it is counted once. */
 void rtp__optimizer_set_norm_weight(struct rtp_optimizer *opt, const struct rtp_tensor *param,
                                     float w);
+/* rtp-opt-fused.c: the optimizer whose ADAMW nodes it adds to g (built, with planned
+ * gradients: rtp__graph_set_planned_grads), each placed after the last node that needs
+ * its parameter or gradient; default hyperparameters. */
+struct rtp_optimizer *rtp__optimizer_in_backward(struct rtp_context *ctx, struct rtp_graph *g);
 
 /* ---- rtp-gemm.c ---- */
 /* C[m][n] = sum_k A(m,k) * B(n,k) (+ C[m][n] if accumulate), all f32, where A(m,k) is at
@@ -262,6 +266,8 @@ void rtp__k_attention(const struct rtp_compute_params *p, struct rtp_tensor *t);
 void rtp__k_attention_delta(const struct rtp_compute_params *p, struct rtp_tensor *t);
 void rtp__k_attention_back(const struct rtp_compute_params *p, struct rtp_tensor *t);
 size_t rtp__attention_work_size(const struct rtp_tensor *t);
+/* rtp-opt-fused.c: an ADAMW node's update. */
+void rtp__k_adamw(const struct rtp_compute_params *p, struct rtp_tensor *t);
 size_t rtp__op_work_size(const struct rtp_tensor *t);
 /* rtp_graph_plan's preparation of a MUL_MAT node t's GEMM (rtp__gemm_plan). */
 int rtp__mul_mat_plan(const struct rtp_tensor *t);
@@ -278,6 +284,10 @@ int rtp__graph_build_backward_seeded(struct rtp_context *ctx, struct rtp_graph *
  * its own, as later ones are: every compute of g adds to the gradients, which the caller
  * zeroes (rtp_parallel_params.accumulate). Before the first backward. */
 void rtp__graph_set_accumulate(struct rtp_graph *g);
+/* From now on a parameter's gradient in g is planned memory, read by nodes added later
+ * (the optimizer in backward), not persistent memory kept to the end. Before the first
+ * backward. */
+void rtp__graph_set_planned_grads(struct rtp_graph *g);
 /* Puts g's nodes in the order they have in `like` (which must hold them all): a graph of
  * some of a planned graph's nodes then runs them in an order its placement is valid for. */
 int rtp__graph_order_like(struct rtp_graph *g, const struct rtp_graph *like);

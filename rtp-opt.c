@@ -1,29 +1,18 @@
 /* rtp-opt.c - Adam and AdamW over the parameters of a graph. Each rank updates only the
  * parameters it holds, so the optimizer needs no communication. */
-#include "rtp-backend.h"
+#include "rtp-opt.h"
 
 #include <inttypes.h>
 #include <math.h>
 
-struct rtp_optimizer {
-  struct rtp_adamw_params hp;
-  int64_t t; /* steps taken */
-  int n;
-  struct rtp_tensor **params, **m, **v;
-  float lr_t, bc1, bc2; /* this step's factors, set before the threads run */
-  float gscale;         /* clipping factor for this step's gradients */
-  float norm;           /* the last global gradient norm */
-  /* Where each rank holds a different share of the gradients: the groups whose shares
-   * make the whole (a stage's ranks, then the pipe's stages). */
-  struct rtp_comm *comm[2];
-  bool pipe_quiet; /* this rank adds nothing over comm[1]: its group's first rank does */
-  float *norm_w;   /* per parameter: its share of the global norm (1/N if replicated) */
-  struct rtp_backend *backend; /* NULL: the CPU */
-  double partial[RTP_MAX_THREADS];
-};
-
 struct rtp_adamw_params rtp_adamw_params_default(void) {
   return (struct rtp_adamw_params){3e-4f, 0.9f, 0.95f, 1e-8f, 0.0f, 0.0f};
+}
+
+static bool params_valid(struct rtp_adamw_params hp) {
+  return hp.lr >= 0 && hp.beta1 >= 0 && hp.beta1 < 1 && hp.beta2 >= 0 && hp.beta2 < 1 &&
+         hp.eps > 0 && hp.weight_decay >= 0 && hp.clip_norm >= 0 && isfinite(hp.lr) &&
+         isfinite(hp.eps) && isfinite(hp.weight_decay) && isfinite(hp.clip_norm);
 }
 
 struct rtp_optimizer *rtp_optimizer_new(struct rtp_context *ctx, struct rtp_graph *g,
@@ -32,24 +21,30 @@ struct rtp_optimizer *rtp_optimizer_new(struct rtp_context *ctx, struct rtp_grap
     rtp__error(RTP_EINVAL, "rtp_optimizer_new: NULL argument");
     return NULL;
   }
-  if (!(hp.lr >= 0) || !(hp.beta1 >= 0 && hp.beta1 < 1) || !(hp.beta2 >= 0 && hp.beta2 < 1) ||
-      !(hp.eps > 0) || !(hp.weight_decay >= 0) || !(hp.clip_norm >= 0) || !isfinite(hp.lr) ||
-      !isfinite(hp.eps) || !isfinite(hp.weight_decay) || !isfinite(hp.clip_norm)) {
+  return rtp__optimizer_alloc(ctx, g, hp, "rtp_optimizer_new");
+}
+
+struct rtp_optimizer *rtp__optimizer_alloc(struct rtp_context *ctx, struct rtp_graph *g,
+                                           struct rtp_adamw_params hp, const char *what) {
+  if (!params_valid(hp)) {
     rtp__ctx_error(ctx, RTP_EINVAL,
-                   "rtp_optimizer_new: need finite lr >= 0, 0 <= betas < 1, eps > 0, "
-                   "weight_decay >= 0, clip_norm >= 0");
+                   "%s: need finite lr >= 0, 0 <= betas < 1, eps > 0, weight_decay >= 0, "
+                   "clip_norm >= 0",
+                   what);
     return NULL;
   }
   int n = 0;
   for (int i = 0; i < g->n_leafs; i++)
     if ((g->leafs[i]->flags & RTP_FLAG_PARAM) && g->leafs[i]->grad) n++;
   struct rtp_optimizer *opt = rtp__ctx_alloc(
-      ctx, sizeof(*opt) + 3 * (size_t)n * sizeof(void *) + (size_t)n * sizeof(float),
+      ctx, sizeof(*opt) + (size_t)n * sizeof(double) + 3 * (size_t)n * sizeof(void *) +
+               (size_t)n * sizeof(float),
       "the optimizer");
   if (!opt) return NULL;
   *opt = (struct rtp_optimizer){
       .hp = hp, .n = n, .gscale = 1.0f, .backend = rtp__ctx_backend(ctx)};
-  opt->params = (struct rtp_tensor **)(opt + 1);
+  opt->sumsq = (double *)(opt + 1);
+  opt->params = (struct rtp_tensor **)(opt->sumsq + n);
   opt->m = opt->params + n;
   opt->v = opt->m + n;
   opt->norm_w = (float *)(opt->v + n);
@@ -58,16 +53,14 @@ struct rtp_optimizer *rtp_optimizer_new(struct rtp_context *ctx, struct rtp_grap
     if (!(p->flags & RTP_FLAG_PARAM) || !p->grad) continue;
     if (!rtp_tensor_is_contiguous(p) || !p->data || p->type != RTP_TYPE_F32) {
       rtp__ctx_error(ctx, RTP_EINVAL,
-                     "rtp_optimizer_new: parameter '%s' must be contiguous f32 "
-                     "with data",
-                     p->name);
+                     "%s: parameter '%s' must be contiguous f32 with data", what, p->name);
       return NULL;
     }
     if (rtp__tensor_backend(p) != opt->backend) {
       rtp__ctx_error(ctx, RTP_EINVAL,
-                     "rtp_optimizer_new: parameter '%s' is in %s memory, the optimizer's "
-                     "states would be in %s memory",
-                     p->name, rtp_backend_name(rtp__tensor_backend(p)),
+                     "%s: parameter '%s' is in %s memory, the optimizer's states would be "
+                     "in %s memory",
+                     what, p->name, rtp_backend_name(rtp__tensor_backend(p)),
                      rtp_backend_name(opt->backend));
       return NULL;
     }
@@ -93,12 +86,11 @@ static float param_decay(const struct rtp_optimizer *opt, int k) {
   return 1.0f - opt->hp.lr * opt->hp.weight_decay;
 }
 
-/* Parameter k's update, wherever its data lives. */
-static struct rtp_adam_args adam_args(const struct rtp_optimizer *opt, int k) {
+struct rtp_adam_args rtp__optimizer_args(const struct rtp_optimizer *opt, int k, float *g) {
   return (struct rtp_adam_args){.w = opt->params[k]->data,
                                 .m = opt->m[k]->data,
                                 .v = opt->v[k]->data,
-                                .g = opt->params[k]->grad->data,
+                                .g = g,
                                 .n = rtp_tensor_nelements(opt->params[k]),
                                 .gscale = opt->gscale,
                                 .beta1 = opt->hp.beta1,
@@ -123,7 +115,7 @@ void rtp__adam_update(const struct rtp_adam_args *a, int64_t i0, int64_t i1) {
 static void adam_job(const struct rtp_compute_params *p, void *arg) {
   const struct rtp_optimizer *opt = arg;
   for (int k = 0; k < opt->n; k++) {
-    struct rtp_adam_args a = adam_args(opt, k);
+    struct rtp_adam_args a = rtp__optimizer_args(opt, k, opt->params[k]->grad->data);
     rtp__adam_update(&a, a.n * p->ith / p->nth, a.n * (p->ith + 1) / p->nth);
   }
 }
@@ -157,7 +149,7 @@ static int sumsq_device(struct rtp_optimizer *opt, double *s) {
 
 static int adam_device(struct rtp_optimizer *opt) {
   for (int k = 0; k < opt->n; k++) {
-    struct rtp_adam_args a = adam_args(opt, k);
+    struct rtp_adam_args a = rtp__optimizer_args(opt, k, opt->params[k]->grad->data);
     int rc = opt->backend->i->adam(opt->backend, &a);
     if (rc) return rc;
   }
@@ -173,6 +165,10 @@ static int grad_norm(struct rtp_optimizer *opt, struct rtp_threadpool *tp) {
     rtp__threadpool_run(tp, sumsq_job, opt);
     for (int i = 0; i < rtp_threadpool_size(tp); i++) s += opt->partial[i];
   }
+  return rtp__optimizer_norm(opt, s);
+}
+
+int rtp__optimizer_norm(struct rtp_optimizer *opt, double s) {
   for (int c = 0; c < 2; c++) { /* the shares of all ranks make the whole */
     if (!opt->comm[c]) continue;
     float f = c == 1 && opt->pipe_quiet ? 0.0f : (float)s; /* another rank adds it */
@@ -244,32 +240,46 @@ static int refuse_not_finite(const struct rtp_optimizer *opt) {
                     step, (double)opt->norm);
 }
 
+int rtp__optimizer_factors(struct rtp_optimizer *opt, const char *what) {
+  /* PyTorch's form: step = lr / (1 - b1^t), denom = sqrt(v) / sqrt(1 - b2^t) + eps. */
+  double t = (double)(opt->t + 1);
+  opt->bc1 = 1.0f - (float)pow(opt->hp.beta1, t);
+  opt->bc2 = (float)sqrt(1.0 - pow(opt->hp.beta2, t));
+  opt->lr_t = opt->hp.lr / opt->bc1;
+  if (isfinite(opt->lr_t)) return RTP_OK;
+  return rtp__error(RTP_EINVAL,
+                    "%s: step %" PRId64
+                    ": the learning rate %g over the bias correction %g is not a float; no "
+                    "weight was changed",
+                    what, opt->t + 1, (double)opt->hp.lr, (double)opt->bc1);
+}
+
 int rtp_optimizer_step(struct rtp_optimizer *opt, struct rtp_threadpool *tp) {
   if (!opt) return rtp__error(RTP_EINVAL, "rtp_optimizer_step: NULL optimizer");
   if (opt->t == INT64_MAX)
     return rtp__error(
         RTP_EINVAL, "rtp_optimizer_step: %" PRId64 " steps taken, the most there are", opt->t);
+  if (opt->in_backward) return rtp__optimizer_close_step(opt);
   int rc = grad_norm(opt, tp);
   if (rc) return rc;
   /* A step on NaN or infinity would spread it to every weight and Adam state for good. */
   if (!isfinite(opt->norm)) return refuse_not_finite(opt);
   float clip = opt->hp.clip_norm;
   opt->gscale = clip > 0 && opt->norm > clip ? clip / opt->norm : 1.0f;
-  /* PyTorch's form: step = lr / (1 - b1^t), denom = sqrt(v) / sqrt(1 - b2^t) + eps. */
-  double t = (double)(opt->t + 1);
-  opt->bc1 = 1.0f - (float)pow(opt->hp.beta1, t);
-  opt->bc2 = (float)sqrt(1.0 - pow(opt->hp.beta2, t));
-  opt->lr_t = opt->hp.lr / opt->bc1;
-  if (!isfinite(opt->lr_t))
-    return rtp__error(RTP_EINVAL,
-                      "rtp_optimizer_step: step %" PRId64
-                      ": the learning rate %g over the bias correction %g is not a float; no "
-                      "weight was changed",
-                      opt->t + 1, (double)opt->hp.lr, (double)opt->bc1);
+  if ((rc = rtp__optimizer_factors(opt, "rtp_optimizer_step"))) return rc;
   opt->t++;
   if (opt->backend) return adam_device(opt);
   rtp__threadpool_run(tp, adam_job, opt);
   return RTP_OK;
+}
+
+int rtp__optimizer_set_params(struct rtp_optimizer *opt, struct rtp_adamw_params hp) {
+  if (!params_valid(hp))
+    return rtp__error(RTP_EINVAL,
+                      "rtp_parallel_optimizer: need finite lr >= 0, 0 <= betas < 1, eps > 0, "
+                      "weight_decay >= 0, clip_norm >= 0");
+  opt->hp = hp;
+  return rtp__optimizer_factors(opt, "rtp_parallel_optimizer");
 }
 
 int rtp_optimizer_set_lr(struct rtp_optimizer *opt, float lr) {
@@ -278,7 +288,7 @@ int rtp_optimizer_set_lr(struct rtp_optimizer *opt, float lr) {
                       "rtp_optimizer_set_lr: need an optimizer and a finite lr >= 0, not %g",
                       (double)lr);
   opt->hp.lr = lr;
-  return RTP_OK;
+  return opt->in_backward ? rtp__optimizer_factors(opt, "rtp_optimizer_set_lr") : RTP_OK;
 }
 
 int64_t rtp_optimizer_steps(const struct rtp_optimizer *opt) {
@@ -316,5 +326,5 @@ int rtp_optimizer_set_steps(struct rtp_optimizer *opt, int64_t steps) {
                       "rtp_optimizer_set_steps: need an optimizer and steps >= 0, not %" PRId64,
                       steps);
   opt->t = steps;
-  return RTP_OK;
+  return opt->in_backward ? rtp__optimizer_factors(opt, "rtp_optimizer_set_steps") : RTP_OK;
 }

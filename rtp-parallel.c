@@ -11,6 +11,7 @@
  * seeding of backward. */
 #include "rtp-backend.h"
 #include "rtp-strategy.h"
+#include "rtp-opt.h"
 
 #include <stddef.h>
 #include <stdio.h>
@@ -188,12 +189,29 @@ int rtp_parallel_sync(struct rtp_parallel *p, struct rtp_threadpool *tp) {
   return rc ? rc : rtp_graph_compute(p->sync, tp);
 }
 
+/* The graph's own optimizer, its hyperparameters set. */
+static struct rtp_optimizer *optimizer_in_backward(const struct rtp_parallel *p,
+                                                   struct rtp_adamw_params params) {
+  struct rtp_optimizer *opt = p->opt;
+  if (params.clip_norm > 0) {
+    rtp__ctx_error(p->ctx, RTP_ENOSYS,
+                   "rtp_parallel_optimizer: clipping (clip_norm %g) needs every gradient "
+                   "before the first update, not the optimizer in backward",
+                   (double)params.clip_norm);
+    return NULL;
+  }
+  int rc = rtp__optimizer_set_params(opt, params);
+  if (rc) rtp__ctx_error(p->ctx, rc, "%s", rtp_last_error());
+  return rc ? NULL : opt;
+}
+
 struct rtp_optimizer *rtp_parallel_optimizer(const struct rtp_parallel *p,
                                              struct rtp_adamw_params params) {
   if (!p) {
     rtp__error(RTP_EINVAL, "rtp_parallel_optimizer: NULL plan");
     return NULL;
   }
+  if (p->in_backward) return optimizer_in_backward(p, params);
   struct rtp_optimizer *opt = rtp_optimizer_new(p->ctx, p->graph, params);
   if (opt && p->iface->optimizer) p->iface->optimizer(p, opt);
   /* each stage holds other parameters: the norm sums over the pipe too (over the job with
@@ -313,6 +331,7 @@ static int micro_batch(struct rtp_parallel *p, int m, int graph_size) {
   if (!rc && !p->graph && !(p->graph = rtp_graph_new(p->ctx, graph_size)))
     rc = rtp_context_error(p->ctx, NULL);
   if (!rc && m == 0 && p->accumulate > 1) rtp__graph_set_accumulate(p->graph);
+  if (!rc && m == 0 && p->in_backward) rtp__graph_set_planned_grads(p->graph);
   struct rtp_tensor *l = rc ? NULL : p->map[rtp__parallel_index(p, p->loss)];
   if (!rc) rc = rtp_graph_build(p->graph, l);
   if (!rc) rc = rtp_graph_build_backward(p->ctx, p->graph, l);
@@ -461,6 +480,33 @@ static int check_device_pipeline(struct rtp_context *ctx, const struct rtp_paral
                         M, rtp_backend_name(b), rtp_schedule_name(pp->schedule));
 }
 
+/* What the optimizer in backward runs with: one update a step, after one backward, with no
+ * norm to wait for. */
+static int check_in_backward(struct rtp_context *ctx, const struct rtp_parallel_params *pp,
+                             enum rtp_strategy strategy, int M) {
+  const char *why = NULL;
+  if (strategy != RTP_STRATEGY_NONE && strategy != RTP_STRATEGY_RTP &&
+      strategy != RTP_STRATEGY_FSDP)
+    why = "a strategy whose gradients are sharded or one process (none, rtp, fsdp)";
+  else if (M > 1 || pp->accumulate > 1)
+    why = "one micro-batch and no accumulation: the gradients would have to be kept";
+  else if (pp->stages || (pp->pipe_comm && rtp_comm_size(pp->pipe_comm) > 1))
+    why = "no pipeline stages";
+  else if (pp->schedule == RTP_SCHEDULE_ZEROPP && pp->unit > 1)
+    why = "no zeropp units";
+  if (!why) return RTP_OK;
+  return rtp__ctx_error(ctx, RTP_ENOSYS,
+                        "rtp_parallel_new: the optimizer in backward (strategy %s) needs %s",
+                        rtp_strategy_name(strategy), why);
+}
+
+static int add_optimizer(struct rtp_parallel *p) {
+  if (!(p->opt = rtp__optimizer_in_backward(p->ctx, p->graph)))
+    return rtp_context_error(p->ctx, NULL);
+  if (p->iface->optimizer) p->iface->optimizer(p, p->opt);
+  return RTP_OK;
+}
+
 struct rtp_parallel *rtp_parallel_new(struct rtp_context *ctx, const struct rtp_graph *fwd,
                                       struct rtp_tensor *loss,
                                       const struct rtp_parallel_params *pp) {
@@ -513,6 +559,7 @@ struct rtp_parallel *rtp_parallel_new(struct rtp_context *ctx, const struct rtp_
     return NULL;
   }
   if (check_device_pipeline(ctx, pp, M)) return NULL;
+  if (pp->optimizer_in_backward && check_in_backward(ctx, pp, strategy, M)) return NULL;
   struct rtp_parallel *p = rtp__ctx_alloc(ctx, sizeof(*p), "the parallel plan");
   struct rtp_tensor **map =
       rtp__ctx_alloc(ctx, sizeof(*map) * (map_rows(fwd) * (size_t)M + 1), "the parallel map");
@@ -533,7 +580,8 @@ struct rtp_parallel *rtp_parallel_new(struct rtp_context *ctx, const struct rtp_
       .map = map,
       .maps = map,
       .loss = loss,
-      .hook = {rot_backward}};
+      .hook = {rot_backward},
+      .in_backward = pp->optimizer_in_backward};
   if (rtp__parallel_index(p, loss) < 0) {
     rtp__ctx_error(ctx, RTP_EINVAL, "rtp_parallel_new: the loss is not a node of the graph");
     return NULL;
@@ -556,6 +604,7 @@ struct rtp_parallel *rtp_parallel_new(struct rtp_context *ctx, const struct rtp_
     if (!rc && p->iface->finish) rc = p->iface->finish(p);
     if (!rc) rc = global_loss(p);
   }
+  if (!rc && p->in_backward) rc = add_optimizer(p);
   if (!rc) set_compute_type(p);
   if (rc) {
     if (!rtp_context_error(ctx, NULL)) rtp__ctx_error(ctx, rc, "%s", rtp_last_error());

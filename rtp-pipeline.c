@@ -439,6 +439,7 @@ int rtp__pipeline_build(struct rtp_parallel *p, struct rtp_comm *pipe, struct rt
   if (p->iface->prepare) rc = p->iface->prepare(p);
   if (!rc && !(p->graph = rtp_graph_new(ctx, graph_size))) rc = rtp_context_error(ctx, NULL);
   if (!rc && p->accumulate > 1) rtp__graph_set_accumulate(p->graph);
+  if (!rc && p->in_backward) rtp__graph_set_planned_grads(p->graph);
   int n = schedule(pp, acts);
   for (int k = 0; k < n && !rc; k++) {
     if (p->iface->micro) p->iface->micro(p, k);

@@ -88,6 +88,10 @@ struct rtp_parallel {
   const int *leaf_here;
   int here;
   int phases; /* how many times the strategy's `micro` is called: M, or 2M in a pipeline */
+  /* rtp_parallel_params.optimizer_in_backward: the optimizer whose nodes the graph runs
+   * (rtp-opt-fused.c); the owners' sums then stay where they are computed, not sunk. */
+  bool in_backward;
+  struct rtp_optimizer *opt;
 };
 
 /* Whether this rank's graph uses leaf l of the one-device graph. */

@@ -135,7 +135,8 @@ enum rtp_type {
   XX(CAST, "cast")   /* f32 <-> bf16, contiguous result */         \
   XX(COMM, "comm")   /* posted to a communicator */                \
   XX(ROT, "rot")     /* an op on a rotated parameter */            \
-  XX(EMPTY, "empty") /* memory that later nodes write into */
+  XX(EMPTY, "empty") /* memory that later nodes write into */     \
+  XX(ADAMW, "adamw") /* a parameter's AdamW update, in backward */
 
 enum rtp_op {
 #define RTP_XX(name, text) RTP_OP_##name,
@@ -895,6 +896,20 @@ struct rtp_parallel_params {
    * activations kept per micro-batch are the blocks' inputs (plus one block's at a time). */
   bool recompute;
   /*
+   * The optimizer in backward: each parameter's AdamW update is a node of the graph, run
+   * as soon as its gradient is complete (after its last reader, transfers included), and
+   * the gradient is planned memory that dies there instead of persistent memory: model
+   * states take 12 bytes a parameter instead of 16 (docs/parallel.md, "The optimizer in
+   * backward"). rtp_parallel_optimizer then returns the optimizer those nodes run (make
+   * it before the first compute; set the learning rate before each), and
+   * rtp_optimizer_step after each compute only closes the step (the norm, the step count).
+   * Strategies none, rtp and fsdp, one micro-batch, no accumulate, no pipeline stages and
+   * no clipping (clip_norm 0), on the CPU; otherwise RTP_ENOSYS. A non-finite gradient
+   * leaves its parameter unchanged and fails rtp_optimizer_step, but the parameters
+   * updated before it stay updated: resume from a checkpoint. Gradients are not kept.
+   */
+  bool optimizer_in_backward;
+  /*
    * Stages of different sizes and strategies (docs/pipeline.md, "Stages of different sizes
    * and strategies"): `stages` > 1 stages, stage s of stage_ranks[s] ranks running
    * stage_strategies[s] (rtp, fsdp, ddp or tp; on one rank any, run as none). pipe_comm is
@@ -971,7 +986,9 @@ RTP_API int rtp_parallel_zero_grads(const struct rtp_parallel *p);
  * step; every rank of the group calls it. RTP_OK doing nothing where there are none. */
 RTP_API int rtp_parallel_sync(struct rtp_parallel *p, struct rtp_threadpool *tp);
 /* Adam over this rank's parameters; the gradient norm for clipping is the global one
- * (a scalar all-reduce when parameters are sharded). */
+ * (a scalar all-reduce when parameters are sharded). With optimizer_in_backward, the
+ * graph's own optimizer with params set (the same one on every call; RTP_ENOSYS for
+ * clip_norm > 0). */
 RTP_API struct rtp_optimizer *rtp_parallel_optimizer(const struct rtp_parallel *p,
                                                      struct rtp_adamw_params params);
 /* The rows [first, first + len) of dimension dim of param that this rank holds.

@@ -72,7 +72,7 @@ struct options {
   const char *format;     /* --export's: pt (train-gpt's) or hf (Hugging Face GPT-2) */
   const char *fused_attn; /* on | off: gpt_config's fused_attention; NULL: the device's */
   const char *device;     /* auto | cpu | cuda | sim (device.h) */
-  bool eval_only, resume, bf16, recompute, tie_embeddings, help;
+  bool eval_only, resume, bf16, recompute, tie_embeddings, adam_in_backward, help;
   bool keep_best; /* training: keep the best eval loss's checkpoint; reading: read it */
 };
 
@@ -132,6 +132,9 @@ static int flag_table(struct options *o, struct flag *f) {
        "zeropp: micro-batches per unit (default: the largest divisor of M up to S)"},
       {"--recompute", ARG_BOOL, &o->recompute, NULL,
        "recompute each block's activations in backward (less memory)"},
+      {"--adam-in-backward", ARG_BOOL, &o->adam_in_backward, NULL,
+       "update each parameter as soon as its gradient is complete, keeping no gradients "
+       "(less memory; rtp, fsdp or one process, CPU, no clipping or accumulation)"},
       {"--fused-attn", ARG_STR, &o->fused_attn, "on|off",
        "attention as one fused op, no T x T matrix in memory (default on; GPU: off)"},
       {"--device", ARG_STR, &o->device, "D",
@@ -455,6 +458,17 @@ static int check_stages(const struct options *o, int world) {
   return 0;
 }
 
+/* The optimizer in backward updates once per backward, before any norm is known. */
+static int check_in_backward(const struct options *o, int world) {
+  if (o->grad_clip > 0 || o->grad_accum > 1 || o->micro_batches > 1 || o->pp > 1 || o->stages)
+    return usage_error(
+        "--adam-in-backward: not with --grad-clip, --grad-accum, --micro-batches, --pp or "
+        "--stages (each needs the gradients kept until every one is complete)");
+  if (world > 1 && strcmp(o->strategy, "rtp") && strcmp(o->strategy, "fsdp"))
+    return usage_error("--adam-in-backward: --strategy rtp or fsdp, not %s", o->strategy);
+  return RTP_OK;
+}
+
 static int check_options(const struct options *o) {
   static const char *const strategies[] = {"rtp", "ddp", "fsdp", "tp"};
   bool known = false;
@@ -498,6 +512,7 @@ static int check_options(const struct options *o) {
     return usage_error("--unit %d does not divide --micro-batches %d", o->unit,
                        o->micro_batches);
   if (o->stages && (rc = check_stages(o, p.world_size))) return rc;
+  if (o->adam_in_backward && (rc = check_in_backward(o, p.world_size))) return rc;
   if (o->pp > 1 && strcmp(o->strategy, "tp") == 0)
     return usage_error(
         "--strategy tp does not run inside pipeline stages (--pp): use rtp, "
@@ -1043,6 +1058,7 @@ static struct rtp_parallel_params parallel_params(const struct trainer *tr, stru
                                    .pipe_comm = tr->pipe,
                                    .unit = unit_size(o),
                                    .recompute = o->recompute,
+                                   .optimizer_in_backward = o->adam_in_backward,
                                    .stages = tr->het.n,
                                    .stage_ranks = tr->het.ranks,
                                    .stage_strategies = tr->het.strategy};
@@ -1185,7 +1201,8 @@ static int trainer_init(struct trainer *tr, const struct device *dev, struct gpt
   hp.weight_decay = o->weight_decay;
   hp.clip_norm = o->grad_clip;
   tr->opt = rtp_parallel_optimizer(tr->par, hp);
-  return tr->opt ? RTP_OK : fail(RTP_ENOMEM, "creating the optimizer");
+  rc = tr->opt ? RTP_OK : rtp_context_error(tr->ctx, NULL);
+  return tr->opt ? RTP_OK : fail(rc ? rc : RTP_ENOMEM, "creating the optimizer");
 }
 
 static void trainer_free(struct trainer *tr) {
@@ -1295,10 +1312,10 @@ static int accumulate_step(struct trainer *tr, const struct dataset *d, uint64_t
  * the global mean. */
 static int train_step(struct trainer *tr, const struct dataset *d, uint64_t seed, int64_t step,
                       float lr, float *loss) {
-  int rc = accumulate_step(tr, d, seed, step, loss);
-  if (rc) return rc;
-  if ((rc = rtp_optimizer_set_lr(tr->opt, lr)))
-    return fail(rc, "step %" PRId64 ": setting the learning rate", step + 1);
+  /* before the compute, which runs the updates with --adam-in-backward */
+  int rc = rtp_optimizer_set_lr(tr->opt, lr);
+  if (rc) return fail(rc, "step %" PRId64 ": setting the learning rate", step + 1);
+  if ((rc = accumulate_step(tr, d, seed, step, loss))) return rc;
   rc = rtp_optimizer_step(tr->opt, tr->tp);
   return rc ? fail(rc, "step %" PRId64 ": optimizer", step + 1) : RTP_OK;
 }
