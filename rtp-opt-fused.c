@@ -85,12 +85,8 @@ static int place_updates(struct rtp_context *ctx, struct rtp_graph *g,
 }
 
 struct rtp_optimizer *rtp__optimizer_in_backward(struct rtp_context *ctx, struct rtp_graph *g) {
+  /* a device without the kernel refuses the graph when it is planned */
   const char *what = "optimizer in backward";
-  if (rtp__ctx_backend(ctx)) {
-    rtp__ctx_error(ctx, RTP_ENOSYS, "%s: the CPU only, not the %s backend", what,
-                   rtp__ctx_backend(ctx)->i->name);
-    return NULL;
-  }
   struct rtp_optimizer *opt = rtp__optimizer_alloc(ctx, g, rtp_adamw_params_default(), what);
   if (!opt) return NULL;
   opt->in_backward = true;

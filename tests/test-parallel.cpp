@@ -25,9 +25,9 @@ const gpt_config kCfg = {256, 16, 32, 2, 4, false, false};
 const int kBatch = 2, kSteps = 3;
 
 // Adam with gradient clipping low enough to act: the norm must be global over shards.
-rtp_adamw_params adam() {
+rtp_adamw_params adam(bool clip = true) {
   rtp_adamw_params hp = rtp_adamw_params_default();
-  hp.clip_norm = 0.5f;
+  hp.clip_norm = clip ? 0.5f : 0.0f;
   return hp;
 }
 
@@ -99,7 +99,8 @@ void init_weights(gpt &m, bool moved_off) {
 bool reference(int world, std::vector<float> &losses, std::vector<float> &norms, Model &ref,
                std::vector<std::vector<float>> &moving, std::vector<std::vector<float>> &init,
                std::vector<std::vector<float>> &grad0, rtp_type prec = RTP_TYPE_F32,
-               bool moved_off = true, int steps = kSteps, bool any_norm = false) {
+               bool moved_off = true, int steps = kSteps, bool any_norm = false,
+               bool clip = true) {
   rtp_init_params ip = {gpt_arena_size(kCfg, world * kBatch), nullptr, false, nullptr, 0};
   ref.ctx = rtp_context_new(ip);
   if (gpt_build(ref.ctx, &ref.m, kCfg, world * kBatch)) return false;
@@ -116,7 +117,7 @@ bool reference(int world, std::vector<float> &losses, std::vector<float> &norms,
   for (int i = 0; i < world * kBatch; i++)
     fill_sequence(i, kCfg.seq_len, (int32_t *)ref.m.idx->data + i * kCfg.seq_len,
                   (int32_t *)ref.m.targets->data + i * kCfg.seq_len);
-  rtp_optimizer *opt = rtp_optimizer_new(ref.ctx, ref.g, adam());
+  rtp_optimizer *opt = rtp_optimizer_new(ref.ctx, ref.g, adam(clip));
   for (int s = 0; s < steps; s++) {
     if (rtp_graph_compute(ref.g, nullptr)) return false;
     losses.push_back(rtptest::f32_at(ref.m.loss, 0));
@@ -138,7 +139,7 @@ bool reference(int world, std::vector<float> &losses, std::vector<float> &norms,
     if (rtp_optimizer_step(opt, nullptr)) return false;
     norms.push_back(rtp_optimizer_grad_norm(opt));
   }
-  return any_norm ||
+  return any_norm || !clip ||
          norms[0] > adam().clip_norm;  // clipping must act for the test to mean anything
 }
 
@@ -238,7 +239,8 @@ struct Rank {
   // units: fsdp's units for the model's parameters (by index), instead of its blocks.
   int build(rtp_strategy strategy, gpt_config cfg, int batch, int code,
             rtp_type comm_type = RTP_TYPE_F32, rtp_type compute_type = RTP_TYPE_F32,
-            int (*units)(int param) = nullptr, int micro_batches = 0, int accumulate = 0) {
+            int (*units)(int param) = nullptr, int micro_batches = 0, int accumulate = 0,
+            bool in_backward = false) {
     rtp_graph *fwd;
     if (!(meta = rtptest::gpt_forward(cfg, batch, &m, &fwd))) return code;
     for (int i = 0; units && i < m.n_params; i++)
@@ -253,6 +255,7 @@ struct Rank {
     pp.compute_type = compute_type;
     pp.micro_batches = micro_batches;
     pp.accumulate = accumulate;
+    pp.optimizer_in_backward = in_backward;
     par = rtp_parallel_new(ctx, fwd, m.loss, &pp);
     if (par) return 0;
     fprintf(stderr, "rtp_parallel_new: %s\n", rtp_last_error());
@@ -288,7 +291,8 @@ Share share_of(rtp_strategy strategy, int rank, int world) {
 // (f32 master weights), batch sequences from first_seq, an optimizer. 0, or the code of
 // the step that failed.
 int prepare_training(Rank &rk, const std::vector<std::vector<float>> &init, int batch,
-                     int first_seq, rtp_graph **g, rtp_optimizer **opt, rtp_tensor **loss) {
+                     int first_seq, rtp_graph **g, rtp_optimizer **opt, rtp_tensor **loss,
+                     bool clip = true) {
   rtp_parallel *par = rk.par;
   const gpt &m = rk.m;
   *g = rtp_parallel_graph(par);
@@ -304,21 +308,24 @@ int prepare_training(Rank &rk, const std::vector<std::vector<float>> &init, int 
     fill_sequence(first_seq + b, kCfg.seq_len, (int32_t *)idx->data + b * kCfg.seq_len,
                   (int32_t *)tgt->data + b * kCfg.seq_len);
   // Adam's state starts from zero, as the reference's did.
-  *opt = rtp_parallel_optimizer(par, adam());
+  *opt = rtp_parallel_optimizer(par, adam(clip));
   *loss = rtp_parallel_tensor(par, m.loss);
   return *opt && *loss ? 0 : 27;
 }
 
 // rows > 0: this process is rank `rank` of a job of rows x world ranks, and trains on its
 // row of a rows x world mesh (a group of world ranks, as a pipeline stage would), as rank
-// `rank % world` of a world-rank job.
+// `rank % world` of a world-rank job. in_backward: with the optimizer in backward (no
+// gradients are kept to compare; the losses, norms and weights are).
 int rank_main(rtp_strategy strategy, int rank, int world, int port,
-              int (*units)(int param) = nullptr, int rows = 0) {
+              int (*units)(int param) = nullptr, int rows = 0, bool in_backward = false) {
   std::vector<float> want, want_norm;
   Model ref;
   std::vector<std::vector<float>> moving;
   std::vector<std::vector<float>> init, grad0;
-  if (!reference(world, want, want_norm, ref, moving, init, grad0)) return 20;
+  if (!reference(world, want, want_norm, ref, moving, init, grad0, RTP_TYPE_F32, true, kSteps,
+                 false, !in_backward))
+    return 20;
 
   Rank rk;
   if (rows > 0) {
@@ -328,7 +335,8 @@ int rank_main(rtp_strategy strategy, int rank, int world, int port,
     return rc;
   }
   Share sh = share_of(strategy, rank, world);
-  if (int rc = rk.build(strategy, kCfg, sh.batch, 22, RTP_TYPE_F32, RTP_TYPE_F32, units))
+  if (int rc = rk.build(strategy, kCfg, sh.batch, 22, RTP_TYPE_F32, RTP_TYPE_F32, units, 0, 0,
+                        in_backward))
     return rc;
   rtp_parallel *par = rk.par;
   const gpt &m = rk.m;
@@ -336,7 +344,8 @@ int rank_main(rtp_strategy strategy, int rank, int world, int port,
   rtp_optimizer *opt = nullptr;
   rtp_tensor *loss = nullptr;
   // The reference already ran, so its parameters are the final ones to compare with.
-  if (int rc = prepare_training(rk, init, sh.batch, sh.first_seq, &g, &opt, &loss)) return rc;
+  if (int rc = prepare_training(rk, init, sh.batch, sh.first_seq, &g, &opt, &loss, !in_backward))
+    return rc;
   if (strategy == RTP_STRATEGY_TP && world > 1 && !tp_is_split(par, m, g, world)) return 34;
   for (int s = 0; s < kSteps; s++) {
     if (rtp_graph_compute(g, nullptr)) {
@@ -348,7 +357,7 @@ int rank_main(rtp_strategy strategy, int rank, int world, int port,
       fprintf(stderr, "rank %d step %d: loss %.8f, one process %.8f\n", rank, s, got, want[s]);
       return 29;
     }
-    if (s == 0 && !grads_match(par, m, grad0, rank)) return 32;
+    if (s == 0 && !in_backward && !grads_match(par, m, grad0, rank)) return 32;
     if (rtp_optimizer_step(opt, nullptr)) return 30;
     float norm = rtp_optimizer_grad_norm(opt);
     if (std::fabs(norm - want_norm[s]) > 1e-5f * want_norm[s]) {
@@ -421,6 +430,23 @@ TEST_P(Equivalence, NRanksMatchOneProcess) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Strategies, Equivalence, kStrategies, strategy_name);
+
+// The optimizer in backward: each update runs inside the compute, yet N ranks (one: the
+// strategy none) take the losses, gradient norms and weights of one process whose
+// optimizer steps after backward.
+class InBackward : public ::testing::TestWithParam<rtp_strategy> {};
+
+TEST_P(InBackward, NRanksMatchOneProcess) {
+  rtp_strategy s = GetParam();
+  for (int world : {1, 2, 3})
+    expect_ranks_pass(
+        world,
+        [&](int r, int port) { return rank_main(s, r, world, port, nullptr, 0, true); },
+        std::string(rtp_strategy_name(s)) + " in backward ", 120);
+}
+
+INSTANTIATE_TEST_SUITE_P(Strategies, InBackward,
+                         ::testing::Values(RTP_STRATEGY_FSDP, RTP_STRATEGY_RTP), strategy_name);
 
 // A strategy runs on whatever communicator it is given: on each row of a 2 x 2 mesh (two
 // groups training at once over the job's connections, as two pipeline stages' groups
@@ -1098,6 +1124,83 @@ TEST(Memory, RtpStatesAreOneNthPlusPool) {
           EXPECT_EQ(res[r].code, 0) << rtp_type_name(type) << " world " << world << " layers "
                                     << layers << " rank " << r;
       }
+}
+
+// The optimizer in backward keeps no gradients: one process's model states are its
+// weights and Adam's two states (12 bytes a parameter), where the optimizer after
+// backward also keeps a gradient (16).
+TEST(InBackwardMemory, NoGradientsKept) {
+  size_t grads[2], states[2];
+  for (int on = 0; on < 2; on++) {
+    Rank rk;
+    ASSERT_EQ(rk.build(RTP_STRATEGY_NONE, kCfg, kBatch, 1, RTP_TYPE_F32, RTP_TYPE_F32, nullptr,
+                       0, 0, on == 1),
+              0);
+    ASSERT_EQ(rtp_graph_plan(rk.ctx, rtp_parallel_graph(rk.par)), RTP_OK);
+    ASSERT_NE(rtp_parallel_optimizer(rk.par, adam(on == 0)), nullptr);
+    rtp_mem_report rep;
+    rtp_mem_report_get(rk.ctx, &rep);
+    grads[on] = rep.bytes[RTP_ROLE_GRAD];
+    states[on] = model_states(rep);
+  }
+  EXPECT_GT(grads[0], 0u);
+  EXPECT_EQ(grads[1], 0u);
+  EXPECT_EQ(states[1], states[0] - grads[0]);
+  EXPECT_EQ(grads[0] * 4, states[0]);
+}
+
+// What the optimizer in backward cannot run with is refused, saying why: gradients kept
+// over micro-batches or computes, clipping (it needs every gradient first), ddp.
+TEST(InBackwardErrors, RefusesWhatKeepsGradients) {
+  for (int k = 0; k < 2; k++) {
+    Rank rk;
+    EXPECT_NE(rk.build(RTP_STRATEGY_NONE, kCfg, kBatch, 1, RTP_TYPE_F32, RTP_TYPE_F32, nullptr,
+                       k == 0 ? 2 : 0, k == 1 ? 2 : 0, true),
+              0);
+    EXPECT_TRUE(rtptest::contains(rtp_last_error(), "no accumulation")) << rtp_last_error();
+  }
+  Rank rk;
+  ASSERT_EQ(rk.build(RTP_STRATEGY_NONE, kCfg, kBatch, 1, RTP_TYPE_F32, RTP_TYPE_F32, nullptr,
+                     0, 0, true),
+            0);
+  EXPECT_EQ(rtp_parallel_optimizer(rk.par, adam()), nullptr);
+  EXPECT_TRUE(rtptest::contains(rtp_last_error(), "clipping")) << rtp_last_error();
+  int port = rtptest::free_port();
+  auto res = rtptest::run_procs(2, [&](int r) {
+    Rank d;
+    if (d.join(r, 2, port, 1)) return 1;
+    int rc = d.build(RTP_STRATEGY_DDP, kCfg, kBatch, 2, RTP_TYPE_F32, RTP_TYPE_F32, nullptr, 0,
+                     0, true);
+    bool said = rtptest::contains(rtp_last_error(), "none, rtp, fsdp");
+    d.leave();
+    return rc != 0 && said ? 0 : 3;
+  });
+  for (int r = 0; r < 2; r++) EXPECT_EQ(res[r].code, 0) << "ddp rank " << r;
+}
+
+// A gradient that is not finite leaves its parameter as it was and fails the step with a
+// message that says the weights updated before it were changed; the step is not counted.
+TEST(InBackwardErrors, NonFiniteGradientFailsTheStep) {
+  Rank rk;
+  ASSERT_EQ(rk.build(RTP_STRATEGY_NONE, kCfg, kBatch, 1, RTP_TYPE_F32, RTP_TYPE_F32, nullptr,
+                     0, 0, true),
+            0);
+  rtp_graph *g = rtp_parallel_graph(rk.par);
+  ASSERT_EQ(rtp_graph_plan(rk.ctx, g), RTP_OK);
+  rtp_optimizer *opt = rtp_parallel_optimizer(rk.par, adam(false));
+  ASSERT_NE(opt, nullptr);
+  for (int i = 0; i < rk.m.n_params; i++)
+    ASSERT_EQ(rtp_tensor_fill_f32(rtp_parallel_tensor(rk.par, rk.m.params[i]), 0.02f), RTP_OK);
+  rtp_tensor *last = rtp_parallel_tensor(rk.par, rk.m.params[rk.m.n_params - 1]);
+  ASSERT_EQ(rtp_tensor_fill_f32(last, NAN), RTP_OK);
+  ASSERT_EQ(rtp_graph_compute(g, nullptr), RTP_OK);
+  EXPECT_EQ(rtp_optimizer_step(opt, nullptr), RTP_EINVAL);
+  EXPECT_TRUE(rtptest::contains(rtp_last_error(), "not finite")) << rtp_last_error();
+  EXPECT_TRUE(rtptest::contains(rtp_last_error(), "resume from a checkpoint"))
+      << rtp_last_error();
+  EXPECT_EQ(rtp_optimizer_steps(opt), 0);
+  // The loss is NaN, so every gradient is: no weight moved.
+  EXPECT_EQ(rtptest::f32_at(rtp_parallel_tensor(rk.par, rk.m.params[0]), 0), 0.02f);
 }
 
 // The report can be trusted: a rank's peak resident memory after training steps is the

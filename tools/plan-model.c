@@ -187,7 +187,8 @@ static struct rtp_parallel_params parallel_params(const struct plan_model *pm,
                                       .pipe_comm = pipe,
                                       .schedule = pm->schedule,
                                       .unit = unit_size(pm, l->stages),
-                                      .recompute = pm->recompute};
+                                      .recompute = pm->recompute,
+                                      .optimizer_in_backward = pm->adam_in_backward};
 }
 
 int plan_rank_build(struct plan_rank *r, const struct plan_model *pm,

@@ -22,6 +22,7 @@ struct plan_model {
   int micro_batches; /* M, dividing B */
   int accumulate;    /* K computes per optimizer step (--grad-accum; 0 or 1: one) */
   bool recompute, bf16;
+  bool adam_in_backward; /* rtp_parallel_params.optimizer_in_backward */
   enum rtp_schedule schedule;
 };
 

@@ -66,8 +66,8 @@ static void help(void) {
       "[--json]\n\n"
       "model flags, as train-gpt's: --config tiny|small|medium, --n-layer N, --d-model N,\n"
       "  --n-head N, --seq-len T, --vocab N, --batch B (per data-parallel rank),\n"
-      "  --micro-batches M, --grad-accum K, --recompute, --bf16, --tie-embeddings,\n"
-      "  --fused-attn on|off, --schedule gpipe|1f1b|eager-1f1b|zeropp\n"
+      "  --micro-batches M, --grad-accum K, --recompute, --adam-in-backward, --bf16,\n"
+      "  --tie-embeddings, --fused-attn on|off, --schedule gpipe|1f1b|eager-1f1b|zeropp\n"
       "job: -n RANKS per host and --nnodes HOSTS, as rtp-run's (default 1 and 1)\n"
       "  --mem-per-rank SIZE  memory of each rank: 2G, 512M, 1.5GiB or bytes (default: none)\n"
       "  --link SPEED         each host's network, each way: 1gbit, 100mbit, 25gbit or "
@@ -220,6 +220,7 @@ static int parse_args(struct opts *o, int argc, char **argv) {
     }
     bool *on = !strcmp(a, "--json")             ? &o->json
                : !strcmp(a, "--recompute")      ? &o->pm.recompute
+               : !strcmp(a, "--adam-in-backward") ? &o->pm.adam_in_backward
                : !strcmp(a, "--bf16")           ? &o->pm.bf16
                : !strcmp(a, "--tie-embeddings") ? &o->pm.cfg.tie_embeddings
                                                 : NULL;
@@ -247,6 +248,8 @@ static int parse_args(struct opts *o, int argc, char **argv) {
     return usage("%s: --n-head must divide --d-model", "the model");
   if (o->pm.batch % o->pm.micro_batches)
     return usage("%s: --micro-batches must divide --batch", "the model");
+  if (o->pm.adam_in_backward && (o->pm.micro_batches > 1 || o->pm.accumulate > 1))
+    return usage("%s: not with --micro-batches or --grad-accum", "--adam-in-backward");
   return 0;
 }
 
@@ -273,6 +276,10 @@ static int add_layout(struct row *rows, int n, enum rtp_strategy s, int ranks, i
 static int layouts(const struct opts *o, int ranks, struct row *rows) {
   int n = add_layout(rows, 0, RTP_STRATEGY_NONE, 1, 1);
   if (ranks == 1) return n;
+  if (o->pm.adam_in_backward) { /* what train-gpt runs it with */
+    n = add_layout(rows, n, RTP_STRATEGY_FSDP, ranks, 1);
+    return add_layout(rows, n, RTP_STRATEGY_RTP, ranks, 1);
+  }
   n = add_layout(rows, n, RTP_STRATEGY_DDP, ranks, 1);
   n = add_layout(rows, n, RTP_STRATEGY_FSDP, ranks, 1);
   n = add_layout(rows, n, RTP_STRATEGY_RTP, ranks, 1);
@@ -558,10 +565,11 @@ static void print_header(const struct opts *o, int ranks, const struct rates k[2
     snprintf(accum, sizeof(accum), ", x %d accumulated", o->pm.accumulate);
   printf(
       "model: %.1fM parameters (L %d, d %d, H %d, T %d, V %d), batch %d per rank in %d "
-      "micro-batch%s%s%s%s\n",
+      "micro-batch%s%s%s%s%s\n",
       gpt_n_params(c) / 1e6, c.n_layer, c.d_model, c.n_head, c.seq_len, c.vocab, o->pm.batch,
       o->pm.micro_batches, o->pm.micro_batches > 1 ? "es" : "", accum,
-      o->pm.recompute ? ", recompute" : "", o->pm.bf16 ? ", bf16" : "");
+      o->pm.recompute ? ", recompute" : "", o->pm.bf16 ? ", bf16" : "",
+      o->pm.adam_in_backward ? ", Adam in backward" : "");
   printf("job: %d rank%s (%d host%s x %d), memory %s per rank, link %s (on a host %s)\n", ranks,
          ranks > 1 ? "s" : "", o->hosts, o->hosts > 1 ? "s" : "", o->per_host,
          o->mem_per_rank > 0 ? mib(o->mem_per_rank, m) : "unlimited", bits(o->link, a),
