@@ -372,8 +372,8 @@ int cuda_open(cuda_backend *cu) {
 /* Fused attention (rtp_attention_causal) and the optimizer in backward have CPU kernels
  * only. */
 bool cuda_has_kernel(struct rtp_backend *, enum rtp_op op) {
-  return op != RTP_OP_ATTENTION && op != RTP_OP_ATTENTION_DELTA && op != RTP_OP_ATTENTION_BACK &&
-         op != RTP_OP_ADAMW;
+  return op != RTP_OP_ATTENTION && op != RTP_OP_ATTENTION_DELTA &&
+         op != RTP_OP_ATTENTION_BACK && op != RTP_OP_ADAMW;
 }
 
 const struct rtp_backend_i cuda_iface = {

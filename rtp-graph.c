@@ -12,8 +12,8 @@ struct graph_obj {
   size_t hash_size; /* a power of two */
   struct rtp_tensor **keys;
   uint8_t *marks;
-  bool accumulate;     /* rtp__graph_set_accumulate */
-  bool planned_grads;  /* rtp__graph_set_planned_grads */
+  bool accumulate;    /* rtp__graph_set_accumulate */
+  bool planned_grads; /* rtp__graph_set_planned_grads */
 };
 
 static size_t hash_slot(const struct graph_obj *go, const struct rtp_tensor *t) {

@@ -36,10 +36,11 @@ struct rtp_optimizer *rtp__optimizer_alloc(struct rtp_context *ctx, struct rtp_g
   int n = 0;
   for (int i = 0; i < g->n_leafs; i++)
     if ((g->leafs[i]->flags & RTP_FLAG_PARAM) && g->leafs[i]->grad) n++;
-  struct rtp_optimizer *opt = rtp__ctx_alloc(
-      ctx, sizeof(*opt) + (size_t)n * sizeof(double) + 3 * (size_t)n * sizeof(void *) +
-               (size_t)n * sizeof(float),
-      "the optimizer");
+  struct rtp_optimizer *opt =
+      rtp__ctx_alloc(ctx,
+                     sizeof(*opt) + (size_t)n * sizeof(double) +
+                         3 * (size_t)n * sizeof(void *) + (size_t)n * sizeof(float),
+                     "the optimizer");
   if (!opt) return NULL;
   *opt = (struct rtp_optimizer){
       .hp = hp, .n = n, .gscale = 1.0f, .backend = rtp__ctx_backend(ctx)};
@@ -52,8 +53,8 @@ struct rtp_optimizer *rtp__optimizer_alloc(struct rtp_context *ctx, struct rtp_g
     struct rtp_tensor *p = g->leafs[i];
     if (!(p->flags & RTP_FLAG_PARAM) || !p->grad) continue;
     if (!rtp_tensor_is_contiguous(p) || !p->data || p->type != RTP_TYPE_F32) {
-      rtp__ctx_error(ctx, RTP_EINVAL,
-                     "%s: parameter '%s' must be contiguous f32 with data", what, p->name);
+      rtp__ctx_error(ctx, RTP_EINVAL, "%s: parameter '%s' must be contiguous f32 with data",
+                     what, p->name);
       return NULL;
     }
     if (rtp__tensor_backend(p) != opt->backend) {

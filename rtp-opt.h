@@ -34,8 +34,7 @@ struct rtp_optimizer *rtp__optimizer_alloc(struct rtp_context *ctx, struct rtp_g
  * over the correction is not a float. */
 int rtp__optimizer_factors(struct rtp_optimizer *opt, const char *what);
 /* Parameter k's update, wherever its data lives, from gradient g. */
-struct rtp_adam_args rtp__optimizer_args(const struct rtp_optimizer *opt, int k,
-                                         float *g);
+struct rtp_adam_args rtp__optimizer_args(const struct rtp_optimizer *opt, int k, float *g);
 /* The global norm from this rank's weighted sum of squares s: the other ranks' shares
  * added over the optimizer's groups. */
 int rtp__optimizer_norm(struct rtp_optimizer *opt, double s);

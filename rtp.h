@@ -135,7 +135,7 @@ enum rtp_type {
   XX(CAST, "cast")   /* f32 <-> bf16, contiguous result */         \
   XX(COMM, "comm")   /* posted to a communicator */                \
   XX(ROT, "rot")     /* an op on a rotated parameter */            \
-  XX(EMPTY, "empty") /* memory that later nodes write into */     \
+  XX(EMPTY, "empty") /* memory that later nodes write into */      \
   XX(ADAMW, "adamw") /* a parameter's AdamW update, in backward */
 
 enum rtp_op {

@@ -443,6 +443,12 @@ TEST(TrainGptErrors, BadNumbersAreRefusedNotReplaced) {
        2,
        "--threads 100000: the library runs at most"},
       {{"--unit", "0"}, 2, "--pp, --micro-batches and --unit must be at least 1"},
+      {{"--adam-in-backward", "--grad-clip", "1"},
+       2,
+       "--adam-in-backward: not with --grad-clip"},
+      {{"--adam-in-backward", "--micro-batches", "2", "--batch", "2"},
+       2,
+       "--adam-in-backward: not with --grad-clip, --grad-accum, --micro-batches"},
       {{"--lr", "1e39"}, 2, "--lr: expected a number >= 0 that a float holds"},
       {{"--batch", "1073741824"}, 2, "--batch 1073741824 x --seq-len 32 is more than"},
       {{"--seq-len", "2", "--batch", "536870912", "--micro-batches", "536870912"},
@@ -916,7 +922,8 @@ TEST(TrainGptRanks, TpLossesMatchOneProcessWithTheSameBatch) {
 // Pipelines: 4 ranks as 2 stages x 2 ranks with batch 2 train on the global batch of one
 // process with batch 4, whatever runs inside the stages, the schedule, the micro-batches
 // and recomputation; one process with micro-batches and recomputation does too, and so
-// does tp with recomputation (its ranks all train on the batch of 4).
+// does tp with recomputation (its ranks all train on the batch of 4), and the optimizer in
+// backward, with and without recomputation.
 TEST(TrainGptPipeline, LossesMatchOneProcess) {
   struct Case {
     int ranks;
@@ -930,6 +937,9 @@ TEST(TrainGptPipeline, LossesMatchOneProcess) {
       {2, " --pp 2 --batch 4 --micro-batches 4"},
       {1, " --batch 4 --micro-batches 2 --recompute"},
       {2, " --batch 4 --strategy tp --recompute"},
+      {1, " --batch 4 --recompute --adam-in-backward"},
+      {2, " --batch 2 --strategy rtp --recompute --adam-in-backward"},
+      {2, " --batch 2 --strategy fsdp --adam-in-backward"},
   };
   for (const Case &c : cases) {
     std::string m = tmp_dir() + "pp.jsonl";

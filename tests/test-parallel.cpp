@@ -344,7 +344,8 @@ int rank_main(rtp_strategy strategy, int rank, int world, int port,
   rtp_optimizer *opt = nullptr;
   rtp_tensor *loss = nullptr;
   // The reference already ran, so its parameters are the final ones to compare with.
-  if (int rc = prepare_training(rk, init, sh.batch, sh.first_seq, &g, &opt, &loss, !in_backward))
+  if (int rc =
+          prepare_training(rk, init, sh.batch, sh.first_seq, &g, &opt, &loss, !in_backward))
     return rc;
   if (strategy == RTP_STRATEGY_TP && world > 1 && !tp_is_split(par, m, g, world)) return 34;
   for (int s = 0; s < kSteps; s++) {
@@ -440,8 +441,7 @@ TEST_P(InBackward, NRanksMatchOneProcess) {
   rtp_strategy s = GetParam();
   for (int world : {1, 2, 3})
     expect_ranks_pass(
-        world,
-        [&](int r, int port) { return rank_main(s, r, world, port, nullptr, 0, true); },
+        world, [&](int r, int port) { return rank_main(s, r, world, port, nullptr, 0, true); },
         std::string(rtp_strategy_name(s)) + " in backward ", 120);
 }
 
@@ -1160,8 +1160,8 @@ TEST(InBackwardErrors, RefusesWhatKeepsGradients) {
     EXPECT_TRUE(rtptest::contains(rtp_last_error(), "no accumulation")) << rtp_last_error();
   }
   Rank rk;
-  ASSERT_EQ(rk.build(RTP_STRATEGY_NONE, kCfg, kBatch, 1, RTP_TYPE_F32, RTP_TYPE_F32, nullptr,
-                     0, 0, true),
+  ASSERT_EQ(rk.build(RTP_STRATEGY_NONE, kCfg, kBatch, 1, RTP_TYPE_F32, RTP_TYPE_F32, nullptr, 0,
+                     0, true),
             0);
   EXPECT_EQ(rtp_parallel_optimizer(rk.par, adam()), nullptr);
   EXPECT_TRUE(rtptest::contains(rtp_last_error(), "clipping")) << rtp_last_error();
@@ -1182,8 +1182,8 @@ TEST(InBackwardErrors, RefusesWhatKeepsGradients) {
 // message that says the weights updated before it were changed; the step is not counted.
 TEST(InBackwardErrors, NonFiniteGradientFailsTheStep) {
   Rank rk;
-  ASSERT_EQ(rk.build(RTP_STRATEGY_NONE, kCfg, kBatch, 1, RTP_TYPE_F32, RTP_TYPE_F32, nullptr,
-                     0, 0, true),
+  ASSERT_EQ(rk.build(RTP_STRATEGY_NONE, kCfg, kBatch, 1, RTP_TYPE_F32, RTP_TYPE_F32, nullptr, 0,
+                     0, true),
             0);
   rtp_graph *g = rtp_parallel_graph(rk.par);
   ASSERT_EQ(rtp_graph_plan(rk.ctx, g), RTP_OK);

@@ -122,9 +122,11 @@ int rank_check(const plan_model &pm, const plan_layout &l, int rank, int port) {
   return code;
 }
 
-void check_layout(const plan_layout &l, bool recompute = false, int accumulate = 1) {
+void check_layout(const plan_layout &l, bool recompute = false, int accumulate = 1,
+                  bool in_backward = false) {
   plan_model pm = test_model();
   pm.recompute = recompute;
+  pm.adam_in_backward = in_backward;
   pm.accumulate = accumulate;
   if (l.stages > 1) pm.micro_batches = 2;
   int port = rtptest::free_port();
@@ -157,6 +159,13 @@ TEST(PlanMemory, DdpAccumulate) {
 
 TEST(PlanMemory, RtpRecompute) {
   check_layout({RTP_STRATEGY_RTP, 2, 1}, true);
+}
+// The optimizer in backward: no gradients kept, their planned memory in the activations.
+TEST(PlanMemory, RtpRecomputeAdamInBackward) {
+  check_layout({RTP_STRATEGY_RTP, 2, 1}, true, 1, true);
+}
+TEST(PlanMemory, FsdpAdamInBackward) {
+  check_layout({RTP_STRATEGY_FSDP, 2, 1}, false, 1, true);
 }
 TEST(PlanMemory, PipelineOfRtp) {
   check_layout({RTP_STRATEGY_RTP, 4, 2});

@@ -218,12 +218,12 @@ static int parse_args(struct opts *o, int argc, char **argv) {
       help();
       exit(0);
     }
-    bool *on = !strcmp(a, "--json")             ? &o->json
-               : !strcmp(a, "--recompute")      ? &o->pm.recompute
+    bool *on = !strcmp(a, "--json")               ? &o->json
+               : !strcmp(a, "--recompute")        ? &o->pm.recompute
                : !strcmp(a, "--adam-in-backward") ? &o->pm.adam_in_backward
-               : !strcmp(a, "--bf16")           ? &o->pm.bf16
-               : !strcmp(a, "--tie-embeddings") ? &o->pm.cfg.tie_embeddings
-                                                : NULL;
+               : !strcmp(a, "--bf16")             ? &o->pm.bf16
+               : !strcmp(a, "--tie-embeddings")   ? &o->pm.cfg.tie_embeddings
+                                                  : NULL;
     if (on) {
       *on = true;
       continue;
