@@ -469,7 +469,10 @@ RTP_API struct rtp_optimizer *rtp_optimizer_new(struct rtp_context *ctx, struct 
 /* One update of every parameter from its gradient. RTP_EINVAL, changing nothing, when the
  * global gradient norm is not finite (the message names this rank's first parameter whose
  * weights, else gradients, hold NaN or infinity, and the step), when the learning rate over
- * the bias correction overflows a float, or after INT64_MAX steps. */
+ * the bias correction overflows a float, or after INT64_MAX steps. The optimizer of a graph
+ * with the optimizer in backward (rtp_parallel_params.optimizer_in_backward) has updated
+ * the parameters during the compute: this closes the step (the norm, the count), or fails
+ * it naming the first parameter whose gradient was not finite, which it left unchanged. */
 RTP_API int rtp_optimizer_step(struct rtp_optimizer *opt, struct rtp_threadpool *tp);
 /* RTP_EINVAL, keeping the rate, unless lr is finite and >= 0. */
 RTP_API int rtp_optimizer_set_lr(struct rtp_optimizer *opt, float lr);
