@@ -351,7 +351,7 @@ struct rates {
 };
 
 #define CAL_WARMUP 2
-#define CAL_STEPS 5
+#define CAL_STEPS 11
 
 /* One step of r (compute, then Adam), its two times added to t[0] and t[1]. */
 static int time_step(struct plan_rank *r, struct rtp_threadpool *tp, double t[2]) {
