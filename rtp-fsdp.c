@@ -208,8 +208,7 @@ static struct rtp_tensor *fsdp_node(struct rtp_parallel *p, int i, const struct 
  * are posted while the unit before it computes. */
 static int fsdp_finish(struct rtp_parallel *p) {
   struct fsdp *f = p->state;
-  /* in backward, each sum is read by its update where it is computed */
-  int rc = p->in_backward ? RTP_OK : rtp__sched_sink_sums(p->graph, &f->s);
+  int rc = rtp__sched_sink_sums(p->graph, &f->s, p->in_backward ? RTP__SINK_IN_BACKWARD : 0);
   if (!rc) rtp__graph_hoist_transfers(p->graph);
   return rc;
 }

@@ -383,8 +383,7 @@ static struct rtp_tensor *rot_node(struct rtp_parallel *p, int i, const struct r
 /* The owners' sums late, then every ready hop early. */
 static int rot_finish(struct rtp_parallel *p) {
   struct rotate *st = p->state;
-  /* in backward, each sum is read by its update where it is computed */
-  int rc = p->in_backward ? RTP_OK : rtp__sched_sink_sums(p->graph, &st->s);
+  int rc = rtp__sched_sink_sums(p->graph, &st->s, p->in_backward ? RTP__SINK_IN_BACKWARD : 0);
   if (!rc) rtp__graph_hoist_transfers(p->graph);
   return rc;
 }

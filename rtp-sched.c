@@ -371,7 +371,7 @@ static int node_pos(const struct rtp_graph *g, const struct rtp_tensor *t) {
  * first, so an earlier one can follow them down. Runs before hoist_transfers: a sum
  * moved down no longer holds back the hops posted before its transfer.
  */
-int rtp__sched_sink_sums(struct rtp_graph *g, const struct rtp_sched *s) {
+int rtp__sched_sink_sums(struct rtp_graph *g, const struct rtp_sched *s, int max_products) {
   /* With micro-batches, the add that accumulates sum q into the gradient moves with it:
    * else it would hold the sum where it is, and the ranks would meet there. */
   struct rtp_tensor **acc = calloc((size_t)s->n_sink + 1, sizeof(*acc));
@@ -389,8 +389,10 @@ int rtp__sched_sink_sums(struct rtp_graph *g, const struct rtp_sched *s) {
     int i = node_pos(g, m[0]), j = node_pos(g, a), mb = 0;
     if (i < 0 || j < i) continue;
     while (mb + 1 < s->n_micro && s->micro_sink[mb + 1] <= q) mb++;
-    int end = mb + 1 < s->n_micro ? s->micro_start[mb + 1] : g->n_nodes;
+    int end = mb + 1 < s->n_micro ? s->micro_start[mb + 1] : g->n_nodes, products = 0;
     while (j + 1 < end &&
+           !(max_products > 0 && g->nodes[j + 1]->op == RTP_OP_MUL_MAT &&
+             ++products > max_products) &&
            (in_group(m, g->nodes[j + 1]) ||
             (!refers_to(g->nodes[j + 1], m) &&
              !(j + 2 < g->n_nodes && g->nodes[j + 1]->op == RTP_OP_CAST &&

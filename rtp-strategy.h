@@ -342,8 +342,13 @@ struct rtp_tensor *rtp__sched_grad_hop(struct rtp_parallel *p, struct rtp_sched 
                                        struct rtp_tensor *send, const struct rtp_tensor *full,
                                        int b, struct rtp_tensor *after, int *slot);
 /* The owners' final sums moved late (each with the add that accumulates it into the
- * gradient of the micro-batches before), then every ready hop and gather moved early. */
-int rtp__sched_sink_sums(struct rtp_graph *g, const struct rtp_sched *s);
+ * gradient of the micro-batches before): past at most max_products products (0: no
+ * limit), then every ready hop and gather moved early. */
+int rtp__sched_sink_sums(struct rtp_graph *g, const struct rtp_sched *s, int max_products);
+/* With the optimizer in backward each sum's update follows it and the gradient lives until
+ * then, so a sum sinks past one product only: its hop's time to arrive, at no cost to the
+ * peak (docs/parallel.md, "The optimizer in backward"). */
+#define RTP__SINK_IN_BACKWARD 1
 void rtp__graph_hoist_transfers(struct rtp_graph *g);
 /* Moves node t (last in g) to just after position at. */
 void rtp__graph_move_after(struct rtp_graph *g, int at, struct rtp_tensor *t);
