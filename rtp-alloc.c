@@ -84,10 +84,6 @@ static bool is_planned(const struct rtp_tensor *t) {
   return t->op != RTP_OP_NONE && !t->view_src && !t->data;
 }
 
-static const struct rtp_tensor *base_of(const struct rtp_tensor *t) {
-  return t->view_src ? t->view_src : t;
-}
-
 static int node_index(const struct rtp_tensor *t) {
   return (int)(intptr_t)t->extra - 1; /* -1 for leafs */
 }
@@ -106,14 +102,14 @@ static void compute_last_use(const struct rtp_graph *g, int *last, int *first_re
     const struct rtp_tensor *t = g->nodes[i];
     for (int s = 0; s < RTP_MAX_SRC; s++) {
       if (!rtp__src_read(t, s)) continue;
-      int j = node_index(base_of(t->src[s]));
+      int j = node_index(rtp__base_of(t->src[s]));
       if (j >= 0 && last[j] < i) last[j] = i;
       const struct rtp_tensor *c = rtp__is_view_op(t->op) ? NULL : rtp__waited_transfer(t, s);
       int k = c ? node_index(c) : -1;
       if (k >= 0 && first_read[k] > i) first_read[k] = i;
     }
     if (t->flags & (RTP_FLAG_OUTPUT | RTP_FLAG_LOSS)) {
-      int j = node_index(base_of(t));
+      int j = node_index(rtp__base_of(t));
       if (j >= 0) last[j] = n;
     }
   }
@@ -126,7 +122,7 @@ static void compute_last_use(const struct rtp_graph *g, int *last, int *first_re
     const struct rtp_tensor *t = g->nodes[i];
     if (t->op != RTP_OP_COMM) continue;
     for (int s = 0; s < RTP_MAX_SRC; s++) {
-      int j = t->src[s] ? node_index(base_of(t->src[s])) : -1;
+      int j = t->src[s] ? node_index(rtp__base_of(t->src[s])) : -1;
       if (j >= 0 && last[j] < first_read[i]) last[j] = first_read[i];
     }
   }
@@ -149,8 +145,8 @@ static int inplace_src(const struct rtp_tensor *t) {
     case RTP_OP_ACC: /* the base */
       return 1;
     case RTP_OP_MUL_MAT: /* the addend, unless an operand reads the same memory */
-      return rtp__addend(t) && base_of(t->src[0]) != t->src[2] &&
-                     base_of(t->src[1]) != t->src[2]
+      return rtp__addend(t) && rtp__base_of(t->src[0]) != t->src[2] &&
+                     rtp__base_of(t->src[1]) != t->src[2]
                  ? 2
                  : -1;
     default:

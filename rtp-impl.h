@@ -155,6 +155,11 @@ static inline bool rtp__is_view_op(enum rtp_op op) {
          op == RTP_OP_TRANSPOSE || op == RTP_OP_ROT;
 }
 
+/* The tensor whose memory t is: its view source, or itself. */
+static inline const struct rtp_tensor *rtp__base_of(const struct rtp_tensor *t) {
+  return t->view_src ? t->view_src : t;
+}
+
 /* The communication node whose result t is (through any chain of views), or NULL. */
 static inline struct rtp_tensor *rtp__comm_source(const struct rtp_tensor *t) {
   while (t && rtp__is_view_op(t->op)) t = t->src[0];

@@ -12,10 +12,6 @@
 
 #include "rtp-impl.h"
 
-static const struct rtp_tensor *base_of(const struct rtp_tensor *t) {
-  return t->view_src ? t->view_src : t;
-}
-
 /* The node that waits for transfer i (the first to read its result, through forwarded
  * hops), or -1 when only the end of the compute does. */
 static int waiter_of(const struct rtp_graph *g, int i) {
@@ -35,9 +31,9 @@ static int last_need(const struct rtp_graph *g, const struct rtp_tensor *p,
   int last = 0;
   for (int i = 0; i < g->n_nodes; i++) {
     const struct rtp_tensor *t = g->nodes[i];
-    bool reads = t == base_of(grad);
+    bool reads = t == rtp__base_of(grad);
     for (int s = 0; s < RTP_MAX_SRC && !reads; s++)
-      reads = rtp__src_read(t, s) && base_of(t->src[s]) == p;
+      reads = rtp__src_read(t, s) && rtp__base_of(t->src[s]) == p;
     if (!reads) continue;
     int at = t->op == RTP_OP_COMM ? waiter_of(g, i) : i;
     if (at < 0) return -1;
